@@ -1,0 +1,27 @@
+"""flux: fused compute-communication kernels for tensor-parallel PyTorch layers.
+
+Public API:
+    flux.ag_gemm(input, weight, bias=None, *, group=None, weight_layout="nk", out_dtype=None,
+                 return_gathered=False)      all_gather(input, dim=0) @ W (+ bias)
+    flux.gemm_rs(input, weight, bias=None, *, group=None, weight_layout="nk", out_dtype=None)
+                                             reduce_scatter(input @ W, dim=0) (+ bias)
+    flux.ag_gemm_ref, flux.gemm_rs_ref       their unfused references
+    flux.FluxInputError                      bad arguments, raised alike on every rank
+    flux.cuda_kernels_available()            whether the CUDA extension flux._C is loaded
+"""
+from flux._version import __version__
+from flux.runtime import cuda_kernels_available
+
+cuda_kernels_available()  # load flux._C (if built) before the ops are used
+
+from flux.ops import FluxInputError, ag_gemm, ag_gemm_ref, gemm_rs, gemm_rs_ref  # noqa: E402
+
+__all__ = [
+    "FluxInputError",
+    "__version__",
+    "ag_gemm",
+    "ag_gemm_ref",
+    "cuda_kernels_available",
+    "gemm_rs",
+    "gemm_rs_ref",
+]

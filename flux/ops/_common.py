@@ -1,0 +1,82 @@
+"""Pieces shared by the op families: argument checks and the local GEMM."""
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from flux.ops._checks import Signature, dtype_code
+
+WEIGHT_LAYOUTS = ("nk", "kn")
+# dtypes the ops accept; the fused CUDA strategies support a subset (bf16, fp16).
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+def weight_nk_shape(weight: torch.Tensor, layout: str):
+    """(N, K) of the weight in either layout."""
+    return (weight.shape[0], weight.shape[1]) if layout == "nk" else (weight.shape[1], weight.shape[0])
+
+
+def check_gemm_args(sig: Signature, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                    weight_layout: str, out_dtype: Optional[torch.dtype], device_type: str) -> None:
+    """Local checks shared by ag_gemm and gemm_rs; problems are recorded in ``sig``."""
+    sig.add("weight_layout", WEIGHT_LAYOUTS.index(weight_layout) if weight_layout in WEIGHT_LAYOUTS else -1)
+    sig.add("input.dtype", dtype_code(input.dtype))
+    sig.add("weight.dtype", dtype_code(weight.dtype))
+    sig.add("bias is given", bias is not None)
+    sig.add("bias.dtype", dtype_code(bias.dtype) if bias is not None else 0)
+    sig.add("out_dtype", dtype_code(out_dtype))
+    sig.add_shape("input", input.shape)
+    sig.add_shape("weight", weight.shape)
+    if weight_layout not in WEIGHT_LAYOUTS:
+        sig.fail(f"weight_layout must be 'nk' ([N, K], as nn.Linear) or 'kn' ([K, N]), got {weight_layout!r}")
+        return
+    if input.dim() < 2:
+        sig.fail(f"input must have at least 2 dimensions ([M, K] or [..., K]), got shape {tuple(input.shape)}")
+    if weight.dim() != 2:
+        sig.fail(f"weight must be 2-D ({'[N, K]' if weight_layout == 'nk' else '[K, N]'}), got shape {tuple(weight.shape)}")
+        return
+    n, k = weight_nk_shape(weight, weight_layout)
+    if input.dim() >= 2 and input.shape[-1] != k:
+        sig.fail(f"input has K={input.shape[-1]} (last dimension) but weight "
+                 f"{'[N, K]' if weight_layout == 'nk' else '[K, N]'} = {tuple(weight.shape)} has K={k}")
+    if input.dtype not in SUPPORTED_DTYPES:
+        sig.fail(f"input dtype {input.dtype} is not supported (use one of {[str(d) for d in SUPPORTED_DTYPES]})")
+    if weight.dtype != input.dtype:
+        sig.fail(f"weight dtype {weight.dtype} differs from input dtype {input.dtype}")
+    out_dt = out_dtype or input.dtype
+    if out_dt not in SUPPORTED_DTYPES:
+        sig.fail(f"out_dtype {out_dt} is not supported")
+    if bias is not None:
+        if bias.shape != (n,):
+            sig.fail(f"bias must have shape ({n},) (N), got {tuple(bias.shape)}")
+        if bias.dtype != out_dt:
+            sig.fail(f"bias dtype {bias.dtype} differs from the output dtype {out_dt}")
+        if bias.device != input.device:
+            sig.fail(f"bias is on {bias.device} but input is on {input.device}")
+    if weight.device != input.device:
+        sig.fail(f"weight is on {weight.device} but input is on {input.device}")
+    if input.device.type != device_type:
+        sig.fail(f"input is on {input.device} but the process group communicates on {device_type} "
+                 f"(NCCL groups take CUDA tensors, gloo groups CPU tensors)")
+    if input.device.type == "cuda" and input.device.index != torch.cuda.current_device():
+        sig.fail(f"input is on {input.device} but the current CUDA device is {torch.cuda.current_device()} "
+                 "(call torch.cuda.set_device first)")
+    if not input.is_contiguous():
+        sig.fail(f"input must be contiguous (strides {input.stride()} for shape {tuple(input.shape)})")
+    if not weight.is_contiguous():
+        sig.fail(f"weight must be contiguous in its declared layout {weight_layout!r} (strides {weight.stride()}); "
+                 f"a transposed view of an [N, K] weight is weight_layout='{'nk' if weight_layout == 'kn' else 'kn'}' "
+                 "of the original tensor")
+
+
+def local_gemm(a2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], weight_layout: str,
+               out_dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """a2d @ W (+ bias) with W in either layout; computed in the input dtype (cuBLAS
+    accumulates in fp32), or in fp32 when a wider out_dtype is asked for."""
+    w_nk = weight if weight_layout == "nk" else weight.t()
+    out_dt = out_dtype or a2d.dtype
+    if out_dt == a2d.dtype:
+        return F.linear(a2d, w_nk, bias)
+    acc = torch.promote_types(out_dt, torch.float32)
+    out = F.linear(a2d.to(acc), w_nk.to(acc), bias.to(acc) if bias is not None else None)
+    return out.to(out_dt)

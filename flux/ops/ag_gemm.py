@@ -1,0 +1,173 @@
+"""flux.ag_gemm: the all-gather before a column-parallel GEMM.
+
+Meaning (the unfused reference, ``ag_gemm_ref``)::
+
+    out = torch.cat(all_gather(input), dim=0) @ W (+ bias)
+
+The op is ``torch.ops.flux.ag_gemm``, with a fake implementation for torch.compile and
+an autograd formula (backward is a GEMM+ReduceScatter for the input's gradient and a
+local GEMM for the weight's). Strategies, chosen per call by flux.autotune:
+
+  sequential   NCCL/gloo all-gather, then one GEMM. The reference, the CPU path and the
+               fallback.
+"""
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from flux import autotune
+from flux.ops._checks import Signature, check_collectively
+from flux.ops._common import check_gemm_args, local_gemm, weight_nk_shape
+from flux.runtime import all_gather_dim0, group_device, group_from_name, group_name, resolve_group
+
+OP = "flux.ag_gemm"
+
+# A strategy computes (out, gathered) from checked arguments; ``gathered`` may be None
+# when not asked for. Every strategy computes the same function as the reference.
+Strategy = Callable[..., Tuple[torch.Tensor, Optional[torch.Tensor]]]
+
+
+def _sequential(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                group: dist.ProcessGroup, weight_layout: str, out_dtype: Optional[torch.dtype],
+                need_gathered: bool):
+    gathered = all_gather_dim0(input, group)
+    n, k = weight_nk_shape(weight, weight_layout)
+    out = local_gemm(gathered.reshape(-1, k), weight, bias, weight_layout, out_dtype)
+    return out.reshape(*gathered.shape[:-1], n), gathered
+
+
+STRATEGIES: Dict[str, Strategy] = {"sequential": _sequential}
+
+
+def available_strategies(device: torch.device):
+    """Names of the strategies that can run on ``device`` (always 'sequential' first)."""
+    return [name for name in STRATEGIES if name == "sequential" or device.type == "cuda"]
+
+
+def ag_gemm_ref(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+                group: Optional[dist.ProcessGroup] = None, weight_layout: str = "nk",
+                out_dtype: Optional[torch.dtype] = None, return_gathered: bool = False):
+    """``all_gather(input, dim=0) @ W (+ bias)`` with torch.distributed and torch.matmul, unchecked."""
+    group = resolve_group(group, OP)
+    out, gathered = _sequential(input, weight, bias, group, weight_layout, out_dtype, return_gathered)
+    return (out, gathered) if return_gathered else out
+
+
+def _check(input, weight, bias, group, weight_layout, out_dtype) -> None:
+    sig = Signature(OP)
+    check_gemm_args(sig, input, weight, bias, weight_layout, out_dtype, group_device(group).type)
+    check_collectively(sig, group)
+
+
+def run_strategy(name: str, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+                 group: Optional[dist.ProcessGroup] = None, weight_layout: str = "nk",
+                 out_dtype: Optional[torch.dtype] = None, return_gathered: bool = False, check: bool = True):
+    """Run one named strategy (benchmarks, tests, the autotuner): same arguments and
+    result as ``flux.ag_gemm``, bypassing the dispatcher and the strategy choice."""
+    group = resolve_group(group, OP)
+    if name not in STRATEGIES:
+        raise ValueError(f"{OP}: unknown strategy {name!r}; known: {sorted(STRATEGIES)}")
+    if check:
+        _check(input, weight, bias, group, weight_layout, out_dtype)
+    out, gathered = STRATEGIES[name](input, weight, bias, group, weight_layout, out_dtype, return_gathered)
+    return (out, gathered) if return_gathered else out
+
+
+@torch.library.custom_op("flux::ag_gemm", mutates_args=())
+def _ag_gemm_op(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group_name: str,
+                weight_layout: str, out_dtype: Optional[torch.dtype],
+                return_gathered: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    group = group_from_name(group_name)
+    _check(input, weight, bias, group, weight_layout, out_dtype)
+    n, k = weight_nk_shape(weight, weight_layout)
+    world = dist.get_world_size(group)
+    rows = input.numel() // input.shape[-1] if input.shape[-1] else 0
+    name = autotune.choose("ag_gemm", available_strategies(input.device), m=rows * world, n=n, k=k,
+                           dtype=input.dtype, world=world)
+    out, gathered = STRATEGIES[name](input, weight, bias, group, weight_layout, out_dtype, return_gathered)
+    if not return_gathered or gathered is None:
+        gathered = input.new_empty((0,))
+    return out, gathered
+
+
+@_ag_gemm_op.register_fake
+def _ag_gemm_fake(input, weight, bias, group_name, weight_layout, out_dtype, return_gathered):
+    world = dist.get_world_size(group_from_name(group_name))
+    n, _ = weight_nk_shape(weight, weight_layout)
+    rows = input.shape[0] * world
+    out = input.new_empty((rows, *input.shape[1:-1], n), dtype=out_dtype or input.dtype)
+    gathered = input.new_empty((rows, *input.shape[1:])) if return_gathered else input.new_empty((0,))
+    return out, gathered
+
+
+def _setup_context(ctx, inputs, output):
+    input, weight, bias, gname, weight_layout, out_dtype, return_gathered = inputs
+    _, gathered = output
+    ctx.gname, ctx.weight_layout, ctx.has_bias = gname, weight_layout, bias is not None
+    ctx.have_gathered = return_gathered
+    ctx.save_for_backward(input, weight, gathered if return_gathered else None)
+
+
+def _backward(ctx, grad_out, grad_gathered):
+    from flux.ops.gemm_rs import gemm_rs  # the two op families are each other's backward
+
+    input, weight, gathered = ctx.saved_tensors
+    group = group_from_name(ctx.gname)
+    layout = ctx.weight_layout
+    n, k = weight_nk_shape(weight, layout)
+    grad_out = grad_out.to(input.dtype).contiguous()
+    grad_input = grad_weight = grad_bias = None
+    if ctx.needs_input_grad[0]:
+        # d input = reduce_scatter(grad_out @ W): W [N, K] read as [K_in=N, N_out=K] is the other layout.
+        grad_input = gemm_rs(grad_out, weight, group=group, weight_layout="kn" if layout == "nk" else "nk")
+        if grad_gathered is not None and grad_gathered.numel() > 0:
+            from flux.runtime import reduce_scatter_dim0
+
+            grad_input = grad_input + reduce_scatter_dim0(grad_gathered.to(input.dtype), group)
+    g2d = grad_out.reshape(-1, n)
+    if ctx.needs_input_grad[1]:
+        if gathered is None:
+            gathered = all_gather_dim0(input, group)
+        a2d = gathered.reshape(-1, k)
+        grad_weight = g2d.t() @ a2d if layout == "nk" else a2d.t() @ g2d
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+        grad_bias = g2d.sum(0)
+    return grad_input, grad_weight, grad_bias, None, None, None, None
+
+
+torch.library.register_autograd("flux::ag_gemm", _backward, setup_context=_setup_context)
+
+
+def ag_gemm(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+            group: Optional[dist.ProcessGroup] = None, weight_layout: str = "nk",
+            out_dtype: Optional[torch.dtype] = None, return_gathered: bool = False):
+    """All-gather ``input`` along dim 0 across ``group``, then multiply by ``weight``.
+
+    Same as ``torch.cat(all_gather(input), 0) @ W (+ bias)`` (see ``ag_gemm_ref``).
+
+    Args:
+        input: this rank's rows, ``[M_local, K]`` or N-D ``[M_local, ..., K]`` (gathered on
+            dim 0, e.g. Megatron's sequence-parallel ``[s, b, h]``); contiguous; bf16, fp16, fp32
+            (or fp64 through the reference).
+        weight: ``[N, K]`` as ``nn.Linear.weight`` (``weight_layout="nk"``) or ``[K, N]``
+            (``"kn"``); contiguous; same dtype as ``input``.
+        bias: ``[N]`` in the output dtype, added to every row, or None.
+        group: the tensor-parallel process group (default: the world); NCCL for CUDA
+            tensors, gloo for CPU tensors.
+        weight_layout: ``"nk"`` or ``"kn"``.
+        out_dtype: dtype of ``out`` (default: ``input.dtype``).
+        return_gathered: also return the gathered input (backward needs it).
+
+    Returns:
+        ``out`` of shape ``[M_local * world, ..., N]``, or ``(out, gathered)`` with ``gathered``
+        of shape ``[M_local * world, ..., K]``.
+
+    Raises:
+        FluxInputError, on every rank of the group alike and before any data moves, when
+        the arguments are invalid on some rank or differ between ranks.
+    """
+    group = resolve_group(group, OP)
+    out, gathered = torch.ops.flux.ag_gemm(input, weight, bias, group_name(group), weight_layout, out_dtype,
+                                           return_gathered)
+    return (out, gathered) if return_gathered else out

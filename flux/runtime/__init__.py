@@ -1,0 +1,24 @@
+"""Process groups, collectives used by the references, and the CUDA extension loader.
+
+Everything here sits below flux.ops: nothing in this package imports an op module.
+"""
+from flux.runtime.extension import cuda_kernels_available, extension_error
+from flux.runtime.groups import (
+    all_gather_dim0,
+    group_device,
+    group_from_name,
+    group_name,
+    reduce_scatter_dim0,
+    resolve_group,
+)
+
+__all__ = [
+    "all_gather_dim0",
+    "cuda_kernels_available",
+    "extension_error",
+    "group_device",
+    "group_from_name",
+    "group_name",
+    "reduce_scatter_dim0",
+    "resolve_group",
+]

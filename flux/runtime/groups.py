@@ -1,0 +1,67 @@
+"""Process-group helpers and the plain collectives the reference paths use.
+
+Ops take a ``torch.distributed`` process group; the dispatcher-visible schemas take its
+name (a string), as PyTorch's own symmetric-memory and functional-collective ops do.
+"""
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+def resolve_group(group: Optional[dist.ProcessGroup], op: str) -> dist.ProcessGroup:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(f"{op}: torch.distributed is not initialized (call dist.init_process_group first)")
+    if group is None:
+        group = dist.group.WORLD
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"{op}: group must be a torch.distributed.ProcessGroup, got {type(group).__name__}")
+    return group
+
+
+def group_name(group: dist.ProcessGroup) -> str:
+    return group.group_name
+
+
+def group_from_name(name: str) -> dist.ProcessGroup:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+def group_device(group: dist.ProcessGroup) -> torch.device:
+    """The device on which small collectives of this group run: CUDA for NCCL groups
+    (the current device), the CPU otherwise."""
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _is_gloo(group: dist.ProcessGroup) -> bool:
+    return "gloo" in str(dist.get_backend(group)).lower()
+
+
+def all_gather_dim0(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """torch.cat([t from rank 0, ..., t from rank W-1], dim=0)."""
+    t = t.contiguous()
+    world = dist.get_world_size(group)
+    out = t.new_empty((t.shape[0] * world, *t.shape[1:]))
+    if _is_gloo(group):
+        dist.all_gather(list(out.chunk(world, dim=0)), t, group=group)
+    else:
+        dist.all_gather_into_tensor(out, t, group=group)
+    return out
+
+
+def reduce_scatter_dim0(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """sum over ranks of t, then this rank's chunk of dim 0 (t.shape[0] divisible by W)."""
+    t = t.contiguous()
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if _is_gloo(group):
+        # gloo has no reduce-scatter: all-reduce, then keep this rank's rows.
+        dist.all_reduce(t, group=group)
+        return t.chunk(world, dim=0)[rank].clone()
+    out = t.new_empty((t.shape[0] // world, *t.shape[1:]))
+    dist.reduce_scatter_tensor(out, t, group=group)
+    return out
