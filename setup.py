@@ -42,28 +42,31 @@ def _find_cuda_home():
     return None
 
 
-def _site_include_dirs():
-    """Headers shipped in pip packages: CUTLASS (nvidia-cutlass) and the CUDA library
-    headers (cuBLAS, cuSPARSE) that torch's ATen CUDA headers include."""
+def _site_include_dirs(cuda_home):
+    """Headers shipped in pip packages: CUTLASS (nvidia-cutlass), and, where the CUDA
+    toolkit lacks them, the cuBLAS/cuSPARSE headers that torch's ATen CUDA headers include."""
+    import importlib.util
+
     dirs = []
-    try:
-        import cutlass_library
-    except ImportError:
-        cutlass_library = None
-    if cutlass_library is not None:
-        src = os.path.join(os.path.dirname(cutlass_library.__file__), "source")
+    # Locate nvidia-cutlass without importing it (its package imports optional extras).
+    spec = importlib.util.find_spec("cutlass_library")
+    have_cutlass = spec is not None and spec.submodule_search_locations
+    if have_cutlass:
+        src = os.path.join(list(spec.submodule_search_locations)[0], "source")
         for sub in ("include", os.path.join("tools", "util", "include")):
             if os.path.isdir(os.path.join(src, sub)):
                 dirs.append(os.path.join(src, sub))
-    for path in sys.path:
-        for pattern in ("nvidia/cu13/include", "nvidia/cu12/include", "nvidia/*/include"):
-            dirs.extend(d for d in glob.glob(os.path.join(path, pattern)) if os.path.isdir(d))
+        have_cutlass = bool(dirs)
+    if not os.path.exists(os.path.join(cuda_home, "include", "cublas_v2.h")):
+        for path in sys.path:
+            for pattern in ("nvidia/cu13/include", "nvidia/cublas/include", "nvidia/cusparse/include"):
+                dirs.extend(d for d in glob.glob(os.path.join(path, pattern)) if os.path.isdir(d))
     seen, out = set(), []
     for d in dirs:
         if d not in seen:
             seen.add(d)
             out.append(d)
-    return out, cutlass_library is not None
+    return out, bool(have_cutlass)
 
 
 def _cuda_extension():
@@ -91,7 +94,7 @@ def _cuda_extension():
     from torch.utils import cpp_extension
 
     cpp_extension.CUDA_HOME = cuda_home
-    include_dirs, have_cutlass = _site_include_dirs()
+    include_dirs, have_cutlass = _site_include_dirs(cuda_home)
     if not have_cutlass:
         return skip("the nvidia-cutlass package is not installed")
 

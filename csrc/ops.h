@@ -10,4 +10,12 @@ namespace flux {
 // out[r, c] = bias[c] + sum_w partials[w, r, c], fp32 accumulation in rank order.
 void reduce_chunks_(at::Tensor& out, const at::Tensor& partials, const std::optional<at::Tensor>& bias);
 
+// Bounded, self-resetting signals between ranks (csrc/runtime/signals.cu).
+void signal_barrier_(at::Tensor& own_pad, int64_t pads_dev, int64_t channel, int64_t rank, int64_t world,
+                     int64_t timeout_ms);
+void signal_put_(at::Tensor& peer_pad, int64_t channel, int64_t rank, int64_t peer, int64_t world,
+                 int64_t timeout_ms);
+void signal_wait_(at::Tensor& own_pad, int64_t channel, int64_t rank, int64_t peer, int64_t world,
+                  int64_t timeout_ms);
+
 }  // namespace flux

@@ -8,8 +8,16 @@
 
 TORCH_LIBRARY(flux, m) {
   m.def("reduce_chunks_(Tensor(a!) out, Tensor partials, Tensor? bias) -> ()");
+  // Signals on symmetric-workspace signal pads (csrc/runtime/signals.cu). The pads are
+  // written by peers, so they are marked as mutated.
+  m.def("signal_barrier_(Tensor(a!) own_pad, int pads_dev, int channel, int rank, int world, int timeout_ms) -> ()");
+  m.def("signal_put_(Tensor(a!) peer_pad, int channel, int rank, int peer, int world, int timeout_ms) -> ()");
+  m.def("signal_wait_(Tensor(a!) own_pad, int channel, int rank, int peer, int world, int timeout_ms) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(flux, CUDA, m) {
   m.impl("reduce_chunks_", &flux::reduce_chunks_);
+  m.impl("signal_barrier_", &flux::signal_barrier_);
+  m.impl("signal_put_", &flux::signal_put_);
+  m.impl("signal_wait_", &flux::signal_wait_);
 }

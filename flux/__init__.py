@@ -14,7 +14,9 @@ from flux.runtime import cuda_kernels_available
 
 cuda_kernels_available()  # load flux._C (if built) before the ops are used
 
-from flux.ops import FluxInputError, ag_gemm, ag_gemm_ref, gemm_rs, gemm_rs_ref  # noqa: E402
+from flux.ops._checks import FluxInputError  # noqa: E402
+from flux.ops.ag_gemm import ag_gemm, ag_gemm_ref  # noqa: E402
+from flux.ops.gemm_rs import gemm_rs, gemm_rs_ref  # noqa: E402
 
 __all__ = [
     "FluxInputError",

@@ -1,7 +1,10 @@
 """One module per op family: schema (torch.library), fake implementation, the unfused
-reference, and the choice among strategies."""
-from flux.ops._checks import FluxInputError
-from flux.ops.ag_gemm import ag_gemm, ag_gemm_ref
-from flux.ops.gemm_rs import gemm_rs, gemm_rs_ref
+reference, and the choice among strategies.
 
-__all__ = ["FluxInputError", "ag_gemm", "ag_gemm_ref", "gemm_rs", "gemm_rs_ref"]
+The modules keep their names (``flux.ops.ag_gemm`` is the module, with ``STRATEGIES``,
+``available_strategies`` and ``run_strategy``); the public functions are in ``flux``.
+"""
+from flux.ops import ag_gemm, gemm_rs  # noqa: F401  (registers torch.ops.flux.ag_gemm / gemm_rs)
+from flux.ops._checks import FluxInputError
+
+__all__ = ["FluxInputError", "ag_gemm", "gemm_rs"]

@@ -80,3 +80,39 @@ def local_gemm(a2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     acc = torch.promote_types(out_dt, torch.float32)
     out = F.linear(a2d.to(acc), w_nk.to(acc), bias.to(acc) if bias is not None else None)
     return out.to(out_dt)
+
+
+def gemm_into(out: torch.Tensor, a2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+              weight_layout: str) -> torch.Tensor:
+    """out = a2d @ W (+ bias), written into ``out`` (a contiguous row block; same dtype as a2d)."""
+    w_kn = weight.t() if weight_layout == "nk" else weight
+    if bias is None:
+        return torch.mm(a2d, w_kn, out=out)
+    return torch.addmm(bias, a2d, w_kn, out=out)
+
+
+_fallback_logged = set()
+
+
+def overlap_ineligible(op: str, strategy: str, input: torch.Tensor, group, out_dtype) -> Optional[str]:
+    """Why an overlapped strategy cannot run this call (None when it can). A strategy
+    that cannot run falls back to 'sequential' and logs the reason once."""
+    from flux.runtime import symm
+
+    if input.device.type != "cuda":
+        return "input is not on a CUDA device"
+    if not symm.available(group):
+        return "symmetric memory is unavailable (needs CUDA, an NCCL group and flux._C)"
+    if out_dtype is not None and out_dtype != input.dtype:
+        return f"out_dtype {out_dtype} differs from the input dtype (not supported by this strategy yet)"
+    if input.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"dtype {input.dtype} is not supported by this strategy"
+    return None
+
+
+def log_fallback(op: str, strategy: str, reason: str) -> None:
+    import logging
+
+    if (op, strategy, reason) not in _fallback_logged:
+        _fallback_logged.add((op, strategy, reason))
+        logging.getLogger("flux").warning("%s: strategy %r falls back to 'sequential': %s", op, strategy, reason)

@@ -10,6 +10,17 @@ local GEMM for the weight's). Strategies, chosen per call by flux.autotune:
 
   sequential   NCCL/gloo all-gather, then one GEMM. The reference, the CPU path and the
                fallback.
+  decomposed   the GEMM in one row block per rank (cuBLAS); the local block first, straight
+               from the input, while the copy engine pushes this rank's shard into every
+               peer's symmetric workspace, each transfer followed by a signal. Stream timeline
+               on rank r of W (blocks named by the rank whose rows they are)::
+
+                 comm:     [barrier] [copy shard -> r+1][put r+1] [copy -> r+2][put r+2] ...
+                 current:  [GEMM r (from input)] [wait r-1][GEMM r-1] [wait r-2][GEMM r-2] ...
+
+               The barrier proves that every peer's earlier GEMMs on its workspace are done
+               before this rank overwrites it; each put follows its copy in stream order, and
+               each wait precedes the GEMM that reads that block.
 """
 from typing import Callable, Dict, Optional, Tuple
 
@@ -18,8 +29,9 @@ import torch.distributed as dist
 
 from flux import autotune
 from flux.ops._checks import Signature, check_collectively
-from flux.ops._common import check_gemm_args, local_gemm, weight_nk_shape
-from flux.runtime import all_gather_dim0, group_device, group_from_name, group_name, resolve_group
+from flux.ops._common import (check_gemm_args, gemm_into, local_gemm, log_fallback, overlap_ineligible,
+                              weight_nk_shape)
+from flux.runtime import all_gather_dim0, group_device, group_from_name, group_name, resolve_group, symm
 
 OP = "flux.ag_gemm"
 
@@ -37,12 +49,52 @@ def _sequential(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     return out.reshape(*gathered.shape[:-1], n), gathered
 
 
-STRATEGIES: Dict[str, Strategy] = {"sequential": _sequential}
+def _decomposed(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                group: dist.ProcessGroup, weight_layout: str, out_dtype: Optional[torch.dtype],
+                need_gathered: bool):
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    reason = "world size 1" if world == 1 else overlap_ineligible(OP, "decomposed", input, group, out_dtype)
+    if reason:
+        log_fallback(OP, "decomposed", reason)
+        return _sequential(input, weight, bias, group, weight_layout, out_dtype, need_gathered)
+    n, k = weight_nk_shape(weight, weight_layout)
+    a = input.reshape(-1, k)
+    rows = a.shape[0]
+    ws = symm.get_workspace(group, world * rows * k * a.element_size())
+    slots = ws.view(rank, (world, rows, k), a.dtype)  # slot p: rank p's shard, pushed by p
+    out = torch.empty((world * rows, n), dtype=a.dtype, device=a.device)
+    current, comm = torch.cuda.current_stream(), symm.comm_stream()
+    comm.wait_stream(current)
+    with torch.cuda.stream(comm):
+        ws.barrier()
+        for step in range(1, world):
+            peer = (rank + step) % world
+            ws.view(peer, (world, rows, k), a.dtype)[rank].copy_(a)  # copy engine, over NVLink
+            ws.put(peer)
+    gemm_into(out[rank * rows:(rank + 1) * rows], a, weight, bias, weight_layout)
+    for step in range(1, world):
+        src = (rank - step) % world  # the peer whose step-th push comes to this rank
+        ws.wait(src)
+        gemm_into(out[src * rows:(src + 1) * rows], slots[src], weight, bias, weight_layout)
+    gathered = None
+    if need_gathered:
+        gathered = torch.empty((world, rows, k), dtype=a.dtype, device=a.device)
+        gathered.copy_(slots)  # every slot but this rank's own is filled (the waits above)
+        gathered[rank].copy_(a)
+        gathered = gathered.view(world * input.shape[0], *input.shape[1:])
+    current.wait_stream(comm)  # the next call's barrier, and tensors freed here, come after the copies
+    return out.view(world * input.shape[0], *input.shape[1:-1], n), gathered
+
+
+STRATEGIES: Dict[str, Strategy] = {"sequential": _sequential, "decomposed": _decomposed}
 
 
 def available_strategies(device: torch.device):
     """Names of the strategies that can run on ``device`` (always 'sequential' first)."""
-    return [name for name in STRATEGIES if name == "sequential" or device.type == "cuda"]
+    from flux.runtime import cuda_kernels_available
+
+    overlapped = device.type == "cuda" and cuda_kernels_available()
+    return [name for name in STRATEGIES if name == "sequential" or overlapped]
 
 
 def ag_gemm_ref(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,

@@ -11,6 +11,18 @@ GEMM for the weight's). Strategies, chosen per call by flux.autotune:
 
   sequential   one GEMM, then NCCL reduce-scatter (gloo: all-reduce and slice), then the
                bias. The reference, the CPU path and the fallback.
+  decomposed   the GEMM in one row block per rank (cuBLAS), the blocks of peers first, in a
+               rotated order, each pushed by the copy engine into its owner's symmetric
+               workspace while the next block computes; this rank's own block last, straight
+               into its own slot; then one pass sums the W slots in rank order, in fp32, and
+               adds the bias (flux::reduce_chunks_). Stream timeline on rank r of W::
+
+                 current:  [barrier][GEMM r+1][GEMM r+2] ... [GEMM r] [wait all][reduce + bias]
+                 comm:               [copy -> r+1, put] [copy -> r+2, put] ...
+
+  decomposed_p2p  the same, but each peer block's GEMM writes its result straight into the
+               owner's workspace over NVLink (no staging buffer, no copy engine); the put
+               follows the GEMM on the current stream.
 """
 from typing import Callable, Dict, Optional
 
@@ -19,8 +31,9 @@ import torch.distributed as dist
 
 from flux import autotune
 from flux.ops._checks import Signature, check_collectively
-from flux.ops._common import check_gemm_args, local_gemm, weight_nk_shape
-from flux.runtime import group_device, group_from_name, group_name, reduce_scatter_dim0, resolve_group
+from flux.ops._common import (check_gemm_args, gemm_into, local_gemm, log_fallback, overlap_ineligible,
+                              weight_nk_shape)
+from flux.runtime import group_device, group_from_name, group_name, reduce_scatter_dim0, resolve_group, symm
 
 OP = "flux.gemm_rs"
 
@@ -37,12 +50,63 @@ def _sequential(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     return out
 
 
-STRATEGIES: Dict[str, Strategy] = {"sequential": _sequential}
+def _decomposed_impl(input, weight, bias, group, weight_layout, out_dtype, *, p2p: bool, name: str):
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    reason = "world size 1" if world == 1 else overlap_ineligible(OP, name, input, group, out_dtype)
+    if reason:
+        log_fallback(OP, name, reason)
+        return _sequential(input, weight, bias, group, weight_layout, out_dtype)
+    n, k = weight_nk_shape(weight, weight_layout)
+    a = input.reshape(-1, k)
+    rows = a.shape[0] // world
+    ws = symm.get_workspace(group, world * rows * n * a.element_size())
+    slots = ws.view(rank, (world, rows, n), a.dtype)  # slot p: rank p's partial of this rank's rows
+    current, comm = torch.cuda.current_stream(), symm.comm_stream()
+    ws.barrier()  # every peer has finished reading its slots in the previous call
+    for step in range(1, world):
+        peer = (rank + step) % world
+        block = a[peer * rows:(peer + 1) * rows]
+        dest = ws.view(peer, (world, rows, n), a.dtype)[rank]
+        if p2p:
+            gemm_into(dest, block, weight, None, weight_layout)  # epilogue stores go over NVLink
+            ws.put(peer)
+        else:
+            staged = gemm_into(torch.empty((rows, n), dtype=a.dtype, device=a.device), block, weight, None,
+                               weight_layout)
+            comm.wait_stream(current)
+            with torch.cuda.stream(comm):
+                dest.copy_(staged)  # copy engine, over NVLink
+                ws.put(peer)
+    gemm_into(slots[rank], a[rank * rows:(rank + 1) * rows], weight, None, weight_layout)
+    for step in range(1, world):
+        ws.wait((rank - step) % world)
+    out = torch.empty((rows, n), dtype=a.dtype, device=a.device)
+    torch.ops.flux.reduce_chunks_(out, slots, bias)
+    current.wait_stream(comm)  # staging buffers are freed on the current stream after their copies
+    return out.view(input.shape[0] // world, *input.shape[1:-1], n)
+
+
+def _decomposed(input, weight, bias, group, weight_layout, out_dtype):
+    return _decomposed_impl(input, weight, bias, group, weight_layout, out_dtype, p2p=False, name="decomposed")
+
+
+def _decomposed_p2p(input, weight, bias, group, weight_layout, out_dtype):
+    return _decomposed_impl(input, weight, bias, group, weight_layout, out_dtype, p2p=True, name="decomposed_p2p")
+
+
+STRATEGIES: Dict[str, Strategy] = {
+    "sequential": _sequential,
+    "decomposed": _decomposed,
+    "decomposed_p2p": _decomposed_p2p,
+}
 
 
 def available_strategies(device: torch.device):
     """Names of the strategies that can run on ``device`` (always 'sequential' first)."""
-    return [name for name in STRATEGIES if name == "sequential" or device.type == "cuda"]
+    from flux.runtime import cuda_kernels_available
+
+    overlapped = device.type == "cuda" and cuda_kernels_available()
+    return [name for name in STRATEGIES if name == "sequential" or overlapped]
 
 
 def gemm_rs_ref(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,

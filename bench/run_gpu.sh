@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# One call on a fresh GPU machine: install carried wheels, build flux._C (or reuse a build
+# carried in .ext/ when csrc/ and setup.py are unchanged), run the GPU tests and the main
+# benchmark, and leave logs and JSON in OUTDIR.
+#
+#   bench/run_gpu.sh OUTDIR [--quick] [--skip-tests] [--skip-bench] [-- extra bench_ops.py args]
+#
+# Writes (at most 8 files): build.log, flux_C.so + flux_C.hash (reusable: copy both into .ext/),
+# env.txt, tests.log, bench.log, bench_ops.json.
+set -uo pipefail
+OUTDIR=${1:?usage: bench/run_gpu.sh OUTDIR [--quick] [--skip-tests] [--skip-bench] [-- bench args]}
+shift
+QUICK=0; TESTS=1; BENCH=1; BENCH_ARGS=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --quick) QUICK=1 ;;
+    --skip-tests) TESTS=0 ;;
+    --skip-bench) BENCH=0 ;;
+    --) shift; BENCH_ARGS=("$@"); break ;;
+    *) echo "unknown argument $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+cd "$(dirname "$0")/.."
+mkdir -p "$OUTDIR"
+# NVLink multicast stays off everywhere.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+
+if compgen -G ".whl/*.whl" > /dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+
+{
+  date -u; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv
+  nvidia-smi topo -m
+  $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version(), 'gpus', torch.cuda.device_count())"
+} > "$OUTDIR/env.txt" 2>&1
+
+hash=$(cat setup.py $(find csrc -type f | sort) | sha256sum | cut -c1-16)
+if [ -f .ext/flux_C.so ] && [ "$(cat .ext/flux_C.hash 2>/dev/null)" = "$hash" ]; then
+  echo "reusing carried build $hash" | tee "$OUTDIR/build.log"
+  cp .ext/flux_C.so "flux/_C$($PY -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
+else
+  start=$(date +%s)
+  FLUX_BUILD_CUDA=1 MAX_JOBS=${MAX_JOBS:-32} $PY setup.py build_ext --inplace > "$OUTDIR/build.log" 2>&1
+  rc=$?
+  echo "build rc=$rc in $(( $(date +%s) - start )) s" | tee -a "$OUTDIR/build.log"
+  grep -E "error|warning.*C7510" "$OUTDIR/build.log" | head -20
+  [ $rc -eq 0 ] || exit $rc
+fi
+cp flux/_C*.so "$OUTDIR/flux_C.so" && echo "$hash" > "$OUTDIR/flux_C.hash"
+
+rc_tests=0
+if [ $TESTS -eq 1 ]; then
+  timeout 900 $PY -m pytest -q -rs tests -k gpu 2>&1 | tee "$OUTDIR/tests.log"
+  rc_tests=${PIPESTATUS[0]}
+fi
+rc_bench=0
+if [ $BENCH -eq 1 ]; then
+  args=(--out "$OUTDIR/bench_ops.json")
+  [ $QUICK -eq 1 ] && args+=(--quick)
+  timeout 1200 torchrun --nproc_per_node="${NGPUS:-$($PY -c 'import torch; print(torch.cuda.device_count())')}" \
+    bench/bench_ops.py "${args[@]}" "${BENCH_ARGS[@]}" 2>&1 | tee "$OUTDIR/bench.log"
+  rc_bench=${PIPESTATUS[0]}
+fi
+echo "run_gpu: tests rc=$rc_tests bench rc=$rc_bench"
+[ $rc_tests -eq 0 ] && [ $rc_bench -eq 0 ]

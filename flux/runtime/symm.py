@@ -1,0 +1,129 @@
+"""Symmetric workspaces: one buffer per process group that every rank can address on
+every peer over NVLink, plus signal pads and a communication stream.
+
+All use of ``torch.distributed._symmetric_memory`` (private PyTorch API) is in this
+module. A workspace is allocated on first use, grown (never shrunk) when a call needs
+more, and reused by every later call of every op on that group. Signals are the
+self-resetting flags of csrc/runtime/signals.cu, so back-to-back calls, different shapes
+in a row and CUDA-graph replays need no reset. Every wait is bounded by
+``FLUX_TIMEOUT_MS`` (default 30000 ms): past it the waiting rank prints which peer it was
+waiting for and the CUDA context fails, instead of hanging.
+
+Signal pad channels (each channel holds one slot per source rank):
+  0        call-entry barrier: every peer has finished its earlier work on the workspace
+  1 ..     per-op data-ready signals (see the strategies)
+"""
+import os
+from typing import Dict, Tuple
+
+import torch
+import torch.distributed as dist
+
+BARRIER_CHANNEL = 0
+DATA_CHANNEL = 1
+
+
+def timeout_ms() -> int:
+    return int(os.environ.get("FLUX_TIMEOUT_MS", "30000"))
+
+
+def _symm_mem():
+    import torch.distributed._symmetric_memory as symm_mem
+
+    return symm_mem
+
+
+def available(group: dist.ProcessGroup) -> bool:
+    """Whether symmetric workspaces can be made for this group here (CUDA, NCCL group,
+    flux._C loaded, PyTorch's symmetric memory importable)."""
+    from flux.runtime.extension import cuda_kernels_available
+
+    if not torch.cuda.is_available() or not cuda_kernels_available():
+        return False
+    if "nccl" not in str(dist.get_backend(group)).lower():
+        return False
+    try:
+        _symm_mem()
+    except ImportError:
+        return False
+    return True
+
+
+class Workspace:
+    """A symmetric buffer of ``nbytes`` on every rank of ``group``, with signal pads."""
+
+    def __init__(self, group: dist.ProcessGroup, nbytes: int, device: torch.device):
+        symm_mem = _symm_mem()
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.device = device
+        self.nbytes = nbytes
+        self.buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+        self.handle = symm_mem.rendezvous(self.buffer, group.group_name)
+        pad_words = symm_mem.get_signal_pad_size() // 4 if hasattr(symm_mem, "get_signal_pad_size") else 2304
+        self.channels = pad_words // self.world
+        self.pads = [self.handle.get_signal_pad(p, [pad_words], dtype=torch.int32) for p in range(self.world)]
+        self.pads_dev = self.handle.signal_pad_ptrs_dev
+        self._peer_bytes = [self.handle.get_buffer(p, [nbytes], torch.uint8) for p in range(self.world)]
+
+    def view(self, peer: int, shape, dtype: torch.dtype, offset_bytes: int = 0) -> torch.Tensor:
+        """Rank ``peer``'s buffer (this rank's own when peer == rank), as a tensor on this device."""
+        numel = 1
+        for s in shape:
+            numel *= s
+        size = numel * torch.empty((), dtype=dtype).element_size()
+        if offset_bytes + size > self.nbytes:
+            raise RuntimeError(f"flux workspace: view of {size} B at {offset_bytes} exceeds {self.nbytes} B")
+        return self._peer_bytes[peer][offset_bytes:offset_bytes + size].view(dtype).view(shape)
+
+    # Signals, enqueued on the current stream.
+    def barrier(self, channel: int = BARRIER_CHANNEL) -> None:
+        torch.ops.flux.signal_barrier_(self.pads[self.rank], self.pads_dev, channel, self.rank, self.world,
+                                       timeout_ms())
+
+    def put(self, peer: int, channel: int = DATA_CHANNEL) -> None:
+        """Tell ``peer`` that this rank's data for it is in place (after this stream's earlier work)."""
+        torch.ops.flux.signal_put_(self.pads[peer], channel, self.rank, peer, self.world, timeout_ms())
+
+    def wait(self, peer: int, channel: int = DATA_CHANNEL) -> None:
+        """Hold this stream until ``peer`` has signalled this rank on ``channel``."""
+        torch.ops.flux.signal_wait_(self.pads[self.rank], channel, self.rank, peer, self.world, timeout_ms())
+
+
+_workspaces: Dict[Tuple[str, int], Workspace] = {}
+_comm_streams: Dict[int, torch.cuda.Stream] = {}
+
+
+def _round_up_pow2(n: int) -> int:
+    return 1 << max(20, (n - 1).bit_length())  # at least 1 MiB
+
+
+def get_workspace(group: dist.ProcessGroup, nbytes: int) -> Workspace:
+    """The workspace of ``group`` on the current device, at least ``nbytes`` large.
+
+    Collective when it allocates: every rank must ask for the same size at the same call,
+    which holds because arguments are checked to agree across ranks first.
+    """
+    device = torch.device("cuda", torch.cuda.current_device())
+    key = (group.group_name, device.index)
+    ws = _workspaces.get(key)
+    if ws is None or ws.nbytes < nbytes:
+        if ws is not None:
+            # Growing: no kernel of this rank may still use the old buffer, and no peer may
+            # still write into it; the rendezvous of the new buffer is a host-side collective,
+            # reached by each rank only after its own synchronize.
+            torch.cuda.synchronize(device)
+        ws = Workspace(group, _round_up_pow2(nbytes), device)
+        _workspaces[key] = ws
+    return ws
+
+
+def comm_stream() -> torch.cuda.Stream:
+    """The stream on which copy-engine transfers and their signals run (one per device)."""
+    idx = torch.cuda.current_device()
+    s = _comm_streams.get(idx)
+    if s is None:
+        s = torch.cuda.Stream(device=idx, priority=-1)
+        _comm_streams[idx] = s
+    return s
