@@ -9,6 +9,9 @@ namespace flux {
 
 // out[r, c] = bias[c] + sum_w partials[w, r, c], fp32 accumulation in rank order.
 void reduce_chunks_(at::Tensor& out, const at::Tensor& partials, const std::optional<at::Tensor>& bias);
+// out[r, c] = bias[c] + sum_w partial_w[r, c], partial_w at ptrs[w] + offset_bytes (symmetric buffers).
+void reduce_peers_(at::Tensor& out, int64_t ptrs_dev, int64_t world, int64_t offset_bytes,
+                   const std::optional<at::Tensor>& bias);
 
 // Bounded, self-resetting signals between ranks (csrc/runtime/signals.cu).
 void signal_barrier_(at::Tensor& own_pad, int64_t pads_dev, int64_t channel, int64_t rank, int64_t world,

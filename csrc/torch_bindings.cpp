@@ -8,6 +8,8 @@
 
 TORCH_LIBRARY(flux, m) {
   m.def("reduce_chunks_(Tensor(a!) out, Tensor partials, Tensor? bias) -> ()");
+  // ptrs_dev: device address of the W ranks' symmetric buffer bases (csrc/reduce/reduce_chunks.cu).
+  m.def("reduce_peers_(Tensor(a!) out, int ptrs_dev, int world, int offset_bytes, Tensor? bias) -> ()");
   // Signals on symmetric-workspace signal pads (csrc/runtime/signals.cu). The pads are
   // written by peers, so they are marked as mutated.
   m.def("signal_barrier_(Tensor(a!) own_pad, int pads_dev, int channel, int rank, int world, int timeout_ms) -> ()");
@@ -17,6 +19,7 @@ TORCH_LIBRARY(flux, m) {
 
 TORCH_LIBRARY_IMPL(flux, CUDA, m) {
   m.impl("reduce_chunks_", &flux::reduce_chunks_);
+  m.impl("reduce_peers_", &flux::reduce_peers_);
   m.impl("signal_barrier_", &flux::signal_barrier_);
   m.impl("signal_put_", &flux::signal_put_);
   m.impl("signal_wait_", &flux::signal_wait_);

@@ -64,6 +64,7 @@ __global__ void barrier_kernel(uint32_t** pads, int channel, int rank, int world
   if (peer >= world || peer == rank) return;
   uint32_t* remote = pads[peer] + channel * world + rank;
   bounded_wait(remote, 0u, timeout_ms, "barrier (put)", rank, peer, channel);
+  __threadfence_system();  // earlier kernels' stores (e.g. a GEMM into the workspace) before the flag
   st_release_sys(remote, 1u);
   uint32_t* local = pads[rank] + channel * world + peer;
   bounded_wait(local, 1u, timeout_ms, "barrier (wait)", rank, peer, channel);

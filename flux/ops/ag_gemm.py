@@ -21,6 +21,12 @@ local GEMM for the weight's). Strategies, chosen per call by flux.autotune:
                The barrier proves that every peer's earlier GEMMs on its workspace are done
                before this rank overwrites it; each put follows its copy in stream order, and
                each wait precedes the GEMM that reads that block.
+  oneshot      for small M, where splitting the GEMM would read the weight W times: the
+               copy engine pushes the shard to every peer, then one GEMM over the gathered
+               workspace once every peer's shard is in::
+
+                 comm:     [barrier] [copy -> r+1][put r+1] [copy -> r+2][put r+2] ...
+                 current:  [copy own shard] [wait all peers] [one GEMM over all rows]
 """
 from typing import Callable, Dict, Optional, Tuple
 
@@ -86,7 +92,39 @@ def _decomposed(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     return out.view(world * input.shape[0], *input.shape[1:-1], n), gathered
 
 
-STRATEGIES: Dict[str, Strategy] = {"sequential": _sequential, "decomposed": _decomposed}
+def _oneshot(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+             group: dist.ProcessGroup, weight_layout: str, out_dtype: Optional[torch.dtype],
+             need_gathered: bool):
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    reason = "world size 1" if world == 1 else overlap_ineligible(OP, "oneshot", input, group, out_dtype)
+    if reason:
+        log_fallback(OP, "oneshot", reason)
+        return _sequential(input, weight, bias, group, weight_layout, out_dtype, need_gathered)
+    n, k = weight_nk_shape(weight, weight_layout)
+    a = input.reshape(-1, k)
+    rows = a.shape[0]
+    ws = symm.get_workspace(group, world * rows * k * a.element_size())
+    slots = ws.view(rank, (world, rows, k), a.dtype)
+    current, comm = torch.cuda.current_stream(), symm.comm_stream()
+    comm.wait_stream(current)
+    with torch.cuda.stream(comm):
+        ws.barrier()
+        for step in range(1, world):
+            peer = (rank + step) % world
+            ws.view(peer, (world, rows, k), a.dtype)[rank].copy_(a)
+            ws.put(peer)
+    slots[rank].copy_(a)  # only this rank reads its own slot, after its earlier GEMMs in stream order
+    for step in range(1, world):
+        ws.wait((rank - step) % world)
+    gathered2d = slots.view(world * rows, k)
+    out = torch.empty((world * rows, n), dtype=a.dtype, device=a.device)
+    gemm_into(out, gathered2d, weight, bias, weight_layout)
+    gathered = gathered2d.clone().view(world * input.shape[0], *input.shape[1:]) if need_gathered else None
+    current.wait_stream(comm)
+    return out.view(world * input.shape[0], *input.shape[1:-1], n), gathered
+
+
+STRATEGIES: Dict[str, Strategy] = {"sequential": _sequential, "decomposed": _decomposed, "oneshot": _oneshot}
 
 
 def available_strategies(device: torch.device):

@@ -23,6 +23,14 @@ GEMM for the weight's). Strategies, chosen per call by flux.autotune:
   decomposed_p2p  the same, but each peer block's GEMM writes its result straight into the
                owner's workspace over NVLink (no staging buffer, no copy engine); the put
                follows the GEMM on the current stream.
+  oneshot      for small M: one GEMM of the whole partial into this rank's workspace, a
+               barrier, then each rank sums its rows of every rank's partial, read over NVLink
+               by SM loads (flux::reduce_peers_), and adds the bias::
+
+                 current:  [barrier][one GEMM -> own workspace][barrier][reduce from all peers]
+
+               The entry barrier keeps a rank from overwriting its partial while a peer may
+               still be reading the previous call's.
 """
 from typing import Callable, Dict, Optional
 
@@ -94,8 +102,28 @@ def _decomposed_p2p(input, weight, bias, group, weight_layout, out_dtype):
     return _decomposed_impl(input, weight, bias, group, weight_layout, out_dtype, p2p=True, name="decomposed_p2p")
 
 
+def _oneshot(input, weight, bias, group, weight_layout, out_dtype):
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    reason = "world size 1" if world == 1 else overlap_ineligible(OP, "oneshot", input, group, out_dtype)
+    if reason:
+        log_fallback(OP, "oneshot", reason)
+        return _sequential(input, weight, bias, group, weight_layout, out_dtype)
+    n, k = weight_nk_shape(weight, weight_layout)
+    a = input.reshape(-1, k)
+    rows = a.shape[0] // world
+    ws = symm.get_workspace(group, a.shape[0] * n * a.element_size())
+    ws.barrier()
+    gemm_into(ws.view(rank, (a.shape[0], n), a.dtype), a, weight, None, weight_layout)
+    ws.barrier()
+    out = torch.empty((rows, n), dtype=a.dtype, device=a.device)
+    torch.ops.flux.reduce_peers_(out, ws.buffer_ptrs_dev, world, ws.base_offset + rank * rows * n * a.element_size(),
+                                 bias)
+    return out.view(input.shape[0] // world, *input.shape[1:-1], n)
+
+
 STRATEGIES: Dict[str, Strategy] = {
     "sequential": _sequential,
+    "oneshot": _oneshot,
     "decomposed": _decomposed,
     "decomposed_p2p": _decomposed_p2p,
 }

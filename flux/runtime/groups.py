@@ -60,6 +60,7 @@ def reduce_scatter_dim0(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tens
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if _is_gloo(group):
         # gloo has no reduce-scatter: all-reduce, then keep this rank's rows.
+        t = t.clone()  # all_reduce works in place: never overwrite the caller's tensor
         dist.all_reduce(t, group=group)
         return t.chunk(world, dim=0)[rank].clone()
     out = t.new_empty((t.shape[0] // world, *t.shape[1:]))

@@ -65,17 +65,31 @@ class Workspace:
         self.channels = pad_words // self.world
         self.pads = [self.handle.get_signal_pad(p, [pad_words], dtype=torch.int32) for p in range(self.world)]
         self.pads_dev = self.handle.signal_pad_ptrs_dev
-        self._peer_bytes = [self.handle.get_buffer(p, [nbytes], torch.uint8) for p in range(self.world)]
+        # Where our tensor starts inside the symmetric allocation (0 unless PyTorch pools
+        # several tensors in one allocation); the same on every rank.
+        self.base_offset = self.buffer.data_ptr() - self.handle.buffer_ptrs[self.rank]
+        self._peer_bytes = [self.handle.get_buffer(p, [nbytes], torch.uint8, self.base_offset)
+                            for p in range(self.world)]
+        self.buffer_ptrs_dev = self.handle.buffer_ptrs_dev  # device array of every rank's allocation base
+        self._views: Dict[tuple, torch.Tensor] = {}
 
     def view(self, peer: int, shape, dtype: torch.dtype, offset_bytes: int = 0) -> torch.Tensor:
         """Rank ``peer``'s buffer (this rank's own when peer == rank), as a tensor on this device."""
+        key = (peer, tuple(shape), dtype, offset_bytes)
+        v = self._views.get(key)
+        if v is not None:
+            return v
+        if len(self._views) > 4096:  # many shapes in one process: start over rather than grow
+            self._views.clear()
         numel = 1
         for s in shape:
             numel *= s
         size = numel * torch.empty((), dtype=dtype).element_size()
         if offset_bytes + size > self.nbytes:
             raise RuntimeError(f"flux workspace: view of {size} B at {offset_bytes} exceeds {self.nbytes} B")
-        return self._peer_bytes[peer][offset_bytes:offset_bytes + size].view(dtype).view(shape)
+        v = self._peer_bytes[peer][offset_bytes:offset_bytes + size].view(dtype).view(shape)
+        self._views[key] = v
+        return v
 
     # Signals, enqueued on the current stream.
     def barrier(self, channel: int = BARRIER_CHANNEL) -> None:
