@@ -111,13 +111,16 @@ void launch(Src<TIn> src, bool src_aligned, const TBias* bias, at::Tensor& out, 
 
 }  // namespace
 
-// partials: [W, R, C] contiguous; out: [R, C] contiguous; bias: [C] or None.
+// partials: [W, R, C], each [R, C] slice contiguous (any stride between slices, so a row
+// range of every slot can be reduced); out: [R, C] contiguous; bias: [C] or None.
 void reduce_chunks_(at::Tensor& out, const at::Tensor& partials, const std::optional<at::Tensor>& bias) {
   constexpr const char* op = "reduce_chunks_";
   FLUX_CHECK(partials.is_cuda() && out.is_cuda(), op, "tensors must be on a CUDA device");
   FLUX_CHECK(partials.dim() == 3, op, "partials must be [world, rows, cols], got ", partials.sizes());
-  FLUX_CHECK(partials.is_contiguous() && out.is_contiguous(), op, "partials and out must be contiguous");
   const int64_t world = partials.size(0), rows = partials.size(1), cols = partials.size(2);
+  FLUX_CHECK(partials.stride(2) == 1 && (rows <= 1 || partials.stride(1) == cols) && out.is_contiguous(), op,
+             "each partials[w] must be a contiguous [rows, cols] block and out contiguous; got strides ",
+             partials.strides());
   FLUX_CHECK(out.numel() == rows * cols && out.size(-1) == cols, op, "out ", out.sizes(),
              " does not match partials ", partials.sizes());
   FLUX_CHECK(out.get_device() == partials.get_device(), op, "out and partials on different devices");
@@ -131,10 +134,11 @@ void reduce_chunks_(at::Tensor& out, const at::Tensor& partials, const std::opti
   const c10::cuda::CUDAGuard guard(partials.device());
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   // Bounded dispatch: partials in {bf16, fp16, fp32}; out (and bias) in {partials dtype, fp32}.
-  const bool aligned = is_aligned(partials.data_ptr(), 16) && (rows * cols * partials.element_size()) % 16 == 0;
+  const int64_t slot_stride = world > 1 ? partials.stride(0) : rows * cols;
+  const bool aligned = is_aligned(partials.data_ptr(), 16) && (slot_stride * partials.element_size()) % 16 == 0;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, partials.scalar_type(), "reduce_chunks_in", [&] {
     using TIn = scalar_t;
-    StridedSrc<TIn> src{partials.data_ptr<TIn>(), rows * cols};
+    StridedSrc<TIn> src{partials.data_ptr<TIn>(), slot_stride};
     if (out.scalar_type() == partials.scalar_type()) {
       const TIn* b = bias.has_value() ? bias->data_ptr<TIn>() : nullptr;
       launch<TIn, TIn, TIn>(src, aligned, b, out, (int)world, rows, cols, stream);

@@ -32,10 +32,28 @@ def force(op: str, name: Optional[str]) -> None:
     _forced[op] = name
 
 
+# Rows per rank block (M / W) from which splitting the GEMM into W row blocks pays. Each
+# block's GEMM reads the whole weight again, so for few rows, where the GEMM is bound by
+# reading the weight (bf16 on H200: below ~200 FLOP/B, i.e. a few hundred rows), splitting
+# costs more than the communication it hides. Thresholds measured on 2xH200
+# (docs/design.md): AG decomposed wins from M/W = 256 (M = 512: 1.15x), loses at 64;
+# RS decomposed wins from M/W = 1024 (1.17x) and ties at 256, where one-shot is as good.
+AG_DECOMPOSED_MIN_ROWS = 256
+RS_DECOMPOSED_MIN_ROWS = 512
+RS_ONESHOT_MIN_ROWS = 128
+
+
 def default_strategy(op: str, available: Sequence[str], *, m: int, n: int, k: int, dtype: torch.dtype,
                      world: int) -> str:
-    """The analytic default: the reference path is the only strategy so far."""
-    return "sequential"
+    """The analytic default for ``op`` on an M x K x N problem (M: all rows, gathered for AG)."""
+    rows = m // max(world, 1)
+    if op == "ag_gemm":
+        want = "decomposed" if rows >= AG_DECOMPOSED_MIN_ROWS else "sequential"
+    elif rows >= RS_DECOMPOSED_MIN_ROWS:
+        want = "decomposed"
+    else:
+        want = "oneshot" if rows >= RS_ONESHOT_MIN_ROWS else "sequential"
+    return want if want in available else "sequential"
 
 
 def choose(op: str, available: Sequence[str], *, m: int, n: int, k: int, dtype: torch.dtype, world: int) -> str:
