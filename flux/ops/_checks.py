@@ -7,16 +7,18 @@ all-gather; if any rank found an error, or the signatures differ, every rank rai
 same FluxInputError naming the op and the offending ranks. So a bad input on one rank
 can never leave the others waiting in a collective.
 
-The exchange runs on a gloo group of the same ranks, created once per group on the
-first call, so it never synchronises the GPU and can never be matched against the
-op's own data movement. A signature that passed is remembered per group, and later
-calls with the same signature skip the exchange: the remembered set is the same on every
-rank (entries are added together, after an exchange), so identical calls take the same
-path everywhere. A rank whose signature is new while its peers' are remembered waits in
-the exchange alone and raises after FLUX_CHECK_TIMEOUT_S seconds (default 60); its peers
-then fail in their own communication (a bounded wait naming the missing rank, or the NCCL
-watchdog). Set FLUX_CHECK_EVERY_CALL=1 to exchange on every call, which catches such drift
-immediately at the cost of one host-side all-gather per call.
+The exchange goes through the store of the default process group (the rendezvous key-value
+store every rank already holds), so it never synchronises the GPU, creates no process group
+(group creation is a world-wide collective that a tensor-parallel subgroup cannot make on
+its own), and can never be matched against the op's own data movement. A signature that
+passed is remembered per group, and later calls with the same signature skip the exchange:
+the remembered set is the same on every rank (entries are added together, after an
+exchange), so identical calls take the same path everywhere. A rank whose signature is new
+while its peers' are remembered waits in the exchange alone and raises after
+FLUX_CHECK_TIMEOUT_S seconds (default 60); its peers then fail in their own communication
+(a bounded device-side wait naming the missing rank, or the NCCL watchdog). Set
+FLUX_CHECK_EVERY_CALL=1 to exchange on every call, which catches such drift at once at the
+cost of a few store round trips per call.
 """
 import datetime
 import os
@@ -28,7 +30,6 @@ import torch.distributed as dist
 
 _SIG_LEN = 40  # int64 fields per signature; long enough for 16-D inputs
 _validated: Dict[Tuple[int, ...], Set[Tuple[int, ...]]] = {}  # group ranks -> signatures
-_check_groups: Dict[Tuple[int, ...], dist.ProcessGroup] = {}
 
 
 class FluxInputError(ValueError):
@@ -43,6 +44,20 @@ _DTYPE_CODES = {
 for _name in ("float8_e4m3fn", "float8_e5m2"):
     if hasattr(torch, _name):
         _DTYPE_CODES[getattr(torch, _name)] = 9 + len(_DTYPE_CODES)
+
+
+_CODE_NAMES = {v: str(k).replace("torch.", "") for k, v in _DTYPE_CODES.items()}
+
+
+def describe(name: str, value: int) -> str:
+    """A signature field's value as a person reads it."""
+    if name.endswith("dtype"):
+        return "None" if value == 0 else _CODE_NAMES.get(value, f"dtype #{value}")
+    if name == "weight_layout":
+        return {0: "'nk'", 1: "'kn'"}.get(value, "invalid")
+    if name.endswith("is given"):
+        return str(bool(value))
+    return str(value)
 
 
 def dtype_code(dtype: Optional[torch.dtype]) -> int:
@@ -79,43 +94,49 @@ class Signature:
         return tuple(vals + [-7] * (_SIG_LEN - len(vals)))
 
 
-def _check_group(group: dist.ProcessGroup) -> Tuple[Tuple[int, ...], dist.ProcessGroup]:
-    """The gloo group, of the same ranks as ``group``, on which signatures are exchanged."""
-    ranks = tuple(dist.get_process_group_ranks(group))
-    side = _check_groups.get(ranks)
-    if side is None:
-        timeout = datetime.timedelta(seconds=float(os.environ.get("FLUX_CHECK_TIMEOUT_S", "60")))
-        # use_local_synchronization: only the members of ``group`` take part, so a
-        # tensor-parallel subgroup can create it on its first call.
-        side = dist.new_group(list(ranks), backend="gloo", timeout=timeout, use_local_synchronization=True)
-        _check_groups[ranks] = side
-    return ranks, side
+_exchange_seq: Dict[Tuple[int, ...], int] = {}
+
+
+def _exchange(ranks: Tuple[int, ...], me: int, payload) -> List:
+    """All-gather of small picklable values among ``ranks`` through the default store."""
+    import pickle
+
+    store = dist.distributed_c10d._get_default_store()
+    seq = _exchange_seq.get(ranks, 0)
+    _exchange_seq[ranks] = seq + 1
+    prefix = f"flux/check/{'-'.join(map(str, ranks))}/{seq}/"
+    store.set(prefix + str(me), pickle.dumps(payload))
+    keys = [prefix + str(r) for r in ranks]
+    store.wait(keys, datetime.timedelta(seconds=float(os.environ.get("FLUX_CHECK_TIMEOUT_S", "60"))))
+    values = [pickle.loads(store.get(k)) for k in keys]
+    # Every rank has read every key once the next exchange of this group completes (each
+    # rank sets its next key only after reading all of these), so the previous round's
+    # own key can go.
+    if seq > 0:
+        try:
+            store.delete_key(f"flux/check/{'-'.join(map(str, ranks))}/{seq - 1}/{me}")
+        except Exception:  # stores without delete support
+            pass
+    return values
 
 
 def check_collectively(sig: Signature, group: dist.ProcessGroup) -> None:
     """Raise the same FluxInputError on every rank if any rank's signature has an error
     or the signatures differ; return normally on every rank otherwise."""
     values = sig.values()
-    key, side = _check_group(group)
-    if os.environ.get("FLUX_CHECK_EVERY_CALL", "0") != "1" and values in _validated.get(key, ()):
+    ranks = tuple(dist.get_process_group_ranks(group))
+    if os.environ.get("FLUX_CHECK_EVERY_CALL", "0") != "1" and values in _validated.get(ranks, ()):
         return
-    world = dist.get_world_size(group)
-    mine = torch.tensor(values, dtype=torch.int64)
-    gathered = torch.empty((world, _SIG_LEN), dtype=torch.int64)
     try:
-        dist.all_gather(list(gathered.unbind(0)), mine, group=side)
-    except RuntimeError as e:
+        reports = _exchange(ranks, dist.get_rank(), (values, sig.error, sig.fields))
+    except RuntimeError as e:  # the store's wait timed out
         raise FluxInputError(
             f"{sig.op}: the argument check across ranks did not complete ({e}); some rank did not make "
             "this call, or made it with arguments that its peers had already used") from e
-    rows = [tuple(r) for r in gathered.tolist()]
-    if not any(r[0] != 0 for r in rows) and all(r == rows[0] for r in rows):
-        _validated.setdefault(key, set()).add(values)
+    if not any(err for _, err, _ in reports) and all(v == values for v, _, _ in reports):
+        _validated.setdefault(ranks, set()).add(values)
         return
-    # Some rank failed: every rank got here, so a second exchange is safe.
-    reports: List[Optional[Tuple[Optional[str], List[Tuple[str, int]]]]] = [None] * world
-    dist.all_gather_object(reports, (sig.error, sig.fields), group=side)
-    raise FluxInputError(_compose(sig.op, reports))
+    raise FluxInputError(_compose(sig.op, [(err, fields) for _, err, fields in reports]))
 
 
 def _compose(op: str, reports) -> str:
@@ -131,11 +152,13 @@ def _compose(op: str, reports) -> str:
                 b = fields[i] if i < len(fields) else ("<absent>", None)
                 if a != b:
                     name = a[0] if a[0] == b[0] else f"{a[0]} / {b[0]}"
-                    return (f"{op}: arguments differ between ranks: {name} is {a[1]} on rank 0 "
-                            f"but {b[1]} on rank {r} (every rank must pass the same shapes, dtypes and options)")
+                    va = describe(a[0], a[1]) if a[1] is not None else "absent"
+                    vb = describe(b[0], b[1]) if b[1] is not None else "absent"
+                    return (f"{op}: arguments differ between ranks: {name} is {va} on rank 0 "
+                            f"but {vb} on rank {r} (every rank must pass the same shapes, dtypes and options)")
     return f"{op}: arguments differ between ranks"
 
 
 def reset_cache() -> None:
-    """Forget remembered signatures (tests)."""
+    """Forget remembered signatures (tests; call it on every rank alike)."""
     _validated.clear()

@@ -69,6 +69,16 @@ def check_gemm_args(sig: Signature, input: torch.Tensor, weight: torch.Tensor, b
                  "of the original tensor")
 
 
+def check_same_device(op: str, input, weight, bias) -> None:
+    """Local device check for the fake (meta) implementations, which also serve tensors on
+    the meta device and so never reach the collective check: a mix of devices raises here."""
+    from flux.ops._checks import FluxInputError
+
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and t.device != input.device:
+            raise FluxInputError(f"{op}: {name} is on {t.device} but input is on {input.device}")
+
+
 def local_gemm(a2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], weight_layout: str,
                out_dtype: Optional[torch.dtype]) -> torch.Tensor:
     """a2d @ W (+ bias) with W in either layout; computed in the input dtype (cuBLAS

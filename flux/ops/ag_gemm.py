@@ -35,9 +35,10 @@ import torch.distributed as dist
 
 from flux import autotune
 from flux.ops._checks import Signature, check_collectively
-from flux.ops._common import (check_gemm_args, gemm_into, local_gemm, log_fallback, overlap_ineligible,
+from flux.ops._common import (check_gemm_args, check_same_device, gemm_into, local_gemm, log_fallback, overlap_ineligible,
                               weight_nk_shape)
-from flux.runtime import all_gather_dim0, group_device, group_from_name, group_name, resolve_group, symm
+from flux.runtime import (all_gather_dim0, group_device, group_from_name, group_name, resolve_group, symm,
+                          traceable_all_gather_dim0, traceable_reduce_scatter_dim0)
 
 OP = "flux.ag_gemm"
 
@@ -183,6 +184,7 @@ def _ag_gemm_op(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
 
 @_ag_gemm_op.register_fake
 def _ag_gemm_fake(input, weight, bias, group_name, weight_layout, out_dtype, return_gathered):
+    check_same_device(OP, input, weight, bias)
     world = dist.get_world_size(group_from_name(group_name))
     n, _ = weight_nk_shape(weight, weight_layout)
     rows = input.shape[0] * world
@@ -206,23 +208,20 @@ def _backward(ctx, grad_out, grad_gathered):
     group = group_from_name(ctx.gname)
     layout = ctx.weight_layout
     n, k = weight_nk_shape(weight, layout)
+    grad_bias = grad_out.reshape(-1, n).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
     grad_out = grad_out.to(input.dtype).contiguous()
-    grad_input = grad_weight = grad_bias = None
+    grad_input = grad_weight = None
     if ctx.needs_input_grad[0]:
         # d input = reduce_scatter(grad_out @ W): W [N, K] read as [K_in=N, N_out=K] is the other layout.
         grad_input = gemm_rs(grad_out, weight, group=group, weight_layout="kn" if layout == "nk" else "nk")
         if grad_gathered is not None and grad_gathered.numel() > 0:
-            from flux.runtime import reduce_scatter_dim0
-
-            grad_input = grad_input + reduce_scatter_dim0(grad_gathered.to(input.dtype), group)
+            grad_input = grad_input + traceable_reduce_scatter_dim0(grad_gathered.to(input.dtype), group)
     g2d = grad_out.reshape(-1, n)
     if ctx.needs_input_grad[1]:
         if gathered is None:
-            gathered = all_gather_dim0(input, group)
+            gathered = traceable_all_gather_dim0(input, group)
         a2d = gathered.reshape(-1, k)
         grad_weight = g2d.t() @ a2d if layout == "nk" else a2d.t() @ g2d
-    if ctx.has_bias and ctx.needs_input_grad[2]:
-        grad_bias = g2d.sum(0)
     return grad_input, grad_weight, grad_bias, None, None, None, None
 
 

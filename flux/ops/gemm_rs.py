@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from flux import autotune
 from flux.ops._checks import Signature, check_collectively
-from flux.ops._common import (check_gemm_args, gemm_into, local_gemm, log_fallback, overlap_ineligible,
+from flux.ops._common import (check_gemm_args, check_same_device, gemm_into, local_gemm, log_fallback, overlap_ineligible,
                               weight_nk_shape)
 from flux.runtime import group_device, group_from_name, group_name, reduce_scatter_dim0, resolve_group, symm
 
@@ -212,6 +212,7 @@ def _gemm_rs_op(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
 
 @_gemm_rs_op.register_fake
 def _gemm_rs_fake(input, weight, bias, group_name, weight_layout, out_dtype):
+    check_same_device(OP, input, weight, bias)
     world = dist.get_world_size(group_from_name(group_name))
     n, _ = weight_nk_shape(weight, weight_layout)
     return input.new_empty((input.shape[0] // world, *input.shape[1:-1], n), dtype=out_dtype or input.dtype)
@@ -230,8 +231,9 @@ def _backward(ctx, grad_out):
     group = group_from_name(ctx.gname)
     layout = ctx.weight_layout
     n, k = weight_nk_shape(weight, layout)
+    grad_bias = grad_out.reshape(-1, n).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
     grad_out = grad_out.to(input.dtype).contiguous()
-    grad_input = grad_weight = grad_bias = None
+    grad_input = grad_weight = None
     need_w = ctx.needs_input_grad[1]
     if ctx.needs_input_grad[0] or need_w:
         # d input = all_gather(grad_out) @ W: W [N, K] read as [K_in=N, N_out=K] is the other layout.
@@ -242,8 +244,6 @@ def _backward(ctx, grad_out):
             grad_weight = g2d.t() @ a2d if layout == "nk" else a2d.t() @ g2d
         if not ctx.needs_input_grad[0]:
             grad_input = None
-    if ctx.has_bias and ctx.needs_input_grad[2]:
-        grad_bias = grad_out.reshape(-1, n).sum(0)
     return grad_input, grad_weight, grad_bias, None, None, None
 
 

@@ -10,6 +10,8 @@ from flux.runtime.groups import (
     group_name,
     reduce_scatter_dim0,
     resolve_group,
+    traceable_all_gather_dim0,
+    traceable_reduce_scatter_dim0,
 )
 
 __all__ = [
@@ -21,4 +23,6 @@ __all__ = [
     "group_name",
     "reduce_scatter_dim0",
     "resolve_group",
+    "traceable_all_gather_dim0",
+    "traceable_reduce_scatter_dim0",
 ]

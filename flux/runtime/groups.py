@@ -66,3 +66,18 @@ def reduce_scatter_dim0(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tens
     out = t.new_empty((t.shape[0] // world, *t.shape[1:]))
     dist.reduce_scatter_tensor(out, t, group=group)
     return out
+
+
+def traceable_all_gather_dim0(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """all_gather_dim0 through functional collectives, which torch.compile can trace (used
+    in backward formulas, which AOT autograd traces)."""
+    import torch.distributed._functional_collectives as fc
+
+    return fc.wait_tensor(fc.all_gather_tensor(t.contiguous(), 0, group))
+
+
+def traceable_reduce_scatter_dim0(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """reduce_scatter_dim0 through functional collectives (see traceable_all_gather_dim0)."""
+    import torch.distributed._functional_collectives as fc
+
+    return fc.wait_tensor(fc.reduce_scatter_tensor(t.contiguous(), "sum", 0, group))

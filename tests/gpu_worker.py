@@ -1,0 +1,346 @@
+"""GPU cases of flux's ops, run by tests/test_ops.py::test_gpu through
+
+    torchrun --nproc_per_node=2 tests/gpu_worker.py all        (or a comma-separated list of cases)
+
+with NCCL, one process per GPU. Each rank prints one line per case,
+``FLUXCASE {"case", "rank", "status": ok|fail|skip, "error", "value"}``, and writes the
+same JSON line to $FLUX_GPU_RESULTS_DIR/results.<rank> when that is set (test_ops reads
+those files). Every case runs on both ranks in the same order; a failing case does not stop the
+others (a broken communicator makes the rest fail, and test_ops bounds the whole run).
+
+Checks, against a float64 reference computed here from inputs that every rank builds for
+every rank from seeds (no collective and no flux reference involved), with the tolerance
+derived from a same-precision baseline (the unfused result in the op's dtype: error <=
+2 * baseline + eps):
+- both ops in bf16 and fp16, odd shapes (M_local=999, K=4096+64, N=1000) and public ones
+  (ag_gemm 8192x8192x5120 with M the gathered M; gemm_rs 4096x14336x8192 with K the full K),
+  for every strategy that ``available_strategies(device)`` lists (so new strategies are
+  tested without touching this file), and through the public functions;
+- 50 back-to-back calls on alternating shapes, each output kept and compared at the end
+  (buffer and signal reuse);
+- bad input raising the same FluxInputError on both ranks, the group usable afterwards;
+- the extension kernel ``torch.ops.flux.reduce_chunks_`` (when built) against an fp32
+  accumulation in rank order, output poisoned with NaN before the call.
+
+NVLink multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1),
+forced here before torch or NCCL start.
+"""
+import os
+
+os.environ["NCCL_NVLS_ENABLE"] = "0"
+os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
+
+import faulthandler  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import traceback  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import flux  # noqa: E402
+from flux.ops import ag_gemm as ag_mod  # noqa: E402
+from flux.ops import gemm_rs as rs_mod  # noqa: E402
+
+F64, F32, F16, BF16 = torch.float64, torch.float32, torch.float16, torch.bfloat16
+EPS = {F32: 1e-6, F16: 1e-4, BF16: 5e-4}
+CASE_TIMEOUT_S = 240
+
+CASES = {}
+
+
+class Skip(Exception):
+    pass
+
+
+def gcase(name):
+    def deco(fn):
+        CASES[name] = fn
+        return fn
+
+    return deco
+
+
+def rand(shape, dtype, seed, device):
+    g = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(tuple(shape), generator=g, device=device, dtype=F32).to(dtype)
+
+
+def w_nk(w, layout):
+    return w if layout == "nk" else w.t()
+
+
+def rel_err(x, ref):
+    return ((x.double() - ref).norm() / ref.norm()).item()
+
+
+def check_against(out, ref, base, what):
+    assert tuple(out.shape) == tuple(ref.shape), f"{what}: shape {tuple(out.shape)}, expected {tuple(ref.shape)}"
+    assert not torch.isnan(out).any().item(), f"{what}: NaN in the output"
+    err, berr = rel_err(out, ref), rel_err(base, ref)
+    eps = EPS[out.dtype]
+    assert err <= 2 * berr + eps, f"{what}: relative error {err:.3g} > 2 * baseline {berr:.3g} + {eps:g}"
+    return [round(err, 8), round(berr, 8)]
+
+
+# --------------------------------------------------------------------------------------
+# The problems: inputs of every rank, reference and baseline, computed on every rank.
+
+
+class AgProblem:
+    """ag_gemm: x_r [m_local, K], weight_r (each rank its own N columns), bias_r [N]."""
+
+    def __init__(self, rank, world, dev, m_local, k, n, dtype, layout="nk", bias=False, out_dtype=None, seed=0):
+        odt = out_dtype or dtype
+        self.xs = [rand((m_local, k), dtype, seed + 1000 + r, dev) for r in range(world)]
+        self.w = rand((n, k) if layout == "nk" else (k, n), dtype, seed + 2000 + rank, dev)
+        self.b = rand((n,), odt, seed + 3000 + rank, dev) if bias else None
+        self.x, self.layout, self.out_dtype = self.xs[rank], layout, out_dtype
+        self.full = torch.cat(self.xs)
+        wn = w_nk(self.w, layout)
+        self.ref = self.full.double() @ wn.double().t()
+        cdt = odt if out_dtype is not None else dtype
+        base = self.full.to(cdt) @ wn.to(cdt).t()
+        if self.b is not None:
+            self.ref += self.b.double()
+            base = base + self.b
+        self.base = base.to(odt)
+
+    def kwargs(self):
+        return dict(weight_layout=self.layout, out_dtype=self.out_dtype)
+
+    def check(self, out, what):
+        return check_against(out, self.ref, self.base, what)
+
+
+class RsProblem:
+    """gemm_rs: x_r [M, K_local], weight_r [N, K_local], bias [N] replicated."""
+
+    def __init__(self, rank, world, dev, m, k_local, n, dtype, layout="nk", bias=False, out_dtype=None, seed=0):
+        odt = out_dtype or dtype
+        xs = [rand((m, k_local), dtype, seed + 1100 + r, dev) for r in range(world)]
+        ws = [rand((n, k_local) if layout == "nk" else (k_local, n), dtype, seed + 2100 + r, dev)
+              for r in range(world)]
+        self.x, self.w, self.layout, self.out_dtype = xs[rank], ws[rank], layout, out_dtype
+        self.b = rand((n,), odt, seed + 3100, dev) if bias else None
+        ref, base = None, None
+        cdt = odt if out_dtype is not None else dtype
+        for r in range(world):  # rank order; partials in the op's precision
+            wn = w_nk(ws[r], layout)
+            p64 = (xs[r].double() @ wn.double().t()).chunk(world)[rank]
+            p = (xs[r].to(cdt) @ wn.to(cdt).t()).chunk(world)[rank]
+            ref = p64 if ref is None else ref + p64
+            base = p if base is None else base + p
+        if self.b is not None:
+            ref = ref + self.b.double()
+            base = base + self.b
+        self.ref, self.base = ref, base.to(odt)
+
+    def kwargs(self):
+        return dict(weight_layout=self.layout, out_dtype=self.out_dtype)
+
+    def check(self, out, what):
+        return check_against(out, self.ref, self.base, what)
+
+
+AG_SHAPES = {  # name: (M_local, K, N); M = world * M_local
+    "odd": (999, 4096 + 64, 1000),
+    "public-8192x8192x5120": (8192 // 2, 8192, 5120),
+}
+RS_SHAPES = {  # name: (M, K_local, N); K = world * K_local
+    "odd": (999 * 2, 4096 + 64, 1000),
+    "public-4096x14336x8192": (4096, 14336 // 2, 8192),
+}
+
+
+def _fwd(op, shape_name, dtype):
+    def fn(rank, world, dev):
+        if op == "ag":
+            m, k, n = AG_SHAPES[shape_name]
+            prob = AgProblem(rank, world, dev, m, k, n, dtype)
+            mod = ag_mod
+        else:
+            m, k, n = RS_SHAPES[shape_name]
+            prob = RsProblem(rank, world, dev, m, k, n, dtype)
+            mod = rs_mod
+        result = {}
+        for name in mod.available_strategies(dev):
+            out = mod.run_strategy(name, prob.x, prob.w, prob.b, **prob.kwargs())
+            result[name] = prob.check(out, f"strategy {name}")
+            del out
+        out = (flux.ag_gemm if op == "ag" else flux.gemm_rs)(prob.x, prob.w, prob.b, **prob.kwargs())
+        result["public"] = prob.check(out, "public function")
+        return result
+
+    return fn
+
+
+for _op, _shapes in (("ag", AG_SHAPES), ("rs", RS_SHAPES)):
+    for _s in _shapes:
+        for _dn, _dt in (("bf16", BF16), ("fp16", F16)):
+            gcase(f"fwd-{_op}-{_dn}-{_s}")(_fwd(_op, _s, _dt))
+
+
+def _options(op):
+    """Bias, "kn" layout, fp32 out_dtype and return_gathered on a small odd shape, every strategy."""
+    def fn(rank, world, dev):
+        result = {}
+        mod = ag_mod if op == "ag" else rs_mod
+        for layout in ("nk", "kn"):
+            for out_dtype in (None, F32):
+                if op == "ag":
+                    prob = AgProblem(rank, world, dev, 77, 264, 136, BF16, layout, True, out_dtype, seed=7)
+                else:
+                    prob = RsProblem(rank, world, dev, 154, 264, 136, BF16, layout, True, out_dtype, seed=7)
+                for name in mod.available_strategies(dev):
+                    if op == "ag":
+                        out, gathered = mod.run_strategy(name, prob.x, prob.w, prob.b, return_gathered=True,
+                                                         **prob.kwargs())
+                        assert torch.equal(gathered, prob.full), f"strategy {name}: gathered input differs"
+                    else:
+                        out = mod.run_strategy(name, prob.x, prob.w, prob.b, **prob.kwargs())
+                    result[f"{name}-{layout}-{out_dtype}"] = prob.check(out, f"strategy {name} {layout} {out_dtype}")
+        return result
+
+    return fn
+
+
+gcase("options-ag")(_options("ag"))
+gcase("options-rs")(_options("rs"))
+
+
+def _repeat(op):
+    """50 back-to-back calls alternating two shapes, no synchronisation in between; all
+    outputs kept, then compared (a strategy reusing a buffer or signal too early shows)."""
+    def fn(rank, world, dev):
+        if op == "ag":
+            probs = [AgProblem(rank, world, dev, 999, 4160, 1000, BF16, seed=11),
+                     AgProblem(rank, world, dev, 256, 2048, 768, BF16, bias=True, seed=12)]
+            mod = ag_mod
+        else:
+            probs = [RsProblem(rank, world, dev, 1998, 4160, 1000, BF16, seed=11),
+                     RsProblem(rank, world, dev, 512, 2048, 768, BF16, bias=True, seed=12)]
+            mod = rs_mod
+        result = {}
+        for name in mod.available_strategies(dev):
+            outs = [mod.run_strategy(name, probs[i % 2].x, probs[i % 2].w, probs[i % 2].b, **probs[i % 2].kwargs())
+                    for i in range(50)]
+            torch.cuda.synchronize()
+            errs = [probs[i % 2].check(o, f"strategy {name}, call {i}")[0] for i, o in enumerate(outs)]
+            result[name] = max(errs)
+        return result
+
+    return fn
+
+
+gcase("repeat50-ag")(_repeat("ag"))
+gcase("repeat50-rs")(_repeat("rs"))
+
+
+def _bad(op, kind):
+    """Bad input: the same FluxInputError on both ranks; then a good call succeeds.
+    Each kind uses shapes used nowhere else (remembered signatures skip the exchange)."""
+    def fn(rank, world, dev):
+        call = flux.ag_gemm if op == "ag" else flux.gemm_rs
+        m = 3 if op == "ag" else 3 * world
+        k, n = {"k-on-rank1": 301, "weight-on-cpu": 302, "input-on-cpu": 303}[kind], 45
+        x, w = rand((m, k), BF16, 1, dev), rand((n, k), BF16, 2, dev)
+        if kind == "k-on-rank1" and rank == 1:
+            w = rand((n, k + 1), BF16, 2, dev)
+        elif kind == "weight-on-cpu":
+            w = w.cpu()
+        elif kind == "input-on-cpu":
+            x = x.cpu()
+        try:
+            call(x, w)
+        except flux.FluxInputError as e:
+            msg = str(e)
+        else:
+            raise AssertionError("no FluxInputError was raised")
+        prefix = "flux.ag_gemm:" if op == "ag" else "flux.gemm_rs:"
+        assert msg.startswith(prefix), msg
+        prob = (AgProblem(rank, world, dev, 64, 128, 96, BF16) if op == "ag"
+                else RsProblem(rank, world, dev, 128, 128, 96, BF16))
+        prob.check(call(prob.x, prob.w), "good call after the bad one")
+        return msg
+
+    return fn
+
+
+for _op in ("ag", "rs"):
+    for _kind in ("k-on-rank1", "weight-on-cpu", "input-on-cpu"):
+        gcase(f"bad-{_op}-{_kind}")(_bad(_op, _kind))
+
+
+@gcase("reduce_chunks")
+def _reduce_chunks(rank, world, dev):
+    if not flux.cuda_kernels_available():
+        raise Skip(f"flux._C is not loaded: {flux.runtime.extension_error()}")
+    op = torch.ops.flux.reduce_chunks_
+    checked = 0
+    for in_dt in (BF16, F16, F32):
+        for out_dt in sorted({in_dt, F32}, key=str):
+            for nw, rows, cols in ((2, 37, 1001), (4, 5, 7), (3, 64, 1024), (8, 3, 4096 + 8)):
+                for bias_on in (False, True):
+                    for misalign in (0, 1):  # 1: views at an odd element offset (the unvectorised path)
+                        pbuf = rand((nw * rows * cols + misalign,), in_dt, 10 + checked, dev)
+                        partials = pbuf[misalign:].view(nw, rows, cols)
+                        obuf = torch.full((rows * cols + misalign,), float("nan"), dtype=out_dt, device=dev)
+                        out = obuf[misalign:].view(rows, cols)
+                        bias = rand((cols,), out_dt, 20 + checked, dev) if bias_on else None
+                        op(out, partials, bias)
+                        acc = bias.float() if bias_on else torch.zeros(cols, device=dev)
+                        acc = acc.expand(rows, cols).clone()
+                        for i in range(nw):  # fp32 accumulation in rank order, rounded once
+                            acc += partials[i].float()
+                        expected = acc.to(out_dt)
+                        what = f"{in_dt}->{out_dt} W={nw} {rows}x{cols} bias={bias_on} offset={misalign}"
+                        assert not torch.isnan(out).any().item(), f"{what}: NaN left in the output"
+                        if not torch.equal(out, expected):
+                            d = (out.float() - expected.float()).abs().max().item()
+                            raise AssertionError(f"{what}: differs from the rank-order fp32 sum (max {d})")
+                        checked += 1
+    # The schema (in-place on out, returns nothing) and its fake/meta behaviour.
+    out = torch.full((5, 7), float("nan"), device=dev)
+    torch.library.opcheck(op.default, (out, rand((2, 5, 7), F32, 1, dev), rand((7,), F32, 2, dev)))
+    return checked
+
+
+# --------------------------------------------------------------------------------------
+
+
+def main():
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    torch.cuda.set_device(local)
+    dev = torch.device("cuda", local)
+    dist.init_process_group("nccl", device_id=dev)
+    faulthandler.enable()
+    which = sys.argv[1] if len(sys.argv) > 1 else "all"
+    names = list(CASES) if which == "all" else which.split(",")
+    out_dir = os.environ.get("FLUX_GPU_RESULTS_DIR")
+    results = open(os.path.join(out_dir, f"results.{rank}"), "w") if out_dir else None
+    for name in names:
+        faulthandler.dump_traceback_later(CASE_TIMEOUT_S, exit=True)  # a hung case ends the run, with stacks
+        rec = {"case": name, "rank": rank, "status": "ok", "error": None, "value": None}
+        try:
+            rec["value"] = CASES[name](rank, world, dev)
+            torch.cuda.synchronize()
+        except Skip as e:
+            rec.update(status="skip", error=str(e))
+        except Exception as e:  # noqa: BLE001  (reported to the test)
+            rec.update(status="fail", error=f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+        faulthandler.cancel_dump_traceback_later()
+        line = json.dumps(rec)
+        print("FLUXCASE " + line, flush=True)
+        if results is not None:  # a file per rank: long lines of two ranks never interleave
+            results.write(line + "\n")
+            results.flush()
+        torch.cuda.empty_cache()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
