@@ -91,11 +91,13 @@ def check_against(out, ref, base, what):
 class AgProblem:
     """ag_gemm: x_r [m_local, K], weight_r (each rank its own N columns), bias_r [N]."""
 
-    def __init__(self, rank, world, dev, m_local, k, n, dtype, layout="nk", bias=False, out_dtype=None, seed=0):
+    def __init__(self, rank, world, dev, m_local, k, n, dtype, layout="nk", bias=False, out_dtype=None, seed=0,
+                 wseed=None):
         odt = out_dtype or dtype
+        wseed = seed if wseed is None else wseed  # weight and bias seed (fixed across a graph's replays)
         self.xs = [rand((m_local, k), dtype, seed + 1000 + r, dev) for r in range(world)]
-        self.w = rand((n, k) if layout == "nk" else (k, n), dtype, seed + 2000 + rank, dev)
-        self.b = rand((n,), odt, seed + 3000 + rank, dev) if bias else None
+        self.w = rand((n, k) if layout == "nk" else (k, n), dtype, wseed + 2000 + rank, dev)
+        self.b = rand((n,), odt, wseed + 3000 + rank, dev) if bias else None
         self.x, self.layout, self.out_dtype = self.xs[rank], layout, out_dtype
         self.full = torch.cat(self.xs)
         wn = w_nk(self.w, layout)
@@ -117,13 +119,15 @@ class AgProblem:
 class RsProblem:
     """gemm_rs: x_r [M, K_local], weight_r [N, K_local], bias [N] replicated."""
 
-    def __init__(self, rank, world, dev, m, k_local, n, dtype, layout="nk", bias=False, out_dtype=None, seed=0):
+    def __init__(self, rank, world, dev, m, k_local, n, dtype, layout="nk", bias=False, out_dtype=None, seed=0,
+                 wseed=None):
         odt = out_dtype or dtype
+        wseed = seed if wseed is None else wseed  # weight and bias seed (fixed across a graph's replays)
         xs = [rand((m, k_local), dtype, seed + 1100 + r, dev) for r in range(world)]
-        ws = [rand((n, k_local) if layout == "nk" else (k_local, n), dtype, seed + 2100 + r, dev)
+        ws = [rand((n, k_local) if layout == "nk" else (k_local, n), dtype, wseed + 2100 + r, dev)
               for r in range(world)]
         self.x, self.w, self.layout, self.out_dtype = xs[rank], ws[rank], layout, out_dtype
-        self.b = rand((n,), odt, seed + 3100, dev) if bias else None
+        self.b = rand((n,), odt, wseed + 3100, dev) if bias else None
         ref, base = None, None
         cdt = odt if out_dtype is not None else dtype
         for r in range(world):  # rank order; partials in the op's precision
@@ -307,6 +311,111 @@ def _reduce_chunks(rank, world, dev):
     return checked
 
 
+def _overlapped(mod, dev):
+    return [n for n in mod.available_strategies(dev) if n != "sequential"]
+
+
+def _delayed(op):
+    """1,000 back-to-back calls of every overlapped strategy; before every 10th call one rank
+    (alternating) stalls its current stream and the communication stream with
+    torch.cuda._sleep, so the peer's device-side waits really wait. Every output is kept
+    and compared at the end (signals and buffers reused across 1,000 calls)."""
+    from flux.runtime import symm
+
+    def fn(rank, world, dev):
+        if op == "ag":
+            prob, mod = AgProblem(rank, world, dev, 48, 320, 136, BF16, bias=True, seed=31), ag_mod
+        else:
+            prob, mod = RsProblem(rank, world, dev, 96, 320, 136, BF16, bias=True, seed=31), rs_mod
+        result = {}
+        for name in _overlapped(mod, dev):
+            outs = []
+            for i in range(1000):
+                if i % 10 == 0 and (i // 10) % world == rank:
+                    torch.cuda._sleep(200_000)  # ~0.1 ms at 2 GHz
+                    symm.comm_stream().wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(symm.comm_stream()):
+                        torch.cuda._sleep(200_000)
+                outs.append(mod.run_strategy(name, prob.x, prob.w, prob.b))
+            torch.cuda.synchronize()
+            stacked = torch.stack(outs)
+            first = prob.check(outs[0], f"strategy {name}, call 0")
+            same = (stacked == outs[0]).flatten(1).all(1)
+            assert bool(same.all()), f"strategy {name}: calls {same.logical_not().nonzero().flatten()[:10].tolist()} differ from call 0"
+            result[name] = first
+        return result
+
+    return fn
+
+
+gcase("delayed1000-ag")(_delayed("ag"))
+gcase("delayed1000-rs")(_delayed("rs"))
+
+
+def _graph(op):
+    """Every strategy captured in a CUDA graph (after one eager warm-up call) and replayed an
+    odd number of times (3), each replay on new input data copied into the static input,
+    with the weight and bias fixed; every replay's output is checked."""
+    def fn(rank, world, dev):
+        mod = ag_mod if op == "ag" else rs_mod
+        make = ((lambda s: AgProblem(rank, world, dev, 130, 512, 264, BF16, bias=True, seed=s, wseed=40))
+                if op == "ag" else
+                (lambda s: RsProblem(rank, world, dev, 260, 512, 264, BF16, bias=True, seed=s, wseed=40)))
+        probs = [make(40 + i) for i in range(3)]
+        result = {}
+        for name in mod.available_strategies(dev):
+            static_x = probs[0].x.clone()
+            w, b = probs[0].w, probs[0].b
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                mod.run_strategy(name, static_x, w, b)  # warm-up: workspace, argument check, cuBLAS
+            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                static_out = mod.run_strategy(name, static_x, w, b)
+            errs = []
+            for p in probs:
+                static_x.copy_(p.x)
+                graph.replay()
+                torch.cuda.synchronize()
+                errs.append(p.check(static_out.clone(), f"strategy {name}, replay {len(errs)}")[0])
+            result[name] = max(errs)
+            del graph, static_out
+        return result
+
+    return fn
+
+
+gcase("graph-ag")(_graph("ag"))
+gcase("graph-rs")(_graph("rs"))
+
+
+def timeout_case(rank, world, dev):
+    """Run alone (it breaks rank 0's CUDA context): both ranks make one call, then rank 1
+    skips the next one; rank 0's bounded wait must fail, naming rank 1, within seconds."""
+    import time
+
+    prob = AgProblem(rank, world, dev, 64, 256, 128, BF16, seed=50)
+    ag_mod.run_strategy("decomposed", prob.x, prob.w)
+    torch.cuda.synchronize()
+    dist.barrier()
+    if rank == 1:
+        time.sleep(20)
+        print("FLUXTIMEOUT rank 1 skipped the call", flush=True)
+        os._exit(0)
+    start = time.time()
+    try:
+        ag_mod.run_strategy("decomposed", prob.x, prob.w)
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001
+        print(f"FLUXTIMEOUT rank 0 raised after {time.time() - start:.1f} s: {type(e).__name__}: {e}", flush=True)
+        os._exit(0)
+    print("FLUXTIMEOUT rank 0 did not fail", flush=True)
+    os._exit(1)
+
+
 # --------------------------------------------------------------------------------------
 
 
@@ -318,6 +427,8 @@ def main():
     dist.init_process_group("nccl", device_id=dev)
     faulthandler.enable()
     which = sys.argv[1] if len(sys.argv) > 1 else "all"
+    if which == "timeout":
+        timeout_case(dist.get_rank(), dist.get_world_size(), dev)
     names = list(CASES) if which == "all" else which.split(",")
     out_dir = os.environ.get("FLUX_GPU_RESULTS_DIR")
     results = open(os.path.join(out_dir, f"results.{rank}"), "w") if out_dir else None
