@@ -122,7 +122,8 @@ def _decomposed_impl(input, weight, bias, group, weight_layout, out_dtype, *, p2
         else:
             torch.ops.flux.reduce_chunks_(out[r0:r1], slots[:world - 1, r0:r1], None)
             out[r0:r1].addmm_(own[r0:r1], w_kn)
-    current.wait_stream(comm)  # staging buffers are freed on the current stream after their copies
+    if not p2p:
+        current.wait_stream(comm)  # staging buffers are freed on the current stream after their copies
     return out.view(input.shape[0] // world, *input.shape[1:-1], n)
 
 
