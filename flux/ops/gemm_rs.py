@@ -11,17 +11,17 @@ GEMM for the weight's). Strategies, chosen per call by flux.autotune:
 
   sequential   one GEMM, then NCCL reduce-scatter (gloo: all-reduce and slice), then the
                bias. The reference, the CPU path and the fallback.
-  decomposed   the GEMM in one row block per rank (cuBLAS), each split in ``chunks``
-               sub-blocks: the blocks of peers first, in a rotated order, each sub-block pushed
-               by the copy engine into its owner's symmetric workspace while the next one
-               computes; this rank's own block last, its GEMM folding in the peers' partials
-               (cuBLAS beta=1 at W=2; a one-pass fp32 sum of the W-1 peer partials first
-               otherwise), so no reduction pass follows the last GEMM. The bias rides in the
-               partial that rank r+1 computes for rank r. Stream timeline on rank r of W=2,
-               two sub-blocks (p = the peer)::
+  decomposed   the GEMM in one row block per rank (cuBLAS): the blocks of peers first, in a
+               rotated order, each pushed by the copy engine into its owner's symmetric
+               workspace while the next block computes; this rank's own block last, straight
+               into its own slot; then one pass sums the W slots in rank order, in fp32, and
+               adds the bias (flux::reduce_chunks_). Stream timeline on rank r of W::
 
-                 current:  [barrier][GEMM p.0][GEMM p.1] [wait p.0][GEMM r.0 + p.0][wait p.1][GEMM r.1 + p.1]
-                 comm:                [copy p.0 -> p, put][copy p.1 -> p, put]
+                 current:  [barrier][GEMM r+1][GEMM r+2] ... [GEMM r] [wait all][reduce + bias]
+                 comm:               [copy -> r+1, put] [copy -> r+2, put] ...
+
+               ``chunks`` > 1 splits each block into sub-blocks, each pushed and signalled on
+               its own channel (a shorter last transfer, more GEMM launches).
 
   decomposed_p2p  the same, but each peer block's GEMM writes its result straight into the
                owner's workspace over NVLink (no staging buffer, no copy engine); the put
@@ -68,10 +68,10 @@ def _row_splits(rows: int, chunks: int):
 
 
 def default_chunks(world: int) -> int:
-    # Two sub-blocks per destination at W=2: the second sub-block's transfer then overlaps the
-    # GEMM of this rank's own first sub-block instead of delaying the last step (measured in
-    # docs/design.md). With more ranks the transfers of W-1 peer blocks already overlap.
-    return 2 if world == 2 else 1
+    # One block per destination. Two sub-blocks per destination (so that the last push is
+    # half as long) measured slower on 2xH200: four GEMMs of M/4 rows lose more to wave
+    # quantisation and weight re-reads than the shorter tail gains (docs/design.md).
+    return 1
 
 
 def _decomposed_impl(input, weight, bias, group, weight_layout, out_dtype, *, p2p: bool, name: str,
@@ -86,42 +86,30 @@ def _decomposed_impl(input, weight, bias, group, weight_layout, out_dtype, *, p2
     rows = a.shape[0] // world
     splits = _row_splits(rows, chunks or default_chunks(world))
     ws = symm.get_workspace(group, world * rows * n * a.element_size())
-    # On rank r, slot j holds the partial of r's rows computed by rank (r + 1 + j) % W, so the
-    # W-1 peer partials are slots 0..W-2, contiguous; slot W-1 is unused.
-    slots = ws.view(rank, (world, rows, n), a.dtype)
+    slots = ws.view(rank, (world, rows, n), a.dtype)  # slot p: rank p's partial of this rank's rows
     current, comm = torch.cuda.current_stream(), symm.comm_stream()
     ws.barrier()  # every peer has finished reading its slots in the previous call
     for step in range(1, world):
         peer = (rank + step) % world
-        dest_slot = ws.view(peer, (world, rows, n), a.dtype)[(rank - peer - 1) % world]
-        # The bias is added once, by rank r+1 into its partial for rank r (its last step).
-        b = bias if step == world - 1 else None
+        dest_slot = ws.view(peer, (world, rows, n), a.dtype)[rank]
         for c, (r0, r1) in enumerate(splits):
             block = a[peer * rows + r0:peer * rows + r1]
             if p2p:
-                gemm_into(dest_slot[r0:r1], block, weight, b, weight_layout)  # stores go over NVLink
+                gemm_into(dest_slot[r0:r1], block, weight, None, weight_layout)  # stores go over NVLink
                 ws.put(peer, symm.DATA_CHANNEL + c)
             else:
-                staged = gemm_into(torch.empty((r1 - r0, n), dtype=a.dtype, device=a.device), block, weight, b,
+                staged = gemm_into(torch.empty((r1 - r0, n), dtype=a.dtype, device=a.device), block, weight, None,
                                    weight_layout)
                 comm.wait_stream(current)
                 with torch.cuda.stream(comm):
                     dest_slot[r0:r1].copy_(staged)  # copy engine, over NVLink
                     ws.put(peer, symm.DATA_CHANNEL + c)
-    # This rank's own block last, one sub-block at a time, with the peers' partials folded in:
-    # W=2: out = peer_partial + A_own @ W in one cuBLAS call (beta=1), no separate reduction;
-    # W>2: out = sum of the W-1 peer partials (one pass, fp32, fixed order), then out += A_own @ W.
-    out = torch.empty((rows, n), dtype=a.dtype, device=a.device)
-    w_kn = weight.t() if weight_layout == "nk" else weight
-    own = a[rank * rows:(rank + 1) * rows]
-    for c, (r0, r1) in enumerate(splits):
+    gemm_into(slots[rank], a[rank * rows:(rank + 1) * rows], weight, None, weight_layout)
+    for c in range(len(splits)):
         for step in range(1, world):
-            ws.wait((rank + step) % world, symm.DATA_CHANNEL + c)
-        if world == 2:
-            torch.addmm(slots[0, r0:r1], own[r0:r1], w_kn, out=out[r0:r1])
-        else:
-            torch.ops.flux.reduce_chunks_(out[r0:r1], slots[:world - 1, r0:r1], None)
-            out[r0:r1].addmm_(own[r0:r1], w_kn)
+            ws.wait((rank - step) % world, symm.DATA_CHANNEL + c)
+    out = torch.empty((rows, n), dtype=a.dtype, device=a.device)
+    torch.ops.flux.reduce_chunks_(out, slots, bias)  # fp32, rank order, bias once, one rounding
     if not p2p:
         current.wait_stream(comm)  # staging buffers are freed on the current stream after their copies
     return out.view(input.shape[0] // world, *input.shape[1:-1], n)
