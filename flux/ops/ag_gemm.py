@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from flux import autotune
 from flux.ops._checks import Signature, check_collectively
-from flux.ops._common import (check_gemm_args, check_same_device, gemm_into, local_gemm, log_fallback, overlap_ineligible,
+from flux.ops._common import (can_skip_dispatcher, check_gemm_args, check_same_device, gemm_into, local_gemm, log_fallback, overlap_ineligible,
                               weight_nk_shape)
 from flux.runtime import (all_gather_dim0, group_device, group_from_name, group_name, resolve_group, symm,
                           traceable_all_gather_dim0, traceable_reduce_scatter_dim0)
@@ -165,8 +165,7 @@ def run_strategy(name: str, input: torch.Tensor, weight: torch.Tensor, bias: Opt
     return (out, gathered) if return_gathered else out
 
 
-@torch.library.custom_op("flux::ag_gemm", mutates_args=())
-def _ag_gemm_op(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group_name: str,
+def _ag_gemm_impl(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group_name: str,
                 weight_layout: str, out_dtype: Optional[torch.dtype],
                 return_gathered: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     group = group_from_name(group_name)
@@ -180,6 +179,9 @@ def _ag_gemm_op(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     if not return_gathered or gathered is None:
         gathered = input.new_empty((0,))
     return out, gathered
+
+
+_ag_gemm_op = torch.library.custom_op("flux::ag_gemm", mutates_args=())(_ag_gemm_impl)
 
 
 @_ag_gemm_op.register_fake
@@ -257,6 +259,6 @@ def ag_gemm(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
         the arguments are invalid on some rank or differ between ranks.
     """
     group = resolve_group(group, OP)
-    out, gathered = torch.ops.flux.ag_gemm(input, weight, bias, group_name(group), weight_layout, out_dtype,
-                                           return_gathered)
+    op = _ag_gemm_impl if can_skip_dispatcher(input, weight, bias) else torch.ops.flux.ag_gemm
+    out, gathered = op(input, weight, bias, group_name(group), weight_layout, out_dtype, return_gathered)
     return (out, gathered) if return_gathered else out

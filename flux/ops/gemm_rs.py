@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from flux import autotune
 from flux.ops._checks import Signature, check_collectively
-from flux.ops._common import (check_gemm_args, check_same_device, gemm_into, local_gemm, log_fallback, overlap_ineligible,
+from flux.ops._common import (can_skip_dispatcher, check_gemm_args, check_same_device, gemm_into, local_gemm, log_fallback, overlap_ineligible,
                               weight_nk_shape)
 from flux.runtime import group_device, group_from_name, group_name, reduce_scatter_dim0, resolve_group, symm
 
@@ -187,8 +187,7 @@ def run_strategy(name: str, input: torch.Tensor, weight: torch.Tensor, bias: Opt
     return STRATEGIES[name](input, weight, bias, group, weight_layout, out_dtype)
 
 
-@torch.library.custom_op("flux::gemm_rs", mutates_args=())
-def _gemm_rs_op(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group_name: str,
+def _gemm_rs_impl(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group_name: str,
                 weight_layout: str, out_dtype: Optional[torch.dtype]) -> torch.Tensor:
     group = group_from_name(group_name)
     _check(input, weight, bias, group, weight_layout, out_dtype)
@@ -197,6 +196,9 @@ def _gemm_rs_op(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     name = autotune.choose("gemm_rs", available_strategies(input.device), m=rows, n=n, k=k,
                            dtype=input.dtype, world=dist.get_world_size(group))
     return STRATEGIES[name](input, weight, bias, group, weight_layout, out_dtype)
+
+
+_gemm_rs_op = torch.library.custom_op("flux::gemm_rs", mutates_args=())(_gemm_rs_impl)
 
 
 @_gemm_rs_op.register_fake
@@ -264,4 +266,5 @@ def gemm_rs(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
         the arguments are invalid on some rank or differ between ranks.
     """
     group = resolve_group(group, OP)
-    return torch.ops.flux.gemm_rs(input, weight, bias, group_name(group), weight_layout, out_dtype)
+    op = _gemm_rs_impl if can_skip_dispatcher(input, weight, bias) else torch.ops.flux.gemm_rs
+    return op(input, weight, bias, group_name(group), weight_layout, out_dtype)
