@@ -106,6 +106,8 @@ def _cuda_extension():
         "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
         "-lineinfo", *gencode,
     ]
+    if "90a" in archs:  # the CUTLASS sm90 kernels (wgmma, TMA) need the sm_90a target
+        nvcc_flags.append("-DFLUX_WITH_SM90")
     sources = sorted(glob.glob(os.path.join("csrc", "**", "*.cu"), recursive=True))
     sources += sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True))
     ext = cpp_extension.CUDAExtension(

@@ -53,6 +53,8 @@ else
   [ $rc -eq 0 ] || exit $rc
 fi
 cp flux/_C*.so "$OUTDIR/flux_C.so" && echo "$hash" > "$OUTDIR/flux_C.hash"
+# The fused GEMMs must use Hopper's warpgroup MMA (HGMMA in SASS), not a fallback path.
+echo "HGMMA instructions in flux._C: $(cuobjdump --dump-sass flux/_C*.so 2>/dev/null | grep -c HGMMA)" | tee -a "$OUTDIR/build.log"
 
 rc_tests=0
 if [ $TESTS -eq 1 ]; then

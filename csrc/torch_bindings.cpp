@@ -10,6 +10,12 @@ TORCH_LIBRARY(flux, m) {
   m.def("reduce_chunks_(Tensor(a!) out, Tensor partials, Tensor? bias) -> ()");
   // ptrs_dev: device address of the W ranks' symmetric buffer bases (csrc/reduce/reduce_chunks.cu).
   m.def("reduce_peers_(Tensor(a!) out, int ptrs_dev, int world, int offset_bytes, Tensor? bias) -> ()");
+  // Fused AllGather+GEMM (csrc/ag_gemm/ag_gemm_fused.cu): out = a_full @ weight^T (+ bias), tiles of
+  // remote rows waiting on flags[src]; a_full is a symmetric workspace written by peers;
+  // error_record: host-mapped address of 2 uint32 (waiting rank + 1, missing rank), or 0.
+  m.def("ag_gemm_fused_(Tensor(a!) out, Tensor a_full, Tensor weight, Tensor? bias, Tensor flags, int rank, "
+        "int world, int rows_per_rank, int timeout_ms, int error_record) -> ()");
+  m.def("ag_gemm_fused_supported() -> bool");
   // Signals on symmetric-workspace signal pads (csrc/runtime/signals.cu). The pads are
   // written by peers, so they are marked as mutated.
   m.def("signal_barrier_(Tensor(a!) own_pad, int pads_dev, int channel, int rank, int world, int timeout_ms) -> ()");
@@ -17,10 +23,15 @@ TORCH_LIBRARY(flux, m) {
   m.def("signal_wait_(Tensor(a!) own_pad, int channel, int rank, int peer, int world, int timeout_ms) -> ()");
 }
 
+TORCH_LIBRARY_IMPL(flux, CompositeExplicitAutograd, m) {
+  m.impl("ag_gemm_fused_supported", &flux::ag_gemm_fused_supported);
+}
+
 TORCH_LIBRARY_IMPL(flux, CUDA, m) {
   m.impl("reduce_chunks_", &flux::reduce_chunks_);
   m.impl("reduce_peers_", &flux::reduce_peers_);
   m.impl("signal_barrier_", &flux::signal_barrier_);
+  m.impl("ag_gemm_fused_", &flux::ag_gemm_fused_);
   m.impl("signal_put_", &flux::signal_put_);
   m.impl("signal_wait_", &flux::signal_wait_);
 }

@@ -392,13 +392,15 @@ gcase("graph-ag")(_graph("ag"))
 gcase("graph-rs")(_graph("rs"))
 
 
-def timeout_case(rank, world, dev):
+def timeout_case(rank, world, dev, strategy="decomposed"):
     """Run alone (it breaks rank 0's CUDA context): both ranks make one call, then rank 1
     skips the next one; rank 0's bounded wait must fail, naming rank 1, within seconds."""
     import time
 
+    from flux.runtime import symm
+
     prob = AgProblem(rank, world, dev, 64, 256, 128, BF16, seed=50)
-    ag_mod.run_strategy("decomposed", prob.x, prob.w)
+    ag_mod.run_strategy(strategy, prob.x, prob.w)
     torch.cuda.synchronize()
     dist.barrier()
     if rank == 1:
@@ -407,10 +409,11 @@ def timeout_case(rank, world, dev):
         os._exit(0)
     start = time.time()
     try:
-        ag_mod.run_strategy("decomposed", prob.x, prob.w)
+        ag_mod.run_strategy(strategy, prob.x, prob.w)
         torch.cuda.synchronize()
     except Exception as e:  # noqa: BLE001
         print(f"FLUXTIMEOUT rank 0 raised after {time.time() - start:.1f} s: {type(e).__name__}: {e}", flush=True)
+        print(f"FLUXTIMEOUT report: {symm.timeout_report()}", flush=True)
         os._exit(0)
     print("FLUXTIMEOUT rank 0 did not fail", flush=True)
     os._exit(1)
@@ -427,8 +430,8 @@ def main():
     dist.init_process_group("nccl", device_id=dev)
     faulthandler.enable()
     which = sys.argv[1] if len(sys.argv) > 1 else "all"
-    if which == "timeout":
-        timeout_case(dist.get_rank(), dist.get_world_size(), dev)
+    if which.startswith("timeout"):  # timeout or timeout:<strategy>
+        timeout_case(dist.get_rank(), dist.get_world_size(), dev, *which.split(":")[1:])
     names = list(CASES) if which == "all" else which.split(",")
     out_dir = os.environ.get("FLUX_GPU_RESULTS_DIR")
     results = open(os.path.join(out_dir, f"results.{rank}"), "w") if out_dir else None

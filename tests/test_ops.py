@@ -758,9 +758,11 @@ def test_gpu(gpu_results, name):
         assert values[0] == values[1], f"FluxInputError messages differ between ranks: {values}"
 
 
-def test_gpu_timeout():
+@pytest.mark.parametrize("strategy", ["decomposed", "fused"])
+def test_gpu_timeout(strategy):
     """A rank that skips a call: the peer's bounded device-side wait fails within seconds and
-    names the missing rank (FLUX_TIMEOUT_MS=2000), instead of hanging."""
+    names the missing rank (FLUX_TIMEOUT_MS=2000), instead of hanging. The signal kernels
+    print the message; the fused GEMM records it in host-mapped memory (timeout_report)."""
     n = torch.cuda.device_count()
     if n < 2:
         pytest.skip(f"needs 2 CUDA devices, found {n}")
@@ -769,9 +771,10 @@ def test_gpu_timeout():
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
                OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", FLUX_TIMEOUT_MS="2000")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           GPU_WORKER, "timeout"]
+           GPU_WORKER, f"timeout:{strategy}"]
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120,
                           cwd=os.path.dirname(TESTS_DIR))
     out = proc.stdout
     assert "waiting for rank 1" in out, f"no timeout message naming rank 1:\n{out[-4000:]}"
+    assert "did not make the same flux call" in out, out[-4000:]
     assert "FLUXTIMEOUT rank 0 raised" in out, f"rank 0 did not fail:\n{out[-4000:]}"

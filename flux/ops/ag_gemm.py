@@ -27,6 +27,20 @@ local GEMM for the weight's). Strategies, chosen per call by flux.autotune:
 
                  comm:     [barrier] [copy -> r+1][put r+1] [copy -> r+2][put r+2] ...
                  current:  [copy own shard] [wait all peers] [one GEMM over all rows]
+
+  fused        one persistent CUTLASS GEMM over all gathered rows (csrc/ag_gemm/), its
+               tile scheduler serving this rank's rows first and making every tile of a peer's
+               rows wait (bounded) for that peer's flag; the copy engine pushes the shard to
+               every peer, each transfer followed by a flag write that needs no SM (the GEMM
+               holds them all)::
+
+                 current:  [zero own flags][copy own shard] [wait barrier] [fused GEMM ..........]
+                 comm:     [barrier] [copy -> r+1][flag r+1] [copy -> r+2][flag r+2] ...
+
+               The GEMM starts after the barrier (a barrier kernel could not get an SM once the
+               persistent GEMM runs); the barrier also proves every peer zeroed its flags and
+               finished its previous GEMM on its workspace. bf16, weight_layout "nk", K and N
+               multiples of 8; otherwise the call runs 'decomposed'.
 """
 from typing import Callable, Dict, Optional, Tuple
 
@@ -125,7 +139,62 @@ def _oneshot(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     return out.view(world * input.shape[0], *input.shape[1:-1], n), gathered
 
 
-STRATEGIES: Dict[str, Strategy] = {"sequential": _sequential, "decomposed": _decomposed, "oneshot": _oneshot}
+def _fused_ineligible(input, weight, group, weight_layout, out_dtype) -> Optional[str]:
+    reason = overlap_ineligible(OP, "fused", input, group, out_dtype)
+    if reason:
+        return reason
+    if not torch.ops.flux.ag_gemm_fused_supported():
+        return "flux._C was built without the sm_90a kernels"
+    if torch.cuda.get_device_capability(input.device) != (9, 0):
+        return "the fused kernel is built for sm_90a (Hopper)"
+    if input.dtype != torch.bfloat16:
+        return f"the fused kernel is bf16 only (got {input.dtype})"
+    if weight_layout != "nk":
+        return "the fused kernel takes weight_layout 'nk' only"
+    n, k = weight_nk_shape(weight, weight_layout)
+    if k % 8 or n % 8:
+        return f"K={k} and N={n} must be multiples of 8 (16-byte rows for TMA)"
+    return None
+
+
+def _fused(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+           group: dist.ProcessGroup, weight_layout: str, out_dtype: Optional[torch.dtype],
+           need_gathered: bool):
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    reason = "world size 1" if world == 1 else _fused_ineligible(input, weight, group, weight_layout, out_dtype)
+    if reason:
+        log_fallback(OP, "fused", reason)
+        return _decomposed(input, weight, bias, group, weight_layout, out_dtype, need_gathered)
+    n, k = weight_nk_shape(weight, weight_layout)
+    a = input.reshape(-1, k)
+    rows = a.shape[0]
+    ws = symm.get_workspace(group, world * rows * k * a.element_size())
+    full = ws.view(rank, (world * rows, k), a.dtype)
+    flags = ws.flags()
+    current, comm = torch.cuda.current_stream(), symm.comm_stream()
+    flags.zero_()  # after this rank's previous fused GEMM (the only reader) in stream order
+    full[rank * rows:(rank + 1) * rows].copy_(a)
+    comm.wait_stream(current)
+    with torch.cuda.stream(comm):
+        ws.barrier()
+        barrier_done = torch.cuda.Event()
+        barrier_done.record()
+        for step in range(1, world):
+            peer = (rank + step) % world
+            ws.view(peer, (world * rows, k), a.dtype)[rank * rows:(rank + 1) * rows].copy_(a)
+            ws.set_flag(peer)
+    current.wait_event(barrier_done)
+    out = torch.empty((world * rows, n), dtype=a.dtype, device=a.device)
+    torch.ops.flux.ag_gemm_fused_(out, full, weight, bias, flags, rank, world, rows, symm.timeout_ms(),
+                                  symm.error_record_ptr())
+    # Every peer's rows were waited for by the kernel, so the workspace holds them all now.
+    gathered = full.clone().view(world * input.shape[0], *input.shape[1:]) if need_gathered else None
+    current.wait_stream(comm)
+    return out.view(world * input.shape[0], *input.shape[1:-1], n), gathered
+
+
+STRATEGIES: Dict[str, Strategy] = {"sequential": _sequential, "decomposed": _decomposed, "oneshot": _oneshot,
+                                   "fused": _fused}
 
 
 def available_strategies(device: torch.device):

@@ -11,7 +11,11 @@ waiting for and the CUDA context fails, instead of hanging.
 
 Signal pad channels (each channel holds one slot per source rank):
   0        call-entry barrier: every peer has finished its earlier work on the workspace
-  1 ..     per-op data-ready signals (see the strategies)
+  1 .. 7   self-resetting data-ready signals (put / wait)
+  8        level flags read by fused kernels (many readers, so not self-resetting): the
+           owner zeroes its own before the call's barrier, peers set them with
+           ``set_flag`` (a stream memory operation: no SM, so it can run while a persistent
+           kernel holds every SM), fused kernels spin until they are non-zero.
 """
 import os
 from typing import Dict, Tuple
@@ -21,10 +25,32 @@ import torch.distributed as dist
 
 BARRIER_CHANNEL = 0
 DATA_CHANNEL = 1
+FLAG_CHANNEL = 8
 
 
 def timeout_ms() -> int:
     return int(os.environ.get("FLUX_TIMEOUT_MS", "30000"))
+
+
+_error_record = None
+
+
+def error_record_ptr() -> int:
+    """Address of a host-mapped pair of uint32 where fused kernels record a timeout (waiting
+    rank + 1, missing rank) before they trap; readable after the CUDA context has failed."""
+    global _error_record
+    if _error_record is None:
+        # Pinned host memory is mapped into the device's address space at the same address (UVA).
+        _error_record = torch.zeros(2, dtype=torch.int32, pin_memory=True)
+    return _error_record.data_ptr()
+
+
+def timeout_report():
+    """'rank R timed out waiting for rank P' if a fused kernel of this process timed out, else None."""
+    if _error_record is None or int(_error_record[0]) == 0:
+        return None
+    return (f"flux: rank {int(_error_record[0]) - 1} timed out in a fused kernel waiting for rank "
+            f"{int(_error_record[1])}; that rank did not make the same flux call")
 
 
 def _symm_mem():
@@ -99,6 +125,20 @@ class Workspace:
     def put(self, peer: int, channel: int = DATA_CHANNEL) -> None:
         """Tell ``peer`` that this rank's data for it is in place (after this stream's earlier work)."""
         torch.ops.flux.signal_put_(self.pads[peer], channel, self.rank, peer, self.world, timeout_ms())
+
+    def flags(self, channel: int = FLAG_CHANNEL) -> torch.Tensor:
+        """This rank's level flags of ``channel``, one int32 per source rank."""
+        return self.pads[self.rank][channel * self.world:(channel + 1) * self.world]
+
+    def set_flag(self, peer: int, channel: int = FLAG_CHANNEL, value: int = 1) -> None:
+        """Set this rank's flag on ``peer``'s pad after this stream's earlier work, without an
+        SM: cuStreamWriteValue32 (with its memory fence); during CUDA graph capture a memset
+        node, as PyTorch's own async-TP does."""
+        offset = channel * self.world + self.rank
+        if torch.cuda.is_current_stream_capturing():
+            torch.ops.symm_mem.memset32_(self.pads[peer], offset, value, 1)
+        else:
+            torch.ops.symm_mem.stream_write_value32_(self.pads[peer], offset, value)
 
     def wait(self, peer: int, channel: int = DATA_CHANNEL) -> None:
         """Hold this stream until ``peer`` has signalled this rank on ``channel``."""

@@ -1,0 +1,166 @@
+// Tile scheduler of the fused AllGather+GEMM kernel (csrc/ag_gemm/ag_gemm_fused.cu).
+//
+// CUTLASS's persistent sm90 scheduler, with two changes to the tiles it hands out:
+//
+//  1. Order. The M tile index is rotated so that this rank's own rows come first: tile m is
+//     served as (m + offset) mod tiles_m, offset = the first tile of this rank's block
+//     (rounded down to a multiple of 2 * cluster_m * swizzle so that clusters and swizzle
+//     bands stay aligned). The first waves read only local rows while the peers' shards
+//     are still arriving.
+//  2. Readiness. Before a tile is returned, every warp that asks for it waits until the
+//     shards of every remote rank whose rows the tile covers are in place: flags[src] != 0,
+//     read with ld.acquire.sys. The flag is stored with st.release.sys by the copy stream
+//     after the copy-engine transfer of that shard completed (flux/ops/ag_gemm.py), so the
+//     TMA loads issued after the wait see the data. The wait is bounded: past timeout_ns the
+//     kernel records the rank it was waiting for in host-mapped memory and traps.
+//
+// The kernel calls initial_work_tile_info and both fetch_next_work overloads on this
+// type, so all of them are overridden; everything else is CUTLASS's.
+#pragma once
+
+#include "cutlass/gemm/kernel/sm90_tile_scheduler.hpp"
+#include "cutlass/gemm/kernel/tile_scheduler.hpp"
+
+namespace flux {
+
+struct AgSchedulerTag {};
+
+class AgTileScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
+  using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
+  using BaseParams = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90Params;
+  using BaseArguments = Base::Arguments;
+
+ public:
+  struct Arguments : BaseArguments {
+    const uint32_t* flags = nullptr;  // [world]: this rank's "shard of rank src is here" flags
+    int rank = 0;
+    int world = 1;
+    int rows_per_rank = 1;  // M of one shard
+    int tile_m = 128;       // rows of one tile (the kernel's tile shape)
+    uint64_t timeout_ns = 0;
+    uint32_t* error = nullptr;  // host-mapped [2]: (waiting rank + 1, missing rank) on timeout
+  };
+
+  struct Params : BaseParams {
+    const uint32_t* flags = nullptr;
+    int rank = 0, world = 1, rows_per_rank = 1, tile_m = 128, rows_total = 0;
+    int tiles_m = 1;      // tile rows, padded to the cluster
+    int offset_tiles = 0;
+    uint64_t timeout_ns = 0;
+    uint32_t* error = nullptr;
+  };
+
+  template <class ProblemShapeMNKL, class TileShape, class ClusterShape>
+  static Params to_underlying_arguments(ProblemShapeMNKL problem_shape_mnkl, TileShape tile_shape,
+                                        ClusterShape cluster_shape, cutlass::KernelHardwareInfo const& hw_info,
+                                        Arguments const& args, void* workspace = nullptr,
+                                        const uint32_t epilogue_subtile = 1,
+                                        uint32_t ktile_start_alignment_count = 1u) {
+    Params p;
+    BaseParams& base_params = p;
+    BaseArguments const& base_args = args;
+    base_params = Base::to_underlying_arguments(problem_shape_mnkl, tile_shape, cluster_shape, hw_info, base_args,
+                                                workspace, epilogue_subtile, ktile_start_alignment_count);
+    const int cluster_m = cute::size<0>(cluster_shape);
+    const int rows_total = static_cast<int>(cute::get<0>(problem_shape_mnkl));
+    const int tiles = (rows_total + args.tile_m - 1) / args.tile_m;
+    p.tiles_m = (tiles + cluster_m - 1) / cluster_m * cluster_m;
+    const int align = 2 * cluster_m * (1 << p.log_swizzle_size_);
+    int first = args.rank * args.rows_per_rank / args.tile_m;
+    first = first / align * align;
+    p.offset_tiles = first % p.tiles_m;
+    p.flags = args.flags;
+    p.rank = args.rank;
+    p.world = args.world;
+    p.rows_per_rank = args.rows_per_rank;
+    p.tile_m = args.tile_m;
+    p.rows_total = rows_total;
+    p.timeout_ns = args.timeout_ns;
+    p.error = args.error;
+    return p;
+  }
+
+  CUTLASS_HOST_DEVICE AgTileScheduler() {}
+  CUTLASS_DEVICE explicit AgTileScheduler(Params const& params) : Base(params), ag_(params) {}
+
+  template <class ClusterShape>
+  CUTLASS_DEVICE WorkTileInfo initial_work_tile_info(ClusterShape cluster_shape) {
+    return rotate_and_wait(Base::initial_work_tile_info(cluster_shape));
+  }
+
+  CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo work_tile_info) {
+    // The static scheduler never continues a tile (no split-K), so the base only advances.
+    auto [next, increment] = Base::fetch_next_work(unrotate(work_tile_info));
+    return cute::make_tuple(rotate_and_wait(next), increment);
+  }
+
+  template <class TileSchedulerPipeline, class TileSchedulerPipelineState>
+  CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo work_tile_info, TileSchedulerPipeline&,
+                                      TileSchedulerPipelineState) {
+    return fetch_next_work(work_tile_info);
+  }
+
+ private:
+  Params ag_;
+
+  CUTLASS_DEVICE WorkTileInfo unrotate(WorkTileInfo w) const {
+    if (w.is_valid()) w.M_idx = (w.M_idx - ag_.offset_tiles + ag_.tiles_m) % ag_.tiles_m;
+    return w;
+  }
+
+  CUTLASS_DEVICE WorkTileInfo rotate_and_wait(WorkTileInfo w) const {
+    if (!w.is_valid()) return w;
+    w.M_idx = (w.M_idx + ag_.offset_tiles) % ag_.tiles_m;
+    const int row0 = w.M_idx * ag_.tile_m;
+    if (row0 >= ag_.rows_total) return w;  // padding tile: no rows, nothing to wait for
+    const int row1 = min(row0 + ag_.tile_m, ag_.rows_total) - 1;
+    bool waited = false;
+    for (int src = row0 / ag_.rows_per_rank; src <= row1 / ag_.rows_per_rank && src < ag_.world; ++src) {
+      if (src != ag_.rank) {
+        wait_flag(src);
+        waited = true;
+      }
+    }
+    // The rows are then read by TMA (the async proxy): order the acquire above before it.
+    if (waited) asm volatile("fence.proxy.async.global;" ::: "memory");
+    return w;
+  }
+
+  CUTLASS_DEVICE void wait_flag(int src) const {
+    const uint32_t* flag = ag_.flags + src;
+    uint32_t v;
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(flag) : "memory");
+    if (v != 0) return;
+    uint64_t start;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    while (true) {
+      __nanosleep(64);
+      asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(flag) : "memory");
+      if (v != 0) return;
+      uint64_t now;
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+      if (ag_.timeout_ns != 0 && now - start > ag_.timeout_ns) {
+        // No printf here: a function call in this kernel would serialize its wgmma pipeline
+        // (ptxas C7510). The record goes to host-mapped memory, which the host can still read
+        // once the trap has failed the context (flux.runtime.symm.timeout_report()).
+        if (ag_.error != nullptr) {
+          ag_.error[1] = (uint32_t)src;
+          __threadfence_system();
+          ag_.error[0] = (uint32_t)ag_.rank + 1u;
+          __threadfence_system();
+        }
+        __trap();
+      }
+    }
+  }
+};
+
+}  // namespace flux
+
+// Route flux::AgSchedulerTag to the scheduler above in CUTLASS's kernel-level selector.
+namespace cutlass::gemm::kernel::detail {
+template <class ArchTag, class TileShape, class ClusterShape, uint32_t SchedulerPipelineStageCount>
+struct TileSchedulerSelector<flux::AgSchedulerTag, ArchTag, TileShape, ClusterShape, SchedulerPipelineStageCount> {
+  using Scheduler = flux::AgTileScheduler;
+};
+}  // namespace cutlass::gemm::kernel::detail
