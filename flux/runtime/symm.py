@@ -90,6 +90,8 @@ class Workspace:
         pad_words = symm_mem.get_signal_pad_size() // 4 if hasattr(symm_mem, "get_signal_pad_size") else 2304
         self.channels = pad_words // self.world
         self.pads = [self.handle.get_signal_pad(p, [pad_words], dtype=torch.int32) for p in range(self.world)]
+        # The same pads as uint32, the dtype PyTorch's stream memory operations take.
+        self._pads_u32 = [self.handle.get_signal_pad(p, [pad_words], dtype=torch.uint32) for p in range(self.world)]
         self.pads_dev = self.handle.signal_pad_ptrs_dev
         # Where our tensor starts inside the symmetric allocation (0 unless PyTorch pools
         # several tensors in one allocation); the same on every rank.
@@ -136,9 +138,9 @@ class Workspace:
         node, as PyTorch's own async-TP does."""
         offset = channel * self.world + self.rank
         if torch.cuda.is_current_stream_capturing():
-            torch.ops.symm_mem.memset32_(self.pads[peer], offset, value, 1)
+            torch.ops.symm_mem.memset32_(self._pads_u32[peer], offset, value, 1)
         else:
-            torch.ops.symm_mem.stream_write_value32_(self.pads[peer], offset, value)
+            torch.ops.symm_mem.stream_write_value32_(self._pads_u32[peer], offset, value)
 
     def wait(self, peer: int, channel: int = DATA_CHANNEL) -> None:
         """Hold this stream until ``peer`` has signalled this rank on ``channel``."""
