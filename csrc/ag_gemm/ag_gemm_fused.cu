@@ -74,7 +74,8 @@ bool ag_gemm_fused_supported() { return true; }
 
 void ag_gemm_fused_(at::Tensor& out, const at::Tensor& a_full, const at::Tensor& weight,
                     const std::optional<at::Tensor>& bias, const at::Tensor& flags, int64_t rank, int64_t world,
-                    int64_t rows_per_rank, int64_t timeout_ms, int64_t error_record) {
+                    int64_t rows_per_rank, int64_t timeout_ms, int64_t error_record, int64_t raster,
+                    int64_t swizzle) {
   constexpr const char* op = "ag_gemm_fused_";
   using G = AgGemmBf16;
   FLUX_CHECK(a_full.is_cuda() && weight.is_cuda() && out.is_cuda() && flags.is_cuda(), op, "CUDA tensors expected");
@@ -122,8 +123,10 @@ void ag_gemm_fused_(at::Tensor& out, const at::Tensor& a_full, const at::Tensor&
       bias.has_value() ? reinterpret_cast<const G::ElementD*>(bias->data_ptr()) : nullptr;
   // N fastest inside bands of `swizzle` M tiles: the rotated M order (local rows first) is
   // then the order in which tile rows are first touched.
-  args.scheduler.raster_order = AgTileScheduler::RasterOrderOptions::AlongN;
-  args.scheduler.max_swizzle_size = 8;
+  // raster: 0 CUTLASS's heuristic, 1 along N (default), 2 along M; swizzle: max swizzle size.
+  using Raster = AgTileScheduler::RasterOrderOptions;
+  args.scheduler.raster_order = raster == 0 ? Raster::Heuristic : raster == 2 ? Raster::AlongM : Raster::AlongN;
+  args.scheduler.max_swizzle_size = (int)swizzle;
   args.scheduler.flags = reinterpret_cast<const uint32_t*>(flags.data_ptr());
   args.scheduler.rank = (int)rank;
   args.scheduler.world = (int)world;
@@ -151,7 +154,7 @@ void ag_gemm_fused_(at::Tensor& out, const at::Tensor& a_full, const at::Tensor&
 namespace flux {
 bool ag_gemm_fused_supported() { return false; }
 void ag_gemm_fused_(at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                    const at::Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t) {
+                    const at::Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t) {
   TORCH_CHECK(false, "flux.ag_gemm_fused_: flux._C was built without an sm_90a target (FLUX_CUDA_ARCH)");
 }
 }  // namespace flux
