@@ -157,6 +157,15 @@ def _fused_ineligible(input, weight, group, weight_layout, out_dtype) -> Optiona
     return None
 
 
+def _fused_swizzle(m: int, n: int) -> int:
+    # Tile order of the fused kernel (N fastest inside bands of `swizzle` M tiles), from the
+    # kernel alone on H200 (bench/results/bench_fused_gemm-h200-run1.json): bands of 8 pay when
+    # both dimensions are large (8192x8192x14336: 2.50 ms against 2.74 with bands of 1) and
+    # cost up to 2x when there are few M tiles (the grid pads to whole bands) or few N tiles
+    # (8192x8192x5120: 1.18 against 0.90 ms).
+    return 8 if m >= 4096 and n >= 12288 else 1
+
+
 def _fused(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
            group: dist.ProcessGroup, weight_layout: str, out_dtype: Optional[torch.dtype],
            need_gathered: bool):
@@ -186,7 +195,7 @@ def _fused(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     current.wait_event(barrier_done)
     out = torch.empty((world * rows, n), dtype=a.dtype, device=a.device)
     torch.ops.flux.ag_gemm_fused_(out, full, weight, bias, flags, rank, world, rows, symm.timeout_ms(),
-                                  symm.error_record_ptr())
+                                  symm.error_record_ptr(), 1, _fused_swizzle(world * rows, n))
     # Every peer's rows were waited for by the kernel, so the workspace holds them all now.
     gathered = full.clone().view(world * input.shape[0], *input.shape[1:]) if need_gathered else None
     current.wait_stream(comm)
