@@ -110,12 +110,8 @@ import warnings  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 
-SUITE = {
-    "ag_gemm": ["8192x8192x14336", "8192x8192x5120", "4096x8192x14336", "16384x8192x4096",
-                "2048x8192x8192", "512x8192x14336", "128x8192x14336"],
-    "gemm_rs": ["8192x14336x8192", "8192x4096x8192", "4096x14336x8192", "2048x8192x8192",
-                "512x14336x8192", "128x14336x8192"],
-}
+sys.path.insert(0, REPO)  # run from a checkout without installing
+from flux.autotune.space import PUBLIC_SUITE as SUITE  # noqa: E402
 QUICK = {
     "ag_gemm": ["4096x8192x14336", "512x8192x14336"],
     "gemm_rs": ["4096x14336x8192", "512x14336x8192"],

@@ -1,21 +1,37 @@
 """Strategy choice for the overlapped ops.
 
-``choose`` is called once per op call with the problem's shape and the strategies that can
-run on its device. It returns, in this order of precedence:
+``choose(problem)`` is called once per op call and returns a Candidate (a strategy and its
+parameters), in this order of precedence:
 
-1. a strategy forced for the process (``force(op, name)``, or the environment variable
-   ``FLUX_STRATEGY_<OP>``, e.g. ``FLUX_STRATEGY_AG_GEMM=sequential``);
-2. the analytic default (``default_strategy``).
+1. a strategy forced for the process (``force(op, label)``, or the environment variable
+   ``FLUX_STRATEGY_<OP>``, e.g. ``FLUX_STRATEGY_GEMM_RS=decomposed(chunks=2)``);
+2. a tuned choice from the cache of this topology (flux/autotune/cache.py: the user's file,
+   then the shipped defaults), for the problem's M bucket, N, K, dtype and layout;
+3. the analytic default (``default_candidate``).
 
-The choice depends only on arguments that every rank of the group shares (shape, dtype,
-world size, and process-wide settings that must be set alike on all ranks), so every rank
-makes the same choice without communicating.
+A call never tunes unless asked: with FLUX_AUTOTUNE=1 an op call whose problem has no cache
+entry tunes it on the spot (collectively, with the call's own tensors) and records it;
+``torchrun ... -m flux.autotune`` tunes a list of shapes ahead of time.
+
+The choice depends only on what every rank of the group shares (the problem, the topology,
+the cache files and process-wide settings, which must be alike on all ranks). The ops put
+the choice into the argument signature that the ranks compare before any data moves, so
+ranks that would choose differently (different cache files, say) get the same error
+instead of a hang.
+
+Modules: topology (the cache key), space (candidates and pruning), cache (the JSON files),
+tuner (collective timing), __main__ (the CLI).
 """
 import logging
 import os
-from typing import Dict, Optional, Sequence
+import zlib
+from typing import Callable, Dict, Optional, Sequence
 
 import torch
+
+from flux.autotune.cache import TuneCache, problem_key
+from flux.autotune.space import Candidate, Problem, candidates, m_bucket, why_invalid
+from flux.autotune.topology import Topology, detect
 
 log = logging.getLogger("flux")
 
@@ -25,8 +41,8 @@ _logged = set()
 
 
 def force(op: str, name: Optional[str]) -> None:
-    """Force strategy ``name`` for every later call of ``op`` in this process (None: undo).
-    Set it alike on every rank of a group."""
+    """Force strategy ``name`` (a Candidate label, e.g. "decomposed(chunks=2)") for every later
+    call of ``op`` in this process (None: undo). Set it alike on every rank of a group."""
     if op not in OPS:
         raise ValueError(f"flux.autotune.force: unknown op {op!r}; known: {OPS}")
     _forced[op] = name
@@ -56,14 +72,95 @@ def default_strategy(op: str, available: Sequence[str], *, m: int, n: int, k: in
     return want if want in available else "sequential"
 
 
-def choose(op: str, available: Sequence[str], *, m: int, n: int, k: int, dtype: torch.dtype, world: int) -> str:
-    """The strategy for one call of ``op`` (see the module docstring)."""
-    name = _forced.get(op) or os.environ.get(f"FLUX_STRATEGY_{op.upper()}")
-    if name:
-        if name in available:
-            return name
-        if (op, name) not in _logged:  # a fallback logs its reason once
-            _logged.add((op, name))
-            log.warning("flux.%s: forced strategy %r cannot run here (available: %s); using the default",
-                        op, name, list(available))
-    return default_strategy(op, available, m=m, n=n, k=k, dtype=dtype, world=world)
+def default_candidate(p: Problem) -> Candidate:
+    """``default_strategy`` for a Problem, as a Candidate valid for it."""
+    names = [c.strategy for c in candidates(p)]
+    name = default_strategy(p.op, names, m=p.m, n=p.n, k=p.k, dtype=p.dtype, world=p.world)
+    for c in candidates(p):
+        if c.strategy == name:
+            return c
+    return Candidate("sequential")
+
+
+_topologies: Dict[tuple, Topology] = {}
+_caches: Dict[str, TuneCache] = {}
+
+
+def topology(world: int, device: torch.device) -> Topology:
+    key = (world, device.type, device.index)
+    if key not in _topologies:
+        _topologies[key] = detect(world, device)
+    return _topologies[key]
+
+
+def cache_for(topo: Topology) -> TuneCache:
+    if topo.key not in _caches:
+        _caches[topo.key] = TuneCache(topo.key)
+    return _caches[topo.key]
+
+
+def reset() -> None:
+    """Forget detected topologies and loaded caches (tests; after changing FLUX_CACHE_DIR)."""
+    _topologies.clear()
+    _caches.clear()
+
+
+def key_of(p: Problem) -> str:
+    return problem_key(p.op, m_bucket(p.m), p.n, p.k, str(p.dtype).replace("torch.", ""), p.world, p.weight_layout)
+
+
+def _warn_once(op: str, what: str, why: str) -> None:
+    if (op, what, why) not in _logged:  # a fallback logs its reason once
+        _logged.add((op, what, why))
+        log.warning("flux.%s: %s cannot run here (%s); using the default", op, what, why)
+
+
+def choose(p: Problem, device: Optional[torch.device] = None) -> Candidate:
+    """The candidate for one call (see the module docstring)."""
+    label = _forced.get(p.op) or os.environ.get(f"FLUX_STRATEGY_{p.op.upper()}")
+    if label:
+        c = Candidate.parse(label)
+        why = why_invalid(c, p)
+        if why is None:
+            return c
+        _warn_once(p.op, f"forced strategy {label!r}", why)
+        return default_candidate(p)
+    if device is not None:
+        entry = cache_for(topology(p.world, device)).get(key_of(p))
+        if entry is not None:
+            c = Candidate.parse(entry["choice"])
+            if why_invalid(c, p) is None:
+                return c
+    return default_candidate(p)
+
+
+def candidate_code(c: Candidate) -> int:
+    """A stable small integer for a candidate (it goes into the cross-rank signature)."""
+    return zlib.crc32(c.label.encode()) & 0x7FFFFFFF
+
+
+def tuning_requested(p: Problem, device: torch.device) -> bool:
+    """FLUX_AUTOTUNE=1 and no cache entry (nor a forced strategy) for this problem."""
+    if os.environ.get("FLUX_AUTOTUNE", "0") != "1" or device.type != "cuda":
+        return False
+    if _forced.get(p.op) or os.environ.get(f"FLUX_STRATEGY_{p.op.upper()}"):
+        return False
+    return cache_for(topology(p.world, device)).get(key_of(p)) is None
+
+
+def tune(p: Problem, run: Callable[[Candidate], object], group, device: torch.device, *, save: bool = True,
+         warmup: int = 3, iters: int = 10, timer=None) -> dict:
+    """Time every candidate of ``p`` on all ranks of ``group`` together, record the choice in
+    the cache of this topology (written by the group's first rank of each node when ``save``)
+    and return the entry {"choice", "default", "times_ms"}. Collective."""
+    from flux.autotune import tuner
+
+    cands = candidates(p)
+    times = tuner.time_candidates(run, cands, group, device, warmup=warmup, iters=iters, timer=timer)
+    best = tuner.pick(times, cands, group, device)
+    entry = {"choice": best.label, "default": default_candidate(p).label, "times_ms": times}
+    cache = cache_for(topology(p.world, device))
+    cache.put(key_of(p), entry)
+    if save and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        cache.save()
+    return entry

@@ -55,8 +55,11 @@ def describe(name: str, value: int) -> str:
         return "None" if value == 0 else _CODE_NAMES.get(value, f"dtype #{value}")
     if name == "weight_layout":
         return {0: "'nk'", 1: "'kn'"}.get(value, "invalid")
-    if name.endswith("is given"):
+    if name.endswith("is given") or name == "tunes now":
         return str(bool(value))
+    if name == "strategy":
+        return (f"candidate #{value} (the ranks' FLUX_STRATEGY_* settings or autotune caches differ; "
+                "see docs/tuning.md)")
     return str(value)
 
 

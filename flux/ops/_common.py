@@ -146,3 +146,44 @@ def can_skip_dispatcher(*tensors) -> bool:
         if type(t) is not torch.Tensor or (grad and t.requires_grad):
             return False
     return True
+
+
+_fused_built = None
+
+
+def _fused_kernels_built() -> bool:
+    global _fused_built
+    if _fused_built is None:
+        from flux.runtime import cuda_kernels_available
+
+        _fused_built = cuda_kernels_available() and bool(torch.ops.flux.ag_gemm_fused_supported())
+    return _fused_built
+
+
+def choose_and_check(sig, op: str, input: torch.Tensor, weight: torch.Tensor, weight_layout: str,
+                     out_dtype: Optional[torch.dtype], group, m_total: int):
+    """Choose the call's candidate (flux.autotune), put it into the signature, and check the
+    signature across ranks (raising the same FluxInputError everywhere on any problem,
+    including ranks that would choose differently). Returns (problem, candidate, tune_now):
+    tune_now is True, on every rank alike, when the call must tune its problem first."""
+    import torch.distributed as dist
+
+    from flux import autotune
+    from flux.autotune.space import Candidate, Problem
+    from flux.ops._checks import check_collectively
+
+    problem, cand, tune = None, Candidate("sequential"), False
+    if sig.error is None:
+        n, k = weight_nk_shape(weight, weight_layout)
+        if min(m_total, n, k) > 0:
+            cuda = input.device.type == "cuda"
+            problem = Problem(op, m_total, n, k, input.dtype, dist.get_world_size(group), weight_layout,
+                              out_dtype is not None and out_dtype != input.dtype, input.device.type,
+                              sm90=cuda and torch.cuda.get_device_capability(input.device) == (9, 0),
+                              fused_built=cuda and _fused_kernels_built())
+            cand = autotune.choose(problem, input.device)
+            tune = autotune.tuning_requested(problem, input.device)
+    sig.add("strategy", autotune.candidate_code(cand))
+    sig.add("tunes now", tune)
+    check_collectively(sig, group)
+    return problem, cand, tune

@@ -48,8 +48,9 @@ import torch
 import torch.distributed as dist
 
 from flux import autotune
+from flux.autotune.space import Candidate
 from flux.ops._checks import Signature, check_collectively
-from flux.ops._common import (can_skip_dispatcher, check_gemm_args, check_same_device, gemm_into, local_gemm, log_fallback, overlap_ineligible,
+from flux.ops._common import (can_skip_dispatcher, check_gemm_args, check_same_device, choose_and_check, gemm_into, local_gemm, log_fallback, overlap_ineligible,
                               weight_nk_shape)
 from flux.runtime import (all_gather_dim0, group_device, group_from_name, group_name, resolve_group, symm,
                           traceable_all_gather_dim0, traceable_reduce_scatter_dim0)
@@ -168,7 +169,7 @@ def _fused_swizzle(m: int, n: int) -> int:
 
 def _fused(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
            group: dist.ProcessGroup, weight_layout: str, out_dtype: Optional[torch.dtype],
-           need_gathered: bool):
+           need_gathered: bool, swizzle: Optional[int] = None):
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     reason = "world size 1" if world == 1 else _fused_ineligible(input, weight, group, weight_layout, out_dtype)
     if reason:
@@ -195,7 +196,7 @@ def _fused(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     current.wait_event(barrier_done)
     out = torch.empty((world * rows, n), dtype=a.dtype, device=a.device)
     torch.ops.flux.ag_gemm_fused_(out, full, weight, bias, flags, rank, world, rows, symm.timeout_ms(),
-                                  symm.error_record_ptr(), 1, _fused_swizzle(world * rows, n))
+                                  symm.error_record_ptr(), 1, swizzle or _fused_swizzle(world * rows, n))
     # Every peer's rows were waited for by the kernel, so the workspace holds them all now.
     gathered = full.clone().view(world * input.shape[0], *input.shape[1:]) if need_gathered else None
     current.wait_stream(comm)
@@ -223,23 +224,28 @@ def ag_gemm_ref(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     return (out, gathered) if return_gathered else out
 
 
-def _check(input, weight, bias, group, weight_layout, out_dtype) -> None:
+def _signature(input, weight, bias, group, weight_layout, out_dtype) -> Signature:
     sig = Signature(OP)
     check_gemm_args(sig, input, weight, bias, weight_layout, out_dtype, group_device(group).type)
-    check_collectively(sig, group)
+    return sig
+
+
+def _check(input, weight, bias, group, weight_layout, out_dtype) -> None:
+    check_collectively(_signature(input, weight, bias, group, weight_layout, out_dtype), group)
 
 
 def run_strategy(name: str, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                  group: Optional[dist.ProcessGroup] = None, weight_layout: str = "nk",
-                 out_dtype: Optional[torch.dtype] = None, return_gathered: bool = False, check: bool = True):
-    """Run one named strategy (benchmarks, tests, the autotuner): same arguments and
-    result as ``flux.ag_gemm``, bypassing the dispatcher and the strategy choice."""
+                 out_dtype: Optional[torch.dtype] = None, return_gathered: bool = False, check: bool = True,
+                 **params):
+    """Run one named strategy with its parameters, if any (benchmarks, tests, the autotuner):
+    same arguments and result as ``flux.ag_gemm``, bypassing the dispatcher and the choice."""
     group = resolve_group(group, OP)
     if name not in STRATEGIES:
         raise ValueError(f"{OP}: unknown strategy {name!r}; known: {sorted(STRATEGIES)}")
     if check:
         _check(input, weight, bias, group, weight_layout, out_dtype)
-    out, gathered = STRATEGIES[name](input, weight, bias, group, weight_layout, out_dtype, return_gathered)
+    out, gathered = STRATEGIES[name](input, weight, bias, group, weight_layout, out_dtype, return_gathered, **params)
     return (out, gathered) if return_gathered else out
 
 
@@ -247,13 +253,19 @@ def _ag_gemm_impl(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
                 weight_layout: str, out_dtype: Optional[torch.dtype],
                 return_gathered: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     group = group_from_name(group_name)
-    _check(input, weight, bias, group, weight_layout, out_dtype)
-    n, k = weight_nk_shape(weight, weight_layout)
     world = dist.get_world_size(group)
-    rows = input.numel() // input.shape[-1] if input.shape[-1] else 0
-    name = autotune.choose("ag_gemm", available_strategies(input.device), m=rows * world, n=n, k=k,
-                           dtype=input.dtype, world=world)
-    out, gathered = STRATEGIES[name](input, weight, bias, group, weight_layout, out_dtype, return_gathered)
+    sig = _signature(input, weight, bias, group, weight_layout, out_dtype)
+    rows = input.numel() // input.shape[-1] if input.dim() >= 1 and input.shape[-1] else 0
+    problem, cand, tune_now = choose_and_check(sig, "ag_gemm", input, weight, weight_layout, out_dtype, group,
+                                               rows * world)
+
+    def run(c):
+        return STRATEGIES[c.strategy](input, weight, bias, group, weight_layout, out_dtype, return_gathered,
+                                      **c.kwargs)
+
+    if tune_now:
+        cand = Candidate.parse(autotune.tune(problem, run, group, input.device)["choice"])
+    out, gathered = run(cand)
     if not return_gathered or gathered is None:
         gathered = input.new_empty((0,))
     return out, gathered

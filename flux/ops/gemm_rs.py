@@ -41,8 +41,9 @@ import torch
 import torch.distributed as dist
 
 from flux import autotune
+from flux.autotune.space import Candidate
 from flux.ops._checks import Signature, check_collectively
-from flux.ops._common import (can_skip_dispatcher, check_gemm_args, check_same_device, gemm_into, local_gemm, log_fallback, overlap_ineligible,
+from flux.ops._common import (can_skip_dispatcher, check_gemm_args, check_same_device, choose_and_check, gemm_into, local_gemm, log_fallback, overlap_ineligible,
                               weight_nk_shape)
 from flux.runtime import group_device, group_from_name, group_name, reduce_scatter_dim0, resolve_group, symm
 
@@ -115,12 +116,14 @@ def _decomposed_impl(input, weight, bias, group, weight_layout, out_dtype, *, p2
     return out.view(input.shape[0] // world, *input.shape[1:-1], n)
 
 
-def _decomposed(input, weight, bias, group, weight_layout, out_dtype):
-    return _decomposed_impl(input, weight, bias, group, weight_layout, out_dtype, p2p=False, name="decomposed")
+def _decomposed(input, weight, bias, group, weight_layout, out_dtype, chunks: Optional[int] = None):
+    return _decomposed_impl(input, weight, bias, group, weight_layout, out_dtype, p2p=False, name="decomposed",
+                            chunks=chunks)
 
 
-def _decomposed_p2p(input, weight, bias, group, weight_layout, out_dtype):
-    return _decomposed_impl(input, weight, bias, group, weight_layout, out_dtype, p2p=True, name="decomposed_p2p")
+def _decomposed_p2p(input, weight, bias, group, weight_layout, out_dtype, chunks: Optional[int] = None):
+    return _decomposed_impl(input, weight, bias, group, weight_layout, out_dtype, p2p=True, name="decomposed_p2p",
+                            chunks=chunks)
 
 
 def _oneshot(input, weight, bias, group, weight_layout, out_dtype):
@@ -165,20 +168,24 @@ def gemm_rs_ref(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     return _sequential(input, weight, bias, resolve_group(group, OP), weight_layout, out_dtype)
 
 
-def _check(input, weight, bias, group, weight_layout, out_dtype) -> None:
+def _signature(input, weight, bias, group, weight_layout, out_dtype) -> Signature:
     sig = Signature(OP)
     check_gemm_args(sig, input, weight, bias, weight_layout, out_dtype, group_device(group).type)
     world = dist.get_world_size(group)
     if input.dim() >= 1 and input.shape[0] % world != 0:
         sig.fail(f"input.shape[0] = {input.shape[0]} (M) is not divisible by the group size {world}")
-    check_collectively(sig, group)
+    return sig
+
+
+def _check(input, weight, bias, group, weight_layout, out_dtype) -> None:
+    check_collectively(_signature(input, weight, bias, group, weight_layout, out_dtype), group)
 
 
 def run_strategy(name: str, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                  group: Optional[dist.ProcessGroup] = None, weight_layout: str = "nk",
-                 out_dtype: Optional[torch.dtype] = None, check: bool = True) -> torch.Tensor:
-    """Run one named strategy (benchmarks, tests, the autotuner): same arguments and
-    result as ``flux.gemm_rs``, bypassing the dispatcher and the strategy choice."""
+                 out_dtype: Optional[torch.dtype] = None, check: bool = True, **params) -> torch.Tensor:
+    """Run one named strategy with its parameters, if any (benchmarks, tests, the autotuner):
+    same arguments and result as ``flux.gemm_rs``, bypassing the dispatcher and the choice."""
     group = resolve_group(group, OP)
     if name not in STRATEGIES:
         raise ValueError(f"{OP}: unknown strategy {name!r}; known: {sorted(STRATEGIES)}")
@@ -190,12 +197,16 @@ def run_strategy(name: str, input: torch.Tensor, weight: torch.Tensor, bias: Opt
 def _gemm_rs_impl(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group_name: str,
                 weight_layout: str, out_dtype: Optional[torch.dtype]) -> torch.Tensor:
     group = group_from_name(group_name)
-    _check(input, weight, bias, group, weight_layout, out_dtype)
-    n, k = weight_nk_shape(weight, weight_layout)
-    rows = input.numel() // input.shape[-1] if input.shape[-1] else 0
-    name = autotune.choose("gemm_rs", available_strategies(input.device), m=rows, n=n, k=k,
-                           dtype=input.dtype, world=dist.get_world_size(group))
-    return STRATEGIES[name](input, weight, bias, group, weight_layout, out_dtype)
+    sig = _signature(input, weight, bias, group, weight_layout, out_dtype)
+    rows = input.numel() // input.shape[-1] if input.dim() >= 1 and input.shape[-1] else 0
+    problem, cand, tune_now = choose_and_check(sig, "gemm_rs", input, weight, weight_layout, out_dtype, group, rows)
+
+    def run(c):
+        return STRATEGIES[c.strategy](input, weight, bias, group, weight_layout, out_dtype, **c.kwargs)
+
+    if tune_now:
+        cand = Candidate.parse(autotune.tune(problem, run, group, input.device)["choice"])
+    return run(cand)
 
 
 _gemm_rs_op = torch.library.custom_op("flux::gemm_rs", mutates_args=())(_gemm_rs_impl)

@@ -1,0 +1,125 @@
+"""Tune flux's strategy choice for this machine and write the cache:
+
+    torchrun --nproc_per_node=N -m flux.autotune --suite
+    torchrun --nproc_per_node=N -m flux.autotune --shapes ag_gemm:8192x8192x14336,gemm_rs:4096x14336x8192
+
+Shapes are M x K x N as in bench/bench_ops.py (M all rows; for ag_gemm each rank holds M/N
+rows of K; for gemm_rs each rank holds K columns of its shard). Every rank times every valid
+candidate of a shape together (flux/autotune/tuner.py); the choice, the default and all
+times go to the cache of this topology (flux/autotune/cache.py), or with --ship to the
+shipped defaults in the source tree. Prints what it chose and by how much it beat the
+analytic default.
+"""
+import os
+
+os.environ["NCCL_NVLS_ENABLE"] = "0"  # never NVLink multicast
+os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
+
+import argparse  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _parse_shapes(args):
+    from flux.autotune.space import PUBLIC_SUITE
+
+    if args.suite:
+        return [(op, s) for op in args.ops for s in PUBLIC_SUITE[op]]
+    out = []
+    for item in args.shapes.split(","):
+        op, _, shape = item.rpartition(":")
+        ops = [op] if op else args.ops
+        for o in ops:
+            if o not in ("ag_gemm", "gemm_rs"):
+                raise SystemExit(f"flux.autotune: unknown op {o!r} in {item!r}")
+            out.append((o, shape))
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m flux.autotune", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--suite", action="store_true", help="the public shape suite")
+    g.add_argument("--shapes", help="comma-separated [op:]MxKxN")
+    p.add_argument("--ops", default="ag_gemm,gemm_rs", help="ops for --suite or for shapes without op:")
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--ship", action="store_true", help="write the shipped defaults (flux/autotune/shipped/)")
+    p.add_argument("--cpu", action="store_true", help="gloo on CPU (tests the tool; only 'sequential' runs there)")
+    args = p.parse_args(argv)
+    args.ops = args.ops.split(",")
+
+    if args.cpu:
+        dist.init_process_group("gloo")
+        device = torch.device("cpu")
+    else:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+        dist.init_process_group("nccl", device_id=device)
+    import flux
+    from flux import autotune
+    from flux.autotune import cache as cache_mod
+    from flux.autotune.space import Problem
+
+    group, rank, world = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
+    topo = autotune.topology(world, device)
+    dtype = DTYPES[args.dtype]
+    shapes = _parse_shapes(args)
+    if rank == 0:
+        print(f"flux.autotune: {topo}\n  topology key {topo.key!r}, flux {flux.__version__}, {len(shapes)} shapes",
+              flush=True)
+    start, rows = time.time(), []
+    for i, (op, shape) in enumerate(shapes, 1):
+        m, k, n = (int(x) for x in shape.lower().split("x"))
+        gen = torch.Generator(device=device).manual_seed(1234 + rank)
+        if op == "ag_gemm":
+            x = torch.randn(m // world, k, generator=gen, device=device, dtype=torch.float32).to(dtype) * 0.1
+        else:
+            x = torch.randn(m, k, generator=gen, device=device, dtype=torch.float32).to(dtype) * 0.1
+        w = torch.randn(n, k, generator=gen, device=device, dtype=torch.float32).to(dtype) * 0.1
+        mod = flux.ops.ag_gemm if op == "ag_gemm" else flux.ops.gemm_rs
+        cuda = device.type == "cuda"
+        from flux.ops._common import _fused_kernels_built
+
+        problem = Problem(op, m, n, k, dtype, world, "nk", False, device.type,
+                          sm90=cuda and torch.cuda.get_device_capability(device) == (9, 0),
+                          fused_built=cuda and _fused_kernels_built())
+        mod.run_strategy("sequential", x, w)  # argument check, workspace, cuBLAS handles
+
+        def run(c, x=x, w=w, mod=mod):
+            return mod.run_strategy(c.strategy, x, w, check=False, **c.kwargs)
+
+        entry = autotune.tune(problem, run, group, device, save=False, warmup=args.warmup, iters=args.iters)
+        t = entry["times_ms"]
+        gain = t[entry["default"]] / t[entry["choice"]] - 1
+        rows.append((op, shape, entry["choice"], t[entry["choice"]], entry["default"], t[entry["default"]], gain))
+        if rank == 0:
+            print(f"  [{i}/{len(shapes)}] {op} {shape}: {entry['choice']} {t[entry['choice']]:.3f} ms"
+                  f" (default {entry['default']} {t[entry['default']]:.3f} ms, {100 * gain:+.1f}%)", flush=True)
+        del x, w
+        if cuda:
+            torch.cuda.empty_cache()
+    cache = autotune.cache_for(topo)
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        path = cache.save(os.path.join(cache_mod.SHIPPED_DIR, cache_mod.file_name(topo.key)) if args.ship else None)
+    if rank == 0:
+        print(f"\nflux.autotune: {len(shapes)} shapes in {time.time() - start:.1f} s; wrote {path}")
+        print(f"{'op':8} {'shape':>16} {'choice':>22} {'ms':>8} {'default':>22} {'ms':>8} {'gain':>7}")
+        for op, shape, c, tc, d, td, gain in rows:
+            print(f"{op:8} {shape:>16} {c:>22} {tc:8.3f} {d:>22} {td:8.3f} {100 * gain:+6.1f}%")
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""The search space: which strategy, with which parameters, may run a given problem.
+
+A Candidate is a strategy name plus keyword parameters for it (see the strategies in
+flux/ops/ag_gemm.py and flux/ops/gemm_rs.py). ``candidates(problem)`` lists the valid
+ones, pruned before any timing (device, dtype, layout, alignment, sizes).
+"""
+import dataclasses
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    strategy: str
+    params: Tuple[Tuple[str, int], ...] = ()
+
+    @staticmethod
+    def of(strategy: str, **params: int) -> "Candidate":
+        return Candidate(strategy, tuple(sorted(params.items())))
+
+    @property
+    def kwargs(self) -> Dict[str, int]:
+        return dict(self.params)
+
+    @property
+    def label(self) -> str:
+        if not self.params:
+            return self.strategy
+        return f"{self.strategy}(" + ",".join(f"{k}={v}" for k, v in self.params) + ")"
+
+    @staticmethod
+    def parse(label: str) -> "Candidate":
+        if "(" not in label:
+            return Candidate(label)
+        name, rest = label.split("(", 1)
+        params = {}
+        for item in rest.rstrip(")").split(","):
+            if item:
+                k, v = item.split("=")
+                params[k] = int(v)
+        return Candidate.of(name, **params)
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One op call's shape as the tuner sees it. m: all rows (the gathered M for AG)."""
+    op: str
+    m: int
+    n: int
+    k: int
+    dtype: torch.dtype
+    world: int
+    weight_layout: str = "nk"
+    out_dtype_differs: bool = False
+    device_type: str = "cuda"
+    sm90: bool = True          # the device runs the sm_90a kernels
+    fused_built: bool = True   # flux._C holds them
+
+    def __post_init__(self):
+        if self.op not in ("ag_gemm", "gemm_rs"):
+            raise ValueError(f"Problem: unknown op {self.op!r}")
+        if min(self.m, self.n, self.k, self.world) < 1:
+            raise ValueError(f"Problem: sizes must be positive: {self}")
+
+
+TILE_M = 128  # rows of one tile of the fused kernels
+
+
+def _space(op: str) -> List[Candidate]:
+    if op == "ag_gemm":
+        return [Candidate("sequential"), Candidate("decomposed"), Candidate("oneshot"),
+                Candidate.of("fused", swizzle=1), Candidate.of("fused", swizzle=8)]
+    return [Candidate("sequential"), Candidate("oneshot"), Candidate.of("decomposed", chunks=1),
+            Candidate.of("decomposed", chunks=2), Candidate.of("decomposed_p2p", chunks=1)]
+
+
+def why_invalid(c: Candidate, p: Problem) -> Optional[str]:
+    """Why ``c`` cannot run ``p`` (None when it can)."""
+    if c.strategy == "sequential":
+        return None
+    if p.device_type != "cuda":
+        return "overlapped strategies need CUDA"
+    if p.world == 1:
+        return "nothing to overlap at world size 1"
+    if p.out_dtype_differs:
+        return "out_dtype differs from the input dtype"
+    if p.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"dtype {p.dtype}"
+    rows = p.m // p.world
+    if c.strategy == "fused":
+        if not (p.sm90 and p.fused_built):
+            return "the fused kernels need sm_90a and a flux._C built for it"
+        if p.dtype != torch.bfloat16 or p.weight_layout != "nk":
+            return "the fused kernel is bf16, weight_layout 'nk'"
+        if p.k % 8 or p.n % 8:
+            return "K and N must be multiples of 8"
+        if c.kwargs.get("swizzle", 1) > 1 and p.m < 16 * TILE_M:
+            return "bands of M tiles larger than the problem pad the grid"
+    if c.kwargs.get("chunks", 1) > 1 and rows < c.kwargs["chunks"] * TILE_M:
+        return "sub-blocks smaller than a tile"
+    return None
+
+
+def candidates(p: Problem) -> List[Candidate]:
+    """The valid candidates for ``p``, 'sequential' first."""
+    return [c for c in _space(p.op) if why_invalid(c, p) is None]
+
+
+def m_bucket(m: int) -> int:
+    """Rows are bucketed to the next power of two (N and K stay exact): a tuned choice serves
+    every M in (bucket/2, bucket]."""
+    return 1 << max(0, (m - 1).bit_length())
+
+
+# The public shape suite (M x K x N at two ranks; M is the gathered M): what the benchmark
+# measures and `python -m flux.autotune --suite` tunes.
+PUBLIC_SUITE = {
+    "ag_gemm": ["8192x8192x14336", "8192x8192x5120", "4096x8192x14336", "16384x8192x4096",
+                "2048x8192x8192", "512x8192x14336", "128x8192x14336"],
+    "gemm_rs": ["8192x14336x8192", "8192x4096x8192", "4096x14336x8192", "2048x8192x8192",
+                "512x14336x8192", "128x14336x8192"],
+}

@@ -1,0 +1,64 @@
+"""Collective timing: every rank of the group times the same candidates together; a
+candidate's time is its maximum over ranks; rank 0 picks the fastest and broadcasts its
+index, so every rank adopts the same choice even if their clocks disagree.
+"""
+import statistics
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from flux.autotune.space import Candidate
+
+
+def _sync(group: dist.ProcessGroup, device: torch.device) -> None:
+    """Start every rank's timing together: a one-element all-reduce, then the device idle."""
+    t = torch.zeros(1, device=device)
+    dist.all_reduce(t, group=group)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_on_rank(fn: Callable[[], object], device: torch.device, iters: int) -> float:
+    """Median milliseconds of one call of ``fn`` on this rank."""
+    samples = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+def time_candidates(run: Callable[[Candidate], object], cands: Sequence[Candidate], group: dist.ProcessGroup,
+                    device: torch.device, warmup: int = 3, iters: int = 10,
+                    timer: Optional[Callable[[Candidate, Callable[[], object]], float]] = None) -> Dict[str, float]:
+    """{candidate label: max over ranks of its median time (ms)}. ``timer(c, fn)`` replaces
+    this rank's measurement (tests)."""
+    mine = []
+    for c in cands:
+        fn = lambda c=c: run(c)  # noqa: E731
+        for _ in range(warmup):
+            fn()
+        _sync(group, device)
+        mine.append(timer(c, fn) if timer else time_on_rank(fn, device, iters))
+    times = torch.tensor(mine, dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
+    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+    return {c.label: float(t) for c, t in zip(cands, times.tolist())}
+
+
+def pick(times: Dict[str, float], cands: List[Candidate], group: dist.ProcessGroup,
+         device: torch.device) -> Candidate:
+    """The fastest candidate by rank 0's reading of ``times``, the same on every rank."""
+    best = min(range(len(cands)), key=lambda i: times[cands[i].label])
+    idx = torch.tensor([best], dtype=torch.int64, device=device if device.type == "cuda" else "cpu")
+    dist.broadcast(idx, src=dist.get_global_rank(group, 0), group=group)
+    return cands[int(idx.item())]
