@@ -621,21 +621,6 @@ def _params(prefix):
 # Cases that fail because of a known flux bug: case -> (text expected in the error on
 # every failing rank, the bug in a line). They xfail while the bug is there, and fail once
 # the case passes, so that the entry is removed together with the bug.
-#
-# backward-collectives: ag_gemm's backward calls plain c10d collectives outside any custom
-#   op (flux.runtime.all_gather_dim0 of the input, for the weight's gradient when
-#   return_gathered=False; reduce_scatter_dim0 of the gathered input's gradient). AOT
-#   autograd traces them with the ProcessGroup object in the backward graph and then fails
-#   to deepcopy it: torch.compile (aot_eager, inductor) of a training step fails whenever
-#   the weight requires grad.
-# meta-dispatch: with any argument on the meta device the dispatcher runs the fake
-#   implementation (register_fake also serves the Meta key), which checks nothing and
-#   allocates on input's device: flux.ag_gemm(cpu_input, meta_weight) returns an
-#   uninitialised CPU tensor instead of raising FluxInputError.
-# side-group-count: flux.ops._checks creates its gloo side group lazily, with
-#   use_local_synchronization=True, on the group's members only; that advances torch's
-#   _world.group_count on those ranks alone, so a later world-wide dist.new_group() computes
-#   different group names on different ranks and hangs (here: times out after 5 s).
 KNOWN_BUGS = {}  # case name -> (error fragment, why); none open
 
 

@@ -77,6 +77,12 @@ def _space(op: str) -> List[Candidate]:
 
 def why_invalid(c: Candidate, p: Problem) -> Optional[str]:
     """Why ``c`` cannot run ``p`` (None when it can)."""
+    space = _space(p.op)
+    if c.strategy not in {x.strategy for x in space}:
+        return f"{p.op} has no strategy {c.strategy!r}"
+    known = {k for x in space if x.strategy == c.strategy for k, _ in x.params}
+    if not set(c.kwargs) <= known:
+        return f"{c.strategy} takes parameters {sorted(known)}, not {sorted(c.kwargs)}"
     if c.strategy == "sequential":
         return None
     if p.device_type != "cuda":

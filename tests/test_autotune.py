@@ -1,0 +1,197 @@
+"""flux.autotune on the CPU: candidates and pruning, M bucketing, the cache file (round
+trip, versioning, shipped defaults), the order of precedence of the choice, and, in gloo
+processes, that ranks which measure different times still make the same choice."""
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from flux import autotune
+from flux.autotune import cache as cache_mod
+from flux.autotune.space import Candidate, Problem, candidates, m_bucket, why_invalid
+from flux.autotune.topology import Topology
+from _dist import case, case_names, run_batch
+
+BF16 = torch.bfloat16
+
+
+def big(op, **kw):
+    args = dict(op=op, m=8192, n=14336, k=8192, dtype=BF16, world=2)
+    args.update(kw)
+    return Problem(**args)
+
+
+def test_candidate_label_round_trip():
+    for c in (Candidate("sequential"), Candidate.of("decomposed", chunks=2), Candidate.of("fused", swizzle=8)):
+        assert Candidate.parse(c.label) == c
+    assert Candidate.of("x", b=2, a=1).label == "x(a=1,b=2)"
+
+
+def test_pruning():
+    labels = lambda p: [c.label for c in candidates(p)]  # noqa: E731
+    assert labels(big("ag_gemm")) == ["sequential", "decomposed", "oneshot", "fused(swizzle=1)", "fused(swizzle=8)"]
+    assert labels(big("gemm_rs")) == ["sequential", "oneshot", "decomposed(chunks=1)", "decomposed(chunks=2)",
+                                      "decomposed_p2p(chunks=1)"]
+    assert labels(big("ag_gemm", device_type="cpu")) == ["sequential"]
+    assert labels(big("gemm_rs", world=1)) == ["sequential"]
+    assert labels(big("ag_gemm", out_dtype_differs=True)) == ["sequential"]
+    assert "fused" not in " ".join(labels(big("ag_gemm", dtype=torch.float16)))
+    assert "fused" not in " ".join(labels(big("ag_gemm", weight_layout="kn")))
+    assert "fused" not in " ".join(labels(big("ag_gemm", k=8190)))
+    assert "fused" not in " ".join(labels(big("ag_gemm", sm90=False)))
+    assert labels(big("ag_gemm", m=512))[-1] == "fused(swizzle=1)"  # bands of 8 tiles would pad the grid
+    assert "decomposed(chunks=2)" not in labels(big("gemm_rs", m=256))  # sub-blocks under a tile
+    assert why_invalid(Candidate("sequential"), big("ag_gemm", device_type="cpu")) is None
+    with pytest.raises(ValueError):
+        Problem("ag_gemm", 0, 1, 1, BF16, 2)
+    with pytest.raises(ValueError):
+        Problem("all_reduce", 1, 1, 1, BF16, 2)
+
+
+def test_m_bucket():
+    assert [m_bucket(m) for m in (1, 2, 3, 4, 5, 4096, 4097, 6000)] == [1, 2, 4, 4, 8, 4096, 8192, 8192]
+
+
+def test_default_candidate_follows_the_thresholds():
+    assert autotune.default_candidate(big("ag_gemm")).label == "decomposed"
+    assert autotune.default_candidate(big("ag_gemm", m=128)).label == "sequential"
+    assert autotune.default_candidate(big("gemm_rs")).label == "decomposed(chunks=1)"
+    assert autotune.default_candidate(big("gemm_rs", m=512)).label == "oneshot"
+    assert autotune.default_candidate(big("gemm_rs", m=128)).label == "sequential"
+    assert autotune.default_candidate(big("gemm_rs", device_type="cpu")).label == "sequential"
+
+
+def test_topology():
+    t = Topology("NVIDIA H200", 132, 2, 2, 1, "nvlink")
+    assert t.key == "NVIDIA H200|sm132|2r|1n|nvlink"
+    assert "NVLink" not in str(t) and "nvlink" in str(t)
+    with pytest.raises(ValueError):
+        Topology("x", 1, 2, 2, 1, "carrier-pigeon")
+    cpu = autotune.topology(4, torch.device("cpu"))
+    assert cpu.link == "cpu" and cpu.world_size == 4
+
+
+def _entry(choice):
+    return {"choice": choice, "default": "sequential", "times_ms": {choice: 1.0, "sequential": 2.0}}
+
+
+def test_cache_round_trip_and_versioning(tmp_path, monkeypatch):
+    key = "cpu|sm0|2r|1n|cpu"
+    c = cache_mod.TuneCache(key, str(tmp_path))
+    c.put("k1", _entry("oneshot"))
+    path = c.save()
+    assert cache_mod.TuneCache(key, str(tmp_path)).get("k1")["choice"] == "oneshot"
+    assert cache_mod.TuneCache("other|topology", str(tmp_path)).get("k1") is None
+    data = json.load(open(path))
+    for field, value in (("flux", "0.0.0-other"), ("format", 999), ("topology", "other")):
+        bad = dict(data, **{field: value})
+        json.dump(bad, open(path, "w"))
+        assert cache_mod.TuneCache(key, str(tmp_path)).get("k1") is None, field
+    open(path, "w").write("{not json")
+    assert cache_mod.TuneCache(key, str(tmp_path)).get("k1") is None
+    # Shipped defaults answer what the user's cache does not, and lose to it otherwise.
+    shipped = tmp_path / "shipped"
+    monkeypatch.setattr(cache_mod, "SHIPPED_DIR", str(shipped))
+    s = cache_mod.TuneCache(key, str(tmp_path))
+    s.user = {"k1": _entry("decomposed")}
+    s.save(str(shipped / cache_mod.file_name(key)))
+    s2 = cache_mod.TuneCache(key, str(tmp_path / "user"))
+    assert s2.get("k1")["choice"] == "decomposed"
+    s2.put("k1", _entry("oneshot"))
+    assert s2.get("k1")["choice"] == "oneshot"
+
+
+def test_choice_precedence(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLUX_CACHE_DIR", str(tmp_path))
+    autotune.reset()
+    p = big("gemm_rs")
+    cpu = torch.device("cpu")
+    assert autotune.choose(p, cpu).label == "decomposed(chunks=1)"  # analytic default
+    cache = autotune.cache_for(autotune.topology(2, cpu))
+    cache.put(autotune.key_of(p), _entry("decomposed(chunks=2)"))
+    assert autotune.choose(p, cpu).label == "decomposed(chunks=2)"  # tuned
+    # the bucket serves every M in (bucket/2, bucket]
+    assert autotune.choose(big("gemm_rs", m=8000), cpu).label == "decomposed(chunks=2)"
+    assert autotune.choose(big("gemm_rs", m=4096), cpu).label == "decomposed(chunks=1)"
+    monkeypatch.setenv("FLUX_STRATEGY_GEMM_RS", "oneshot")
+    assert autotune.choose(p, cpu).label == "oneshot"  # forced
+    monkeypatch.setenv("FLUX_STRATEGY_GEMM_RS", "fused(swizzle=8)")
+    assert autotune.choose(p, cpu).label == "decomposed(chunks=1)"  # invalid forced: default, logged
+    monkeypatch.delenv("FLUX_STRATEGY_GEMM_RS")
+    cache.put(autotune.key_of(p), _entry("nonsense"))
+    assert autotune.choose(p, cpu).label == "decomposed(chunks=1)"  # an invalid cached choice is ignored
+    autotune.reset()
+
+
+# --------------------------------------------------------------------------------------
+# Collective timing in gloo processes
+
+
+@case("tune-ranks-disagree", worlds=(2, 4))
+def _ranks_disagree(rank, world):
+    """Each rank measures a different candidate fastest; the max over ranks and the broadcast
+    decision still give every rank the same choice."""
+    from flux.autotune import tuner
+
+    cands = [Candidate("a"), Candidate("b"), Candidate("c"), Candidate("d")]
+    # rank r sees candidate r % 4 as fastest (1 ms) and the others at 5 ms, except that
+    # "c" is 3 ms everywhere: the max over ranks makes "c" the best for every rank.
+    def timer(c, fn):
+        if c.label == "c":
+            return 3.0
+        return 1.0 if cands.index(c) == rank % 4 else 5.0
+    times = tuner.time_candidates(lambda c: None, cands, dist.group.WORLD, torch.device("cpu"), warmup=0,
+                                  timer=timer)
+    best = tuner.pick(times, cands, dist.group.WORLD, torch.device("cpu"))
+    return {"best": best.label, "times": times}
+
+
+@case("tune-end-to-end", worlds=(2,))
+def _tune_end_to_end(rank, world):
+    """autotune.tune on a CPU problem: times every valid candidate, records and saves."""
+    import tempfile
+
+    d = tempfile.mkdtemp() if rank == 0 else None
+    obj = [d]
+    dist.broadcast_object_list(obj, src=0)
+    os.environ["FLUX_CACHE_DIR"] = obj[0]
+    autotune.reset()
+    cpu = torch.device("cpu")
+    p = Problem("ag_gemm", 64, 24, 40, torch.float32, world, device_type="cpu")
+    x, w = torch.randn(32, 40), torch.randn(24, 40)
+    from flux.ops import ag_gemm as ag_mod
+
+    entry = autotune.tune(p, lambda c: ag_mod.run_strategy(c.strategy, x, w, check=False), dist.group.WORLD,
+                          cpu, iters=3)
+    dist.barrier()
+    reloaded = cache_mod.TuneCache(autotune.topology(world, cpu).key, obj[0]).get(autotune.key_of(p))
+    autotune.reset()
+    return {"entry": entry["choice"], "saved": reloaded["choice"] if reloaded else None}
+
+
+@pytest.fixture(scope="module")
+def batch(tmp_path_factory):
+    batches = {}
+
+    def get(world):
+        if world not in batches:
+            names = [n for n in case_names(world) if n.startswith("tune-")]
+            batches[world] = run_batch(__file__, world, names, str(tmp_path_factory.mktemp(f"tune{world}")),
+                                       timeout_s=120)
+        return batches[world]
+
+    return get
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_that_measure_differently_agree(batch, world):
+    values = batch(world).assert_ok("tune-ranks-disagree")
+    assert all(v["best"] == "c" for v in values), values
+    assert all(v == values[0] for v in values), values
+
+
+def test_tune_end_to_end(batch):
+    values = batch(2).assert_ok("tune-end-to-end")
+    assert values == [{"entry": "sequential", "saved": "sequential"}] * 2, values
