@@ -277,6 +277,28 @@ for _op in ("ag", "rs"):
         gcase(f"bad-{_op}-{_kind}")(_bad(_op, _kind))
 
 
+@gcase("bad-rs-strategy-differs")
+def _strategy_differs(rank, world, dev):
+    """Ranks that would choose different strategies (here: one rank forces one) get the same
+    FluxInputError before any data moves, instead of a hang; then the group still works."""
+    from flux import autotune
+
+    x, w = rand((8 * world, 304), BF16, 1, dev), rand((40, 304), BF16, 2, dev)
+    autotune.force("gemm_rs", "oneshot" if rank == 1 else None)
+    try:
+        flux.gemm_rs(x, w)
+    except flux.FluxInputError as e:
+        msg = str(e)
+    else:
+        raise AssertionError("no FluxInputError was raised")
+    finally:
+        autotune.force("gemm_rs", None)
+    assert msg.startswith("flux.gemm_rs:") and "strategy" in msg, msg
+    prob = RsProblem(rank, world, dev, 128, 128, 96, BF16)
+    prob.check(flux.gemm_rs(prob.x, prob.w), "good call after the bad one")
+    return msg
+
+
 @gcase("reduce_chunks")
 def _reduce_chunks(rank, world, dev):
     if not flux.cuda_kernels_available():
