@@ -20,12 +20,19 @@ def _sync(group: dist.ProcessGroup, device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_on_rank(fn: Callable[[], object], device: torch.device, iters: int) -> float:
-    """Median milliseconds of one call of ``fn`` on this rank."""
+def time_on_rank(fn: Callable[[], object], device: torch.device, iters: int,
+                 align: Optional[Callable[[], None]] = None) -> float:
+    """Median milliseconds of one call of ``fn`` on this rank; ``align`` (enqueued after the
+    spin, before the start event) lines the ranks' devices up, as bench/bench_ops.py does."""
     samples = []
     for _ in range(iters):
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            # The protocol of bench/bench_ops.py: queue the call behind a ~1 ms spin so that the
+            # host's launch time stays out of the device time (else small shapes measure Python).
+            torch.cuda._sleep(2_000_000)
+            if align is not None:
+                align()
             start.record()
             fn()
             end.record()
@@ -49,7 +56,9 @@ def time_candidates(run: Callable[[Candidate], object], cands: Sequence[Candidat
         for _ in range(warmup):
             fn()
         _sync(group, device)
-        mine.append(timer(c, fn) if timer else time_on_rank(fn, device, iters))
+        one = torch.zeros(1, device=device)
+        align = (lambda: dist.all_reduce(one, group=group)) if device.type == "cuda" else None
+        mine.append(timer(c, fn) if timer else time_on_rank(fn, device, iters, align))
     times = torch.tensor(mine, dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
     return {c.label: float(t) for c, t in zip(cands, times.tolist())}
