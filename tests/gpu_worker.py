@@ -40,11 +40,12 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import flux  # noqa: E402
+import _ref  # noqa: E402
+from _ref import rand, rel_err, w_nk  # noqa: E402,F401
 from flux.ops import ag_gemm as ag_mod  # noqa: E402
 from flux.ops import gemm_rs as rs_mod  # noqa: E402
 
 F64, F32, F16, BF16 = torch.float64, torch.float32, torch.float16, torch.bfloat16
-EPS = {F32: 1e-6, F16: 1e-4, BF16: 5e-4}
 CASE_TIMEOUT_S = 240
 
 CASES = {}
@@ -62,26 +63,8 @@ def gcase(name):
     return deco
 
 
-def rand(shape, dtype, seed, device):
-    g = torch.Generator(device=device).manual_seed(seed)
-    return torch.randn(tuple(shape), generator=g, device=device, dtype=F32).to(dtype)
-
-
-def w_nk(w, layout):
-    return w if layout == "nk" else w.t()
-
-
-def rel_err(x, ref):
-    return ((x.double() - ref).norm() / ref.norm()).item()
-
-
 def check_against(out, ref, base, what):
-    assert tuple(out.shape) == tuple(ref.shape), f"{what}: shape {tuple(out.shape)}, expected {tuple(ref.shape)}"
-    assert not torch.isnan(out).any().item(), f"{what}: NaN in the output"
-    err, berr = rel_err(out, ref), rel_err(base, ref)
-    eps = EPS[out.dtype]
-    assert err <= 2 * berr + eps, f"{what}: relative error {err:.3g} > 2 * baseline {berr:.3g} + {eps:g}"
-    return [round(err, 8), round(berr, 8)]
+    return [round(v, 8) for v in _ref.check_against(out, ref, base, what)]
 
 
 # --------------------------------------------------------------------------------------

@@ -32,43 +32,23 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import flux
+import _ref
 from _dist import CASES, TESTS_DIR, case, case_names, run_batch
+from _ref import rand, rel_err, w_nk  # noqa: F401
 
 F64, F32, BF16 = torch.float64, torch.float32, torch.bfloat16
 WORLDS = (2, 4)
 # Hard bound on one world size's whole batch of cases (process start included).
 BATCH_TIMEOUT_S = float(os.environ.get("FLUX_TEST_BATCH_TIMEOUT_S", "150"))
 
-# Floor of the relative error allowed above 2x the same-precision baseline, by output dtype.
-EPS = {torch.float64: 1e-12, F32: 1e-6, torch.float16: 1e-4, BF16: 5e-4}
 
 
 # --------------------------------------------------------------------------------------
 # Helpers (run inside the workers)
 
 
-def rand(shape, dtype, seed):
-    """Deterministic random values (never zeros), the same on every rank for a seed."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(tuple(shape), generator=g, dtype=F64).to(dtype)
-
-
-def w_nk(w, layout):
-    """The weight as [N, K] whatever its layout."""
-    return w if layout == "nk" else w.t()
-
-
-def rel_err(x, ref):
-    return ((x.double() - ref).norm() / ref.norm()).item()
-
-
 def check_against(out, ref, base, what):
-    """out and base (same-precision unfused result) against the float64 ref."""
-    assert tuple(out.shape) == tuple(ref.shape), f"{what}: shape {tuple(out.shape)}, expected {tuple(ref.shape)}"
-    assert not torch.isnan(out).any(), f"{what}: NaN in the output"
-    err, berr = rel_err(out, ref), rel_err(base, ref)
-    eps = EPS[out.dtype]
-    assert err <= 2 * berr + eps, f"{what}: relative error {err:.3g} > 2 * baseline {berr:.3g} + {eps:g}"
+    err, berr = _ref.check_against(out, ref, base, what)
     return {"err": err, "baseline": berr}
 
 

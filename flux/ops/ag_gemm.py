@@ -71,6 +71,29 @@ def _sequential(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     return out.reshape(*gathered.shape[:-1], n), gathered
 
 
+def _push_shard(ws, a: torch.Tensor, rank: int, world: int, level_flags: bool = False):
+    """Enqueue, on the communication stream after the current stream's work so far: the
+    entry barrier, then copy-engine pushes of this rank's shard ``a`` ([rows, K]) into slot
+    ``rank`` of every peer's workspace ([world, rows, K]), in rotated order (rank+1 first),
+    each followed by a signal: a self-resetting put, or a level flag for the fused kernel.
+    Returns (the communication stream, an event recorded right after the barrier)."""
+    rows, k = a.shape
+    current, comm = torch.cuda.current_stream(), symm.comm_stream()
+    comm.wait_stream(current)
+    with torch.cuda.stream(comm):
+        ws.barrier()
+        after_barrier = torch.cuda.Event()
+        after_barrier.record()
+        for step in range(1, world):
+            peer = (rank + step) % world
+            ws.view(peer, (world, rows, k), a.dtype)[rank].copy_(a)  # copy engine, over NVLink
+            if level_flags:
+                ws.set_flag(peer)
+            else:
+                ws.put(peer)
+    return comm, after_barrier
+
+
 def _decomposed(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                 group: dist.ProcessGroup, weight_layout: str, out_dtype: Optional[torch.dtype],
                 need_gathered: bool):
@@ -85,14 +108,7 @@ def _decomposed(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     ws = symm.get_workspace(group, world * rows * k * a.element_size())
     slots = ws.view(rank, (world, rows, k), a.dtype)  # slot p: rank p's shard, pushed by p
     out = torch.empty((world * rows, n), dtype=a.dtype, device=a.device)
-    current, comm = torch.cuda.current_stream(), symm.comm_stream()
-    comm.wait_stream(current)
-    with torch.cuda.stream(comm):
-        ws.barrier()
-        for step in range(1, world):
-            peer = (rank + step) % world
-            ws.view(peer, (world, rows, k), a.dtype)[rank].copy_(a)  # copy engine, over NVLink
-            ws.put(peer)
+    comm, _ = _push_shard(ws, a, rank, world)
     gemm_into(out[rank * rows:(rank + 1) * rows], a, weight, bias, weight_layout)
     for step in range(1, world):
         src = (rank - step) % world  # the peer whose step-th push comes to this rank
@@ -104,7 +120,7 @@ def _decomposed(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
         gathered.copy_(slots)  # every slot but this rank's own is filled (the waits above)
         gathered[rank].copy_(a)
         gathered = gathered.view(world * input.shape[0], *input.shape[1:])
-    current.wait_stream(comm)  # the next call's barrier, and tensors freed here, come after the copies
+    torch.cuda.current_stream().wait_stream(comm)  # later barriers and frees come after the copies
     return out.view(world * input.shape[0], *input.shape[1:-1], n), gathered
 
 
@@ -121,14 +137,7 @@ def _oneshot(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     rows = a.shape[0]
     ws = symm.get_workspace(group, world * rows * k * a.element_size())
     slots = ws.view(rank, (world, rows, k), a.dtype)
-    current, comm = torch.cuda.current_stream(), symm.comm_stream()
-    comm.wait_stream(current)
-    with torch.cuda.stream(comm):
-        ws.barrier()
-        for step in range(1, world):
-            peer = (rank + step) % world
-            ws.view(peer, (world, rows, k), a.dtype)[rank].copy_(a)
-            ws.put(peer)
+    comm, _ = _push_shard(ws, a, rank, world)
     slots[rank].copy_(a)  # only this rank reads its own slot, after its earlier GEMMs in stream order
     for step in range(1, world):
         ws.wait((rank - step) % world)
@@ -136,7 +145,7 @@ def _oneshot(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     out = torch.empty((world * rows, n), dtype=a.dtype, device=a.device)
     gemm_into(out, gathered2d, weight, bias, weight_layout)
     gathered = gathered2d.clone().view(world * input.shape[0], *input.shape[1:]) if need_gathered else None
-    current.wait_stream(comm)
+    torch.cuda.current_stream().wait_stream(comm)
     return out.view(world * input.shape[0], *input.shape[1:-1], n), gathered
 
 
@@ -181,18 +190,10 @@ def _fused(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     ws = symm.get_workspace(group, world * rows * k * a.element_size())
     full = ws.view(rank, (world * rows, k), a.dtype)
     flags = ws.flags()
-    current, comm = torch.cuda.current_stream(), symm.comm_stream()
+    current = torch.cuda.current_stream()
     flags.zero_()  # after this rank's previous fused GEMM (the only reader) in stream order
     full[rank * rows:(rank + 1) * rows].copy_(a)
-    comm.wait_stream(current)
-    with torch.cuda.stream(comm):
-        ws.barrier()
-        barrier_done = torch.cuda.Event()
-        barrier_done.record()
-        for step in range(1, world):
-            peer = (rank + step) % world
-            ws.view(peer, (world * rows, k), a.dtype)[rank * rows:(rank + 1) * rows].copy_(a)
-            ws.set_flag(peer)
+    comm, barrier_done = _push_shard(ws, a, rank, world, level_flags=True)
     current.wait_event(barrier_done)
     out = torch.empty((world * rows, n), dtype=a.dtype, device=a.device)
     torch.ops.flux.ag_gemm_fused_(out, full, weight, bias, flags, rank, world, rows, symm.timeout_ms(),

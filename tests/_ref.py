@@ -1,0 +1,37 @@
+"""Helpers shared by the CPU tests (tests/test_ops.py) and the GPU worker
+(tests/gpu_worker.py): deterministic inputs and the tolerance rule.
+
+Tolerance: an op's output is compared with a float64 reference by relative norm error, and
+must be within twice the error of the same-precision unfused baseline (the result computed
+the plain way in the op's dtype) plus a small floor per dtype.
+"""
+import torch
+
+# Floor of the relative error allowed above 2x the same-precision baseline, by output dtype.
+EPS = {torch.float64: 1e-12, torch.float32: 1e-6, torch.float16: 1e-4, torch.bfloat16: 5e-4}
+
+
+def rand(shape, dtype, seed, device="cpu"):
+    """Deterministic random values (never zeros), the same on every rank for a seed."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(tuple(shape), generator=g, device=device, dtype=torch.float32).to(dtype)
+
+
+def w_nk(w, layout):
+    """The weight as [N, K] whatever its layout."""
+    return w if layout == "nk" else w.t()
+
+
+def rel_err(x, ref):
+    return ((x.double() - ref).norm() / ref.norm()).item()
+
+
+def check_against(out, ref, base, what):
+    """``out`` and ``base`` (the same-precision unfused result) against the float64 ``ref``;
+    returns (error, baseline error)."""
+    assert tuple(out.shape) == tuple(ref.shape), f"{what}: shape {tuple(out.shape)}, expected {tuple(ref.shape)}"
+    assert not torch.isnan(out).any().item(), f"{what}: NaN in the output"
+    err, berr = rel_err(out, ref), rel_err(base, ref)
+    eps = EPS[out.dtype]
+    assert err <= 2 * berr + eps, f"{what}: relative error {err:.3g} > 2 * baseline {berr:.3g} + {eps:g}"
+    return err, berr
