@@ -193,6 +193,33 @@ def _options(op):
     return fn
 
 
+def _out(op):
+    """out=: every strategy writes into a NaN-poisoned caller tensor (through the public
+    function, strategy forced), returns it, and is right."""
+    from flux import autotune
+
+    def fn(rank, world, dev):
+        mod = ag_mod if op == "ag" else rs_mod
+        prob = (AgProblem(rank, world, dev, 136, 512, 264, BF16, bias=True, seed=60) if op == "ag"
+                else RsProblem(rank, world, dev, 272, 512, 264, BF16, bias=True, seed=60))
+        call = flux.ag_gemm if op == "ag" else flux.gemm_rs
+        result = {}
+        for name in mod.available_strategies(dev):
+            autotune.force("ag_gemm" if op == "ag" else "gemm_rs", name)
+            try:
+                out = torch.full(tuple(prob.ref.shape), float("nan"), dtype=BF16, device=dev)
+                got = call(prob.x, prob.w, prob.b, out=out)
+            finally:
+                autotune.force("ag_gemm" if op == "ag" else "gemm_rs", None)
+            assert got is out, f"strategy {name}: out= did not return the caller's tensor"
+            result[name] = prob.check(out, f"strategy {name}, out=")
+        return result
+
+    return fn
+
+
+gcase("out-ag")(_out("ag"))
+gcase("out-rs")(_out("rs"))
 gcase("options-ag")(_options("ag"))
 gcase("options-rs")(_options("rs"))
 

@@ -148,6 +148,41 @@ for _op, _factory in (("ag", _ag_forward), ("rs", _rs_forward)):
                          worlds=WORLDS + ((BIG_WORLD,) if _big else ()))(_factory(_dk, _layout, _bias, _sk))
 
 
+def _out_case(op):
+    """out=: the result lands in the caller's (NaN-poisoned) tensor, which is returned, and
+    equals the call without out= exactly (the same strategy); N-D input."""
+    def fn(rank, world):
+        m, mid, k, n = (3, (2,), 13, 9)
+        rows = m if op == "ag" else m * world
+        x = rank_inputs(world, (rows, *mid, k), F32, 1500)[rank]
+        w = rank_inputs(world, (n, k), F32, 2500)[rank]
+        b = rand((n,), F32, 3500)
+        plain = _call(op, x, w, b)
+        out = torch.full(plain.shape, float("nan"))
+        got = _call(op, x, w, b, out=out)
+        assert got is out, "out= must return the caller's tensor"
+        assert torch.equal(out, plain), "out= result differs from the plain call"
+        # The dispatcher path (opcheck: schema, fake, mutation of out only).
+        gname = flux.runtime.group_name(dist.group.WORLD)
+        opname = torch.ops.flux.ag_gemm_out if op == "ag" else torch.ops.flux.gemm_rs_out
+        torch.library.opcheck(opname.default, (x, w, b, gname, "nk", None, torch.empty_like(plain)))
+        # run_strategy hands strategy parameters through: an unknown one is refused.
+        mod = flux.ops.ag_gemm if op == "ag" else flux.ops.gemm_rs
+        try:
+            mod.run_strategy("sequential", x, w, bogus=1)
+        except TypeError:
+            pass
+        else:
+            raise AssertionError("run_strategy ignored a strategy parameter")
+        return True
+
+    return fn
+
+
+for _op in ("ag", "rs"):
+    case(f"fwd-out-{_op}")(_out_case(_op))
+
+
 # --------------------------------------------------------------------------------------
 # Autograd in float64
 
@@ -353,7 +388,36 @@ def _bad_builders():
         return x, (rand((n, k + 1), F32, 8) if rank == 1 else w), None, {}
 
     both = ("ag", "rs")
+    def out_rows(op, world):
+        return m * world if op == "ag" else m
+
+    def out_shape(op, rank, world, k):
+        x, w = std(op, world, k)
+        return x, w, None, {"out": torch.empty((out_rows(op, world), n + 1))}
+
+    def out_dtype_wrong(op, rank, world, k):
+        x, w = std(op, world, k)
+        return x, w, None, {"out": torch.empty((out_rows(op, world), n), dtype=F64)}
+
+    def out_noncontig(op, rank, world, k):
+        x, w = std(op, world, k)
+        return x, w, None, {"out": torch.empty((n, out_rows(op, world))).t()}
+
+    def out_overlaps_input(op, rank, world, k):
+        buf = rand((max(rows(op, world) * k, out_rows(op, world) * n),), F32, 7)
+        x = buf[:rows(op, world) * k].view(rows(op, world), k)
+        return x, rand((n, k), F32, 8), None, {"out": buf[:out_rows(op, world) * n].view(out_rows(op, world), n)}
+
+    def out_with_grad(op, rank, world, k):
+        x, w = std(op, world, k)
+        return x, w.requires_grad_(), None, {"out": torch.empty((out_rows(op, world), n))}
+
     return {
+        "out-shape": (both, out_shape, "out has shape"),
+        "out-dtype": (both, out_dtype_wrong, "out has dtype"),
+        "out-noncontig": (both, out_noncontig, "out must be contiguous"),
+        "out-overlaps-input": (both, out_overlaps_input, "out overlaps input"),
+        "out-with-grad": (both, out_with_grad, "does not support autograd"),
         "k-mismatch": (both, k_mismatch, "has K="),
         "m-not-divisible": (("rs",), m_not_divisible, "not divisible by the group size"),
         "dtype-mismatch": (both, dtype_mismatch, "differs from input dtype"),

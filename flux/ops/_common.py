@@ -69,6 +69,35 @@ def check_gemm_args(sig: Signature, input: torch.Tensor, weight: torch.Tensor, b
                  "of the original tensor")
 
 
+def check_out_arg(sig, out: Optional[torch.Tensor], expected_shape, dtype: torch.dtype, input: torch.Tensor,
+                  others=()) -> None:
+    """Local checks of a caller's ``out`` tensor (recorded in ``sig``)."""
+    sig.add("out is given", out is not None)
+    if out is None:
+        return
+    sig.add_shape("out", out.shape)
+    if tuple(out.shape) != tuple(expected_shape):
+        sig.fail(f"out has shape {tuple(out.shape)}, expected {tuple(expected_shape)}")
+    if out.dtype != dtype:
+        sig.fail(f"out has dtype {out.dtype}, expected {dtype}")
+    if out.device != input.device:
+        sig.fail(f"out is on {out.device} but input is on {input.device}")
+    if not out.is_contiguous():
+        sig.fail(f"out must be contiguous (strides {out.stride()})")
+    if torch.is_grad_enabled() and (out.requires_grad or any(t is not None and t.requires_grad for t in others)):
+        sig.fail("out= does not support autograd (as torch's out= variants); call without out")
+
+    def span(t):
+        start = t.data_ptr()
+        return start, start + t.numel() * t.element_size()
+    o0, o1 = span(out)
+    for name, t in zip(("input", "weight", "bias"), others):
+        if t is not None and t.device == out.device and t.numel() and out.numel():
+            t0, t1 = span(t)
+            if o0 < t1 and t0 < o1:
+                sig.fail(f"out overlaps {name} in memory")
+
+
 def check_same_device(op: str, input, weight, bias) -> None:
     """Local device check for the fake (meta) implementations, which also serve tensors on
     the meta device and so never reach the collective check: a mix of devices raises here."""
@@ -90,6 +119,23 @@ def local_gemm(a2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     acc = torch.promote_types(out_dt, torch.float32)
     out = F.linear(a2d.to(acc), w_nk.to(acc), bias.to(acc) if bias is not None else None)
     return out.to(out_dt)
+
+
+def output(out: Optional[torch.Tensor], shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The caller's ``out`` (checked contiguous, of the result's size and dtype) viewed as
+    ``shape``, or a new tensor."""
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    return out.view(shape)
+
+
+def deliver(result: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
+    """``result`` written into the caller's ``out`` when one was given (reference paths,
+    which compute into their own tensors)."""
+    if out is None:
+        return result
+    out.view(result.shape).copy_(result)
+    return out.view(result.shape)
 
 
 def gemm_into(out: torch.Tensor, a2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -128,18 +174,20 @@ def log_fallback(op: str, strategy: str, reason: str) -> None:
         logging.getLogger("flux").warning("%s: strategy %r falls back to 'sequential': %s", op, strategy, reason)
 
 
-def can_skip_dispatcher(*tensors) -> bool:
+def can_skip_dispatcher(*tensors, grad_matters: bool = True) -> bool:
     """Whether a public op may call its implementation directly instead of going through
     torch.ops.flux (whose Python custom-op dispatch costs ~0.1-0.2 ms of host time per call):
     only in plain eager mode with real tensors and nothing to record for autograd, where the
     dispatcher would do nothing but call that same implementation. Under torch.compile,
     fake/functional modes, torch-function modes or with inputs that need gradients, the
-    dispatcher path is taken so that the fake implementation and autograd formula apply."""
+    dispatcher path is taken so that the fake implementation and autograd formula apply.
+    ``grad_matters=False`` for the out= variants, which refuse autograd themselves: their
+    implementation must see the grad mode (below the dispatcher's autograd layer it is off)."""
     if torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled():
         return False
     if torch._C._len_torch_dispatch_stack() > 0:
         return False
-    grad = torch.is_grad_enabled()
+    grad = grad_matters and torch.is_grad_enabled()
     for t in tensors:
         if t is None:
             continue

@@ -50,8 +50,10 @@ import torch.distributed as dist
 from flux import autotune
 from flux.autotune.space import Candidate
 from flux.ops._checks import Signature, check_collectively
-from flux.ops._common import (can_skip_dispatcher, check_gemm_args, check_same_device, choose_and_check, gemm_into, local_gemm, log_fallback, overlap_ineligible,
-                              weight_nk_shape)
+from flux.ops._checks import FluxInputError
+from flux.ops._common import (can_skip_dispatcher, check_gemm_args, check_out_arg, check_same_device,
+                              choose_and_check, deliver, gemm_into, local_gemm, log_fallback, output,
+                              overlap_ineligible, weight_nk_shape)
 from flux.runtime import (all_gather_dim0, group_device, group_from_name, group_name, resolve_group, symm,
                           traceable_all_gather_dim0, traceable_reduce_scatter_dim0)
 
@@ -64,11 +66,11 @@ Strategy = Callable[..., Tuple[torch.Tensor, Optional[torch.Tensor]]]
 
 def _sequential(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                 group: dist.ProcessGroup, weight_layout: str, out_dtype: Optional[torch.dtype],
-                need_gathered: bool):
+                need_gathered: bool, out: Optional[torch.Tensor] = None):
     gathered = all_gather_dim0(input, group)
     n, k = weight_nk_shape(weight, weight_layout)
-    out = local_gemm(gathered.reshape(-1, k), weight, bias, weight_layout, out_dtype)
-    return out.reshape(*gathered.shape[:-1], n), gathered
+    res = local_gemm(gathered.reshape(-1, k), weight, bias, weight_layout, out_dtype)
+    return deliver(res.reshape(*gathered.shape[:-1], n), out), gathered
 
 
 def _push_shard(ws, a: torch.Tensor, rank: int, world: int, level_flags: bool = False):
@@ -96,18 +98,18 @@ def _push_shard(ws, a: torch.Tensor, rank: int, world: int, level_flags: bool = 
 
 def _decomposed(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                 group: dist.ProcessGroup, weight_layout: str, out_dtype: Optional[torch.dtype],
-                need_gathered: bool):
+                need_gathered: bool, out: Optional[torch.Tensor] = None):
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     reason = "world size 1" if world == 1 else overlap_ineligible(OP, "decomposed", input, group, out_dtype)
     if reason:
         log_fallback(OP, "decomposed", reason)
-        return _sequential(input, weight, bias, group, weight_layout, out_dtype, need_gathered)
+        return _sequential(input, weight, bias, group, weight_layout, out_dtype, need_gathered, out)
     n, k = weight_nk_shape(weight, weight_layout)
     a = input.reshape(-1, k)
     rows = a.shape[0]
     ws = symm.get_workspace(group, world * rows * k * a.element_size())
     slots = ws.view(rank, (world, rows, k), a.dtype)  # slot p: rank p's shard, pushed by p
-    out = torch.empty((world * rows, n), dtype=a.dtype, device=a.device)
+    out = output(out, (world * rows, n), a.dtype, a.device)
     comm, _ = _push_shard(ws, a, rank, world)
     gemm_into(out[rank * rows:(rank + 1) * rows], a, weight, bias, weight_layout)
     for step in range(1, world):
@@ -126,12 +128,12 @@ def _decomposed(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
 
 def _oneshot(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
              group: dist.ProcessGroup, weight_layout: str, out_dtype: Optional[torch.dtype],
-             need_gathered: bool):
+             need_gathered: bool, out: Optional[torch.Tensor] = None):
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     reason = "world size 1" if world == 1 else overlap_ineligible(OP, "oneshot", input, group, out_dtype)
     if reason:
         log_fallback(OP, "oneshot", reason)
-        return _sequential(input, weight, bias, group, weight_layout, out_dtype, need_gathered)
+        return _sequential(input, weight, bias, group, weight_layout, out_dtype, need_gathered, out)
     n, k = weight_nk_shape(weight, weight_layout)
     a = input.reshape(-1, k)
     rows = a.shape[0]
@@ -142,7 +144,7 @@ def _oneshot(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     for step in range(1, world):
         ws.wait((rank - step) % world)
     gathered2d = slots.view(world * rows, k)
-    out = torch.empty((world * rows, n), dtype=a.dtype, device=a.device)
+    out = output(out, (world * rows, n), a.dtype, a.device)
     gemm_into(out, gathered2d, weight, bias, weight_layout)
     gathered = gathered2d.clone().view(world * input.shape[0], *input.shape[1:]) if need_gathered else None
     torch.cuda.current_stream().wait_stream(comm)
@@ -178,12 +180,12 @@ def _fused_swizzle(m: int, n: int) -> int:
 
 def _fused(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
            group: dist.ProcessGroup, weight_layout: str, out_dtype: Optional[torch.dtype],
-           need_gathered: bool, swizzle: Optional[int] = None):
+           need_gathered: bool, out: Optional[torch.Tensor] = None, swizzle: Optional[int] = None):
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     reason = "world size 1" if world == 1 else _fused_ineligible(input, weight, group, weight_layout, out_dtype)
     if reason:
         log_fallback(OP, "fused", reason)
-        return _decomposed(input, weight, bias, group, weight_layout, out_dtype, need_gathered)
+        return _decomposed(input, weight, bias, group, weight_layout, out_dtype, need_gathered, out)
     n, k = weight_nk_shape(weight, weight_layout)
     a = input.reshape(-1, k)
     rows = a.shape[0]
@@ -195,7 +197,7 @@ def _fused(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     full[rank * rows:(rank + 1) * rows].copy_(a)
     comm, barrier_done = _push_shard(ws, a, rank, world, level_flags=True)
     current.wait_event(barrier_done)
-    out = torch.empty((world * rows, n), dtype=a.dtype, device=a.device)
+    out = output(out, (world * rows, n), a.dtype, a.device)
     torch.ops.flux.ag_gemm_fused_(out, full, weight, bias, flags, rank, world, rows, symm.timeout_ms(),
                                   symm.error_record_ptr(), 1, swizzle or _fused_swizzle(world * rows, n))
     # Every peer's rows were waited for by the kernel, so the workspace holds them all now.
@@ -252,27 +254,52 @@ def run_strategy(name: str, input: torch.Tensor, weight: torch.Tensor, bias: Opt
 
 def _ag_gemm_impl(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group_name: str,
                 weight_layout: str, out_dtype: Optional[torch.dtype],
-                return_gathered: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+                return_gathered: bool, out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     group = group_from_name(group_name)
     world = dist.get_world_size(group)
     sig = _signature(input, weight, bias, group, weight_layout, out_dtype)
+    if sig.error is None:
+        n, _ = weight_nk_shape(weight, weight_layout)
+        check_out_arg(sig, out, (input.shape[0] * world, *input.shape[1:-1], n), out_dtype or input.dtype, input,
+                      (input, weight, bias))
+    else:
+        sig.add("out is given", out is not None)
     rows = input.numel() // input.shape[-1] if input.dim() >= 1 and input.shape[-1] else 0
     problem, cand, tune_now = choose_and_check(sig, "ag_gemm", input, weight, weight_layout, out_dtype, group,
                                                rows * world)
 
-    def run(c):
+    def run(c, dest=None):
         return STRATEGIES[c.strategy](input, weight, bias, group, weight_layout, out_dtype, return_gathered,
-                                      **c.kwargs)
+                                      dest, **c.kwargs)
 
-    if tune_now:
+    if tune_now:  # tuned on scratch outputs: the caller's out is written once, below
         cand = Candidate.parse(autotune.tune(problem, run, group, input.device)["choice"])
-    out, gathered = run(cand)
+    res, gathered = run(cand, None if out is None else out.view(-1, out.shape[-1]))
     if not return_gathered or gathered is None:
         gathered = input.new_empty((0,))
-    return out, gathered
+    return res, gathered
 
 
-_ag_gemm_op = torch.library.custom_op("flux::ag_gemm", mutates_args=())(_ag_gemm_impl)
+def _ag_gemm_op_impl(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group_name: str,
+                     weight_layout: str, out_dtype: Optional[torch.dtype],
+                     return_gathered: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    return _ag_gemm_impl(input, weight, bias, group_name, weight_layout, out_dtype, return_gathered)
+
+
+def _ag_gemm_out_impl(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group_name: str,
+                      weight_layout: str, out_dtype: Optional[torch.dtype], out: torch.Tensor) -> None:
+    _ag_gemm_impl(input, weight, bias, group_name, weight_layout, out_dtype, False, out)
+
+
+_ag_gemm_op = torch.library.custom_op("flux::ag_gemm", mutates_args=())(_ag_gemm_op_impl)
+# The out= variant: writes the result into the caller's contiguous tensor (no autograd).
+_ag_gemm_out_op = torch.library.custom_op("flux::ag_gemm_out", mutates_args=("out",))(_ag_gemm_out_impl)
+
+
+@_ag_gemm_out_op.register_fake
+def _ag_gemm_out_fake(input, weight, bias, group_name, weight_layout, out_dtype, out):
+    check_same_device(OP, input, weight, bias)
+    return None
 
 
 @_ag_gemm_op.register_fake
@@ -323,7 +350,8 @@ torch.library.register_autograd("flux::ag_gemm", _backward, setup_context=_setup
 
 def ag_gemm(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
             group: Optional[dist.ProcessGroup] = None, weight_layout: str = "nk",
-            out_dtype: Optional[torch.dtype] = None, return_gathered: bool = False):
+            out_dtype: Optional[torch.dtype] = None, return_gathered: bool = False,
+            out: Optional[torch.Tensor] = None):
     """All-gather ``input`` along dim 0 across ``group``, then multiply by ``weight``.
 
     Same as ``torch.cat(all_gather(input), 0) @ W (+ bias)`` (see ``ag_gemm_ref``).
@@ -340,6 +368,8 @@ def ag_gemm(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
         weight_layout: ``"nk"`` or ``"kn"``.
         out_dtype: dtype of ``out`` (default: ``input.dtype``).
         return_gathered: also return the gathered input (backward needs it).
+        out: a contiguous tensor of the result's shape and dtype to write the result into
+            (then returned); no autograd, and not with ``return_gathered``.
 
     Returns:
         ``out`` of shape ``[M_local * world, ..., N]``, or ``(out, gathered)`` with ``gathered``
@@ -350,6 +380,15 @@ def ag_gemm(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
         the arguments are invalid on some rank or differ between ranks.
     """
     group = resolve_group(group, OP)
-    op = _ag_gemm_impl if can_skip_dispatcher(input, weight, bias) else torch.ops.flux.ag_gemm
-    out, gathered = op(input, weight, bias, group_name(group), weight_layout, out_dtype, return_gathered)
-    return (out, gathered) if return_gathered else out
+    if out is not None:
+        direct = can_skip_dispatcher(input, weight, bias, out, grad_matters=False)
+        if return_gathered:
+            raise FluxInputError(f"{OP}: out= cannot be combined with return_gathered=True")
+        if direct:
+            _ag_gemm_impl(input, weight, bias, group_name(group), weight_layout, out_dtype, False, out)
+        else:
+            torch.ops.flux.ag_gemm_out(input, weight, bias, group_name(group), weight_layout, out_dtype, out)
+        return out
+    op = _ag_gemm_op_impl if can_skip_dispatcher(input, weight, bias) else torch.ops.flux.ag_gemm
+    res, gathered = op(input, weight, bias, group_name(group), weight_layout, out_dtype, return_gathered)
+    return (res, gathered) if return_gathered else res

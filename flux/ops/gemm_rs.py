@@ -43,8 +43,10 @@ import torch.distributed as dist
 from flux import autotune
 from flux.autotune.space import Candidate
 from flux.ops._checks import Signature, check_collectively
-from flux.ops._common import (can_skip_dispatcher, check_gemm_args, check_same_device, choose_and_check, gemm_into, local_gemm, log_fallback, overlap_ineligible,
-                              weight_nk_shape)
+from flux.ops._checks import FluxInputError  # noqa: F401
+from flux.ops._common import (can_skip_dispatcher, check_gemm_args, check_out_arg, check_same_device,
+                              choose_and_check, deliver, gemm_into, local_gemm, log_fallback, output,
+                              overlap_ineligible, weight_nk_shape)
 from flux.runtime import group_device, group_from_name, group_name, reduce_scatter_dim0, resolve_group, symm
 
 OP = "flux.gemm_rs"
@@ -53,13 +55,14 @@ Strategy = Callable[..., torch.Tensor]
 
 
 def _sequential(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                group: dist.ProcessGroup, weight_layout: str, out_dtype: Optional[torch.dtype]) -> torch.Tensor:
+                group: dist.ProcessGroup, weight_layout: str, out_dtype: Optional[torch.dtype],
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
     n, k = weight_nk_shape(weight, weight_layout)
     partial = local_gemm(input.reshape(-1, k), weight, None, weight_layout, out_dtype)
-    out = reduce_scatter_dim0(partial.reshape(*input.shape[:-1], n), group)
+    res = reduce_scatter_dim0(partial.reshape(*input.shape[:-1], n), group)
     if bias is not None:
-        out += bias
-    return out
+        res += bias
+    return deliver(res, out)
 
 
 def _row_splits(rows: int, chunks: int):
@@ -75,13 +78,13 @@ def default_chunks(world: int) -> int:
     return 1
 
 
-def _decomposed_impl(input, weight, bias, group, weight_layout, out_dtype, *, p2p: bool, name: str,
+def _decomposed_impl(input, weight, bias, group, weight_layout, out_dtype, out=None, *, p2p: bool, name: str,
                      chunks: Optional[int] = None):
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     reason = "world size 1" if world == 1 else overlap_ineligible(OP, name, input, group, out_dtype)
     if reason:
         log_fallback(OP, name, reason)
-        return _sequential(input, weight, bias, group, weight_layout, out_dtype)
+        return _sequential(input, weight, bias, group, weight_layout, out_dtype, out)
     n, k = weight_nk_shape(weight, weight_layout)
     a = input.reshape(-1, k)
     rows = a.shape[0] // world
@@ -109,29 +112,29 @@ def _decomposed_impl(input, weight, bias, group, weight_layout, out_dtype, *, p2
     for c in range(len(splits)):
         for step in range(1, world):
             ws.wait((rank - step) % world, symm.DATA_CHANNEL + c)
-    out = torch.empty((rows, n), dtype=a.dtype, device=a.device)
+    out = output(out, (rows, n), a.dtype, a.device)
     torch.ops.flux.reduce_chunks_(out, slots, bias)  # fp32, rank order, bias once, one rounding
     if not p2p:
         current.wait_stream(comm)  # staging buffers are freed on the current stream after their copies
     return out.view(input.shape[0] // world, *input.shape[1:-1], n)
 
 
-def _decomposed(input, weight, bias, group, weight_layout, out_dtype, chunks: Optional[int] = None):
-    return _decomposed_impl(input, weight, bias, group, weight_layout, out_dtype, p2p=False, name="decomposed",
-                            chunks=chunks)
+def _decomposed(input, weight, bias, group, weight_layout, out_dtype, out=None, chunks: Optional[int] = None):
+    return _decomposed_impl(input, weight, bias, group, weight_layout, out_dtype, out, p2p=False,
+                            name="decomposed", chunks=chunks)
 
 
-def _decomposed_p2p(input, weight, bias, group, weight_layout, out_dtype, chunks: Optional[int] = None):
-    return _decomposed_impl(input, weight, bias, group, weight_layout, out_dtype, p2p=True, name="decomposed_p2p",
-                            chunks=chunks)
+def _decomposed_p2p(input, weight, bias, group, weight_layout, out_dtype, out=None, chunks: Optional[int] = None):
+    return _decomposed_impl(input, weight, bias, group, weight_layout, out_dtype, out, p2p=True,
+                            name="decomposed_p2p", chunks=chunks)
 
 
-def _oneshot(input, weight, bias, group, weight_layout, out_dtype):
+def _oneshot(input, weight, bias, group, weight_layout, out_dtype, out=None):
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     reason = "world size 1" if world == 1 else overlap_ineligible(OP, "oneshot", input, group, out_dtype)
     if reason:
         log_fallback(OP, "oneshot", reason)
-        return _sequential(input, weight, bias, group, weight_layout, out_dtype)
+        return _sequential(input, weight, bias, group, weight_layout, out_dtype, out)
     n, k = weight_nk_shape(weight, weight_layout)
     a = input.reshape(-1, k)
     rows = a.shape[0] // world
@@ -139,7 +142,7 @@ def _oneshot(input, weight, bias, group, weight_layout, out_dtype):
     ws.barrier()
     gemm_into(ws.view(rank, (a.shape[0], n), a.dtype), a, weight, None, weight_layout)
     ws.barrier()
-    out = torch.empty((rows, n), dtype=a.dtype, device=a.device)
+    out = output(out, (rows, n), a.dtype, a.device)
     torch.ops.flux.reduce_peers_(out, ws.buffer_ptrs_dev, world, ws.base_offset + rank * rows * n * a.element_size(),
                                  bias)
     return out.view(input.shape[0] // world, *input.shape[1:-1], n)
@@ -191,25 +194,51 @@ def run_strategy(name: str, input: torch.Tensor, weight: torch.Tensor, bias: Opt
         raise ValueError(f"{OP}: unknown strategy {name!r}; known: {sorted(STRATEGIES)}")
     if check:
         _check(input, weight, bias, group, weight_layout, out_dtype)
-    return STRATEGIES[name](input, weight, bias, group, weight_layout, out_dtype)
+    return STRATEGIES[name](input, weight, bias, group, weight_layout, out_dtype, **params)
 
 
 def _gemm_rs_impl(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group_name: str,
-                weight_layout: str, out_dtype: Optional[torch.dtype]) -> torch.Tensor:
+                weight_layout: str, out_dtype: Optional[torch.dtype],
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
     group = group_from_name(group_name)
     sig = _signature(input, weight, bias, group, weight_layout, out_dtype)
+    if sig.error is None:
+        n, _ = weight_nk_shape(weight, weight_layout)
+        world = dist.get_world_size(group)
+        check_out_arg(sig, out, (input.shape[0] // world, *input.shape[1:-1], n), out_dtype or input.dtype, input,
+                      (input, weight, bias))
+    else:
+        sig.add("out is given", out is not None)
     rows = input.numel() // input.shape[-1] if input.dim() >= 1 and input.shape[-1] else 0
     problem, cand, tune_now = choose_and_check(sig, "gemm_rs", input, weight, weight_layout, out_dtype, group, rows)
 
-    def run(c):
-        return STRATEGIES[c.strategy](input, weight, bias, group, weight_layout, out_dtype, **c.kwargs)
+    def run(c, dest=None):
+        return STRATEGIES[c.strategy](input, weight, bias, group, weight_layout, out_dtype, dest, **c.kwargs)
 
-    if tune_now:
+    if tune_now:  # tuned on scratch outputs: the caller's out is written once, below
         cand = Candidate.parse(autotune.tune(problem, run, group, input.device)["choice"])
-    return run(cand)
+    return run(cand, None if out is None else out.view(-1, out.shape[-1]))
 
 
-_gemm_rs_op = torch.library.custom_op("flux::gemm_rs", mutates_args=())(_gemm_rs_impl)
+def _gemm_rs_op_impl(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group_name: str,
+                     weight_layout: str, out_dtype: Optional[torch.dtype]) -> torch.Tensor:
+    return _gemm_rs_impl(input, weight, bias, group_name, weight_layout, out_dtype)
+
+
+def _gemm_rs_out_impl(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group_name: str,
+                      weight_layout: str, out_dtype: Optional[torch.dtype], out: torch.Tensor) -> None:
+    _gemm_rs_impl(input, weight, bias, group_name, weight_layout, out_dtype, out)
+
+
+_gemm_rs_op = torch.library.custom_op("flux::gemm_rs", mutates_args=())(_gemm_rs_op_impl)
+# The out= variant: writes the result into the caller's contiguous tensor (no autograd).
+_gemm_rs_out_op = torch.library.custom_op("flux::gemm_rs_out", mutates_args=("out",))(_gemm_rs_out_impl)
+
+
+@_gemm_rs_out_op.register_fake
+def _gemm_rs_out_fake(input, weight, bias, group_name, weight_layout, out_dtype, out):
+    check_same_device(OP, input, weight, bias)
+    return None
 
 
 @_gemm_rs_op.register_fake
@@ -254,7 +283,7 @@ torch.library.register_autograd("flux::gemm_rs", _backward, setup_context=_setup
 
 def gemm_rs(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
             group: Optional[dist.ProcessGroup] = None, weight_layout: str = "nk",
-            out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+            out_dtype: Optional[torch.dtype] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Multiply ``input`` by ``weight``, sum the products over ``group`` and keep this rank's rows.
 
     Same as ``reduce_scatter(input @ W, dim=0) (+ bias)`` (see ``gemm_rs_ref``).
@@ -268,6 +297,8 @@ def gemm_rs(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
         group: the tensor-parallel process group (default: the world).
         weight_layout: ``"nk"`` or ``"kn"``.
         out_dtype: dtype of the result (default: ``input.dtype``).
+        out: a contiguous tensor of the result's shape and dtype to write the result into
+            (then returned); no autograd.
 
     Returns:
         ``[M / world, ..., N]``: rows ``rank * M / world`` to ``(rank + 1) * M / world`` of the sum.
@@ -277,5 +308,12 @@ def gemm_rs(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
         the arguments are invalid on some rank or differ between ranks.
     """
     group = resolve_group(group, OP)
-    op = _gemm_rs_impl if can_skip_dispatcher(input, weight, bias) else torch.ops.flux.gemm_rs
+    if out is not None:
+        direct = can_skip_dispatcher(input, weight, bias, out, grad_matters=False)
+        if direct:
+            _gemm_rs_impl(input, weight, bias, group_name(group), weight_layout, out_dtype, out)
+        else:
+            torch.ops.flux.gemm_rs_out(input, weight, bias, group_name(group), weight_layout, out_dtype, out)
+        return out
+    op = _gemm_rs_op_impl if can_skip_dispatcher(input, weight, bias) else torch.ops.flux.gemm_rs
     return op(input, weight, bias, group_name(group), weight_layout, out_dtype)
