@@ -3,8 +3,8 @@ place (flags set), so only the GEMM and its tile order are measured:
 
     python bench/bench_fused_gemm.py [--world 2] [--shapes MxKxN,...]
 
-For each shape: cuBLAS (torch.mm) and the fused kernel under several rasters and swizzle
-sizes, median of 20 CUDA-event timings after warm-up, and the relative difference of the
+For each shape: cuBLAS (torch.mm) and the fused kernel's configurations under several
+rasters and swizzle sizes, median of 20 CUDA-event timings after warm-up, and the relative difference of the
 outputs. Prints a table; --out writes JSON.
 """
 import argparse
@@ -40,7 +40,9 @@ def main():
     args = p.parse_args()
     dev = torch.device("cuda", 0)
     flags = torch.ones(args.world, dtype=torch.int32, device=dev)
-    variants = [("N8", 1, 8), ("N1", 1, 1), ("N4", 1, 4), ("heur1", 0, 1), ("heur8", 0, 8), ("M8", 2, 8)]
+    # (name, raster, swizzle, configuration): 1 = along N, 0 = CUTLASS's heuristic, 2 = along M.
+    variants = [("c0N8", 1, 8, 0), ("c0N1", 1, 1, 0), ("c1N8", 1, 8, 1), ("c1N1", 1, 1, 1),
+                ("c2N8", 1, 8, 2), ("c2N1", 1, 1, 2), ("c0heur1", 0, 1, 0)]
     rows_out = []
     print(f"{'shape':>18} {'cuBLAS':>8} " + " ".join(f"{v[0]:>8}" for v in variants))
     for shape in args.shapes.split(","):
@@ -51,10 +53,10 @@ def main():
         t_ref = time_ms(lambda: torch.mm(a, w.t()))
         rec = {"shape": shape, "cublas_ms": t_ref, "variants": {}}
         cells = []
-        for name, raster, swz in variants:
+        for name, raster, swz, cfg in variants:
             out = torch.full((m, n), float("nan"), device=dev, dtype=torch.bfloat16)
             call = lambda: torch.ops.flux.ag_gemm_fused_(out, a, w, None, flags, 1 % args.world, args.world,
-                                                         m // args.world, 10000, 0, raster, swz)
+                                                         m // args.world, 10000, 0, raster, swz, cfg)
             call()
             torch.cuda.synchronize()
             err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()

@@ -14,7 +14,8 @@ TORCH_LIBRARY(flux, m) {
   // remote rows waiting on flags[src]; a_full is a symmetric workspace written by peers;
   // error_record: host-mapped address of 2 uint32 (waiting rank + 1, missing rank), or 0.
   m.def("ag_gemm_fused_(Tensor(a!) out, Tensor a_full, Tensor weight, Tensor? bias, Tensor flags, int rank, "
-        "int world, int rows_per_rank, int timeout_ms, int error_record, int raster=1, int swizzle=8) -> ()");
+        "int world, int rows_per_rank, int timeout_ms, int error_record, int raster=1, int swizzle=8, "
+        "int config=0) -> ()");
   m.def("ag_gemm_fused_supported() -> bool");
   // Signals on symmetric-workspace signal pads (csrc/runtime/signals.cu). The pads are
   // written by peers, so they are marked as mutated.

@@ -218,6 +218,33 @@ def _out(op):
     return fn
 
 
+def _candidates(op):
+    """Every candidate of the autotuner's search space for a few problems (so every fused
+    configuration, swizzle and chunk count), run through run_strategy with its parameters,
+    against the float64 reference."""
+    from flux.autotune.space import Problem, candidates
+
+    def fn(rank, world, dev):
+        mod = ag_mod if op == "ag" else rs_mod
+        result = {}
+        for m_rows, k, n in ((2048, 1024, 1536), (999, 4160, 1000), (4096, 2048, 12288)):
+            if op == "ag":
+                prob = AgProblem(rank, world, dev, m_rows, k, n, BF16, bias=True, seed=70)
+                p = Problem("ag_gemm", m_rows * world, n, k, BF16, world)
+            else:
+                prob = RsProblem(rank, world, dev, m_rows * world, k, n, BF16, bias=True, seed=70)
+                p = Problem("gemm_rs", m_rows * world, n, k, BF16, world)
+            for c in candidates(p):
+                out = mod.run_strategy(c.strategy, prob.x, prob.w, prob.b, **c.kwargs)
+                result[f"{m_rows}x{k}x{n} {c.label}"] = prob.check(out, f"{c.label} on {m_rows}x{k}x{n}")[0]
+                del out
+        return result
+
+    return fn
+
+
+gcase("candidates-ag")(_candidates("ag"))
+gcase("candidates-rs")(_candidates("rs"))
 gcase("out-ag")(_out("ag"))
 gcase("out-rs")(_out("rs"))
 gcase("options-ag")(_options("ag"))

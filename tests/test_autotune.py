@@ -24,14 +24,15 @@ def big(op, **kw):
 
 
 def test_candidate_label_round_trip():
-    for c in (Candidate("sequential"), Candidate.of("decomposed", chunks=2), Candidate.of("fused", swizzle=8)):
+    for c in (Candidate("sequential"), Candidate.of("decomposed", chunks=2), Candidate.of("fused", config=1, swizzle=8)):
         assert Candidate.parse(c.label) == c
     assert Candidate.of("x", b=2, a=1).label == "x(a=1,b=2)"
 
 
 def test_pruning():
     labels = lambda p: [c.label for c in candidates(p)]  # noqa: E731
-    assert labels(big("ag_gemm")) == ["sequential", "decomposed", "oneshot", "fused(swizzle=1)", "fused(swizzle=8)"]
+    assert labels(big("ag_gemm")) == ["sequential", "decomposed", "oneshot"] + [
+        f"fused(config={c},swizzle={s})" for c in (0, 1, 2) for s in (1, 8)]
     assert labels(big("gemm_rs")) == ["sequential", "oneshot", "decomposed(chunks=1)", "decomposed(chunks=2)",
                                       "decomposed_p2p(chunks=1)"]
     assert labels(big("ag_gemm", device_type="cpu")) == ["sequential"]
@@ -41,7 +42,10 @@ def test_pruning():
     assert "fused" not in " ".join(labels(big("ag_gemm", weight_layout="kn")))
     assert "fused" not in " ".join(labels(big("ag_gemm", k=8190)))
     assert "fused" not in " ".join(labels(big("ag_gemm", sm90=False)))
-    assert labels(big("ag_gemm", m=512))[-1] == "fused(swizzle=1)"  # bands of 8 tiles would pad the grid
+    small = labels(big("ag_gemm", m=512))  # bands of 8 tiles would pad the grid
+    assert "fused(config=0,swizzle=1)" in small and not any("swizzle=8" in x for x in small)
+    assert "fused(config=1,swizzle=8)" not in labels(big("ag_gemm", m=3072))  # 256-row tiles: M >= 4096
+    assert "fused(config=0,swizzle=8)" in labels(big("ag_gemm", m=3072))
     assert "decomposed(chunks=2)" not in labels(big("gemm_rs", m=256))  # sub-blocks under a tile
     assert why_invalid(Candidate("sequential"), big("ag_gemm", device_type="cpu")) is None
     with pytest.raises(ValueError):
@@ -117,7 +121,7 @@ def test_choice_precedence(tmp_path, monkeypatch):
     assert autotune.choose(big("gemm_rs", m=4096), cpu).label == "decomposed(chunks=1)"
     monkeypatch.setenv("FLUX_STRATEGY_GEMM_RS", "oneshot")
     assert autotune.choose(p, cpu).label == "oneshot"  # forced
-    monkeypatch.setenv("FLUX_STRATEGY_GEMM_RS", "fused(swizzle=8)")
+    monkeypatch.setenv("FLUX_STRATEGY_GEMM_RS", "fused(config=0,swizzle=8)")
     assert autotune.choose(p, cpu).label == "decomposed(chunks=1)"  # invalid forced: default, logged
     monkeypatch.delenv("FLUX_STRATEGY_GEMM_RS")
     cache.put(autotune.key_of(p), _entry("nonsense"))

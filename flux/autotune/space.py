@@ -64,13 +64,15 @@ class Problem:
             raise ValueError(f"Problem: sizes must be positive: {self}")
 
 
-TILE_M = 128  # rows of one tile of the fused kernels
+TILE_M = 128  # rows of one tile of the decomposed sub-blocks' minimum
+# Rows of one tile of each fused AG kernel configuration (csrc/ag_gemm/ag_gemm_fused_cfg*.cu).
+FUSED_AG_TILE_M = {0: 128, 1: 256, 2: 128}
 
 
 def _space(op: str) -> List[Candidate]:
     if op == "ag_gemm":
-        return [Candidate("sequential"), Candidate("decomposed"), Candidate("oneshot"),
-                Candidate.of("fused", swizzle=1), Candidate.of("fused", swizzle=8)]
+        return [Candidate("sequential"), Candidate("decomposed"), Candidate("oneshot")] + [
+            Candidate.of("fused", config=c, swizzle=s) for c in sorted(FUSED_AG_TILE_M) for s in (1, 8)]
     return [Candidate("sequential"), Candidate("oneshot"), Candidate.of("decomposed", chunks=1),
             Candidate.of("decomposed", chunks=2), Candidate.of("decomposed_p2p", chunks=1)]
 
@@ -101,7 +103,10 @@ def why_invalid(c: Candidate, p: Problem) -> Optional[str]:
             return "the fused kernel is bf16, weight_layout 'nk'"
         if p.k % 8 or p.n % 8:
             return "K and N must be multiples of 8"
-        if c.kwargs.get("swizzle", 1) > 1 and p.m < 16 * TILE_M:
+        tile_m = FUSED_AG_TILE_M.get(c.kwargs.get("config", 0))
+        if tile_m is None:
+            return f"no fused configuration {c.kwargs.get('config')}"
+        if c.kwargs.get("swizzle", 1) > 1 and p.m < 16 * tile_m:
             return "bands of M tiles larger than the problem pad the grid"
     if c.kwargs.get("chunks", 1) > 1 and rows < c.kwargs["chunks"] * TILE_M:
         return "sub-blocks smaller than a tile"

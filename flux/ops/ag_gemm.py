@@ -180,7 +180,8 @@ def _fused_swizzle(m: int, n: int) -> int:
 
 def _fused(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
            group: dist.ProcessGroup, weight_layout: str, out_dtype: Optional[torch.dtype],
-           need_gathered: bool, out: Optional[torch.Tensor] = None, swizzle: Optional[int] = None):
+           need_gathered: bool, out: Optional[torch.Tensor] = None, swizzle: Optional[int] = None,
+           config: int = 0):
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     reason = "world size 1" if world == 1 else _fused_ineligible(input, weight, group, weight_layout, out_dtype)
     if reason:
@@ -199,7 +200,7 @@ def _fused(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     current.wait_event(barrier_done)
     out = output(out, (world * rows, n), a.dtype, a.device)
     torch.ops.flux.ag_gemm_fused_(out, full, weight, bias, flags, rank, world, rows, symm.timeout_ms(),
-                                  symm.error_record_ptr(), 1, swizzle or _fused_swizzle(world * rows, n))
+                                  symm.error_record_ptr(), 1, swizzle or _fused_swizzle(world * rows, n), config)
     # Every peer's rows were waited for by the kernel, so the workspace holds them all now.
     gathered = full.clone().view(world * input.shape[0], *input.shape[1:]) if need_gathered else None
     current.wait_stream(comm)

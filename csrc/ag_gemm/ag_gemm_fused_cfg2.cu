@@ -1,0 +1,15 @@
+// Fused AllGather+GEMM, configuration 2: 128x128x64 tile, cluster 2x1, ping-pong (two consumer warpgroups on alternate tiles).
+#define FLUX_AG_FUSED_IMPL
+#include "ag_gemm/ag_gemm_fused.cuh"
+
+namespace flux {
+
+void ag_gemm_fused_cfg2(const AgFusedArgs& a) {
+#if defined(FLUX_WITH_SM90)
+  launch_ag_fused<AgGemmBf16<cute::Shape<cute::_128, cute::_128, cute::_64>, cute::Shape<cute::_2, cute::_1, cute::_1>, cutlass::gemm::KernelTmaWarpSpecializedPingpong, cutlass::epilogue::TmaWarpSpecialized>>(a);
+#else
+  TORCH_CHECK(false, "flux.ag_gemm_fused_: flux._C was built without an sm_90a target (FLUX_CUDA_ARCH)");
+#endif
+}
+
+}  // namespace flux
