@@ -152,6 +152,25 @@ def _ranks_disagree(rank, world):
     return {"best": best.label, "times": times}
 
 
+@case("tune-drops-wrong", worlds=(2, 4))
+def _drops_wrong(rank, world):
+    """A candidate that computes the wrong thing on one rank only is dropped on every rank
+    before timing; NaN counts as wrong."""
+    from flux.autotune import tuner
+
+    ref = torch.arange(12.0).reshape(3, 4) + 1
+    cands = [Candidate("sequential"), Candidate("b"), Candidate("c"), Candidate("d")]
+
+    def run(c):
+        if c.label == "b" and rank == 1:
+            return ref * 1.5
+        if c.label == "d":
+            return (ref * float("nan"), None)  # tuples: the output comes first
+        return ref.clone()
+    kept = tuner.correct_candidates(run, cands, dist.group.WORLD, torch.device("cpu"), torch.float32)
+    return [c.label for c in kept]
+
+
 @case("tune-end-to-end", worlds=(2,))
 def _tune_end_to_end(rank, world):
     """autotune.tune on a CPU problem: times every valid candidate, records and saves."""
@@ -194,6 +213,12 @@ def test_ranks_that_measure_differently_agree(batch, world):
     values = batch(world).assert_ok("tune-ranks-disagree")
     assert all(v["best"] == "c" for v in values), values
     assert all(v == values[0] for v in values), values
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_wrong_candidates_are_dropped_everywhere(batch, world):
+    values = batch(world).assert_ok("tune-drops-wrong")
+    assert values == [["sequential", "c"]] * world, values
 
 
 def test_tune_end_to_end(batch):

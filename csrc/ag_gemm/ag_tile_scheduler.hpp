@@ -14,8 +14,8 @@
 //     TMA loads issued after the wait see the data. The wait is bounded: past timeout_ns the
 //     kernel records the rank it was waiting for in host-mapped memory and traps.
 //
-// The kernel calls initial_work_tile_info and both fetch_next_work overloads on this
-// type, so all of them are overridden; everything else is CUTLASS's.
+// The kernels call initial_work_tile_info, both fetch_next_work overloads and (ping-pong)
+// get_current_work on this type, so all of them are overridden; everything else is CUTLASS's.
 #pragma once
 
 #include "cutlass/gemm/kernel/sm90_tile_scheduler.hpp"
@@ -87,6 +87,11 @@ class AgTileScheduler : public cutlass::gemm::kernel::detail::PersistentTileSche
   CUTLASS_DEVICE WorkTileInfo initial_work_tile_info(ClusterShape cluster_shape) {
     return rotate_and_wait(Base::initial_work_tile_info(cluster_shape));
   }
+
+  // The ping-pong kernel moves on with advance_to_next_work(); get_current_work(): that path
+  // must rotate and wait too. (The base's own fetch_next_work / initial_work_tile_info call
+  // the base's get_current_work, not this one, so nothing is rotated twice.)
+  CUTLASS_DEVICE WorkTileInfo get_current_work() const { return rotate_and_wait(Base::get_current_work()); }
 
   CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo work_tile_info) {
     // The static scheduler never continues a tile (no split-K), so the base only advances.

@@ -150,15 +150,19 @@ def tuning_requested(p: Problem, device: torch.device) -> bool:
 
 def tune(p: Problem, run: Callable[[Candidate], object], group, device: torch.device, *, save: bool = True,
          warmup: int = 3, iters: int = 10, timer=None) -> dict:
-    """Time every candidate of ``p`` on all ranks of ``group`` together, record the choice in
+    """Check every candidate of ``p`` against 'sequential' (any rank's failure drops it), time the
+    rest on all ranks of ``group`` together, record the choice in
     the cache of this topology (written by the group's first rank of each node when ``save``)
     and return the entry {"choice", "default", "times_ms"}. Collective."""
     from flux.autotune import tuner
 
-    cands = candidates(p)
+    cands = tuner.correct_candidates(run, candidates(p), group, device, p.dtype)
     times = tuner.time_candidates(run, cands, group, device, warmup=warmup, iters=iters, timer=timer)
     best = tuner.pick(times, cands, group, device)
-    entry = {"choice": best.label, "default": default_candidate(p).label, "times_ms": times}
+    default = default_candidate(p)
+    if default.label not in times:  # the default failed its correctness check: never pick it
+        default = Candidate("sequential")
+    entry = {"choice": best.label, "default": default.label, "times_ms": times}
     cache = cache_for(topology(p.world, device))
     cache.put(key_of(p), entry)
     if save and int(os.environ.get("LOCAL_RANK", "0")) == 0:

@@ -65,6 +65,7 @@ class Problem:
 
 
 TILE_M = 128  # rows of one tile of the decomposed sub-blocks' minimum
+MAX_CHUNKS = 7  # = flux.runtime.symm.MAX_DATA_CHANNELS (this module stays free of CUDA imports)
 # Rows of one tile of each fused AG kernel configuration (csrc/ag_gemm/ag_gemm_fused_cfg*.cu).
 FUSED_AG_TILE_M = {0: 128, 1: 256, 2: 128}
 
@@ -108,6 +109,8 @@ def why_invalid(c: Candidate, p: Problem) -> Optional[str]:
             return f"no fused configuration {c.kwargs.get('config')}"
         if c.kwargs.get("swizzle", 1) > 1 and p.m < 16 * tile_m:
             return "bands of M tiles larger than the problem pad the grid"
+    if not 1 <= c.kwargs.get("chunks", 1) <= MAX_CHUNKS:
+        return f"chunks must be 1..{MAX_CHUNKS} (one signal channel each)"
     if c.kwargs.get("chunks", 1) > 1 and rows < c.kwargs["chunks"] * TILE_M:
         return "sub-blocks smaller than a tile"
     return None

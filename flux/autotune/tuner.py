@@ -45,6 +45,28 @@ def time_on_rank(fn: Callable[[], object], device: torch.device, iters: int,
     return statistics.median(samples)
 
 
+TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 1e-2, torch.float32: 1e-4, torch.float64: 1e-10}
+
+
+def _first(x):
+    return x[0] if isinstance(x, (tuple, list)) else x
+
+
+def correct_candidates(run: Callable[[Candidate], object], cands: Sequence[Candidate], group: dist.ProcessGroup,
+                       device: torch.device, dtype: torch.dtype) -> List[Candidate]:
+    """The candidates whose output matches 'sequential' (cands[0]) on every rank: a kernel
+    that computes the wrong thing is never timed, let alone chosen."""
+    ref = _first(run(cands[0])).double()
+    bad = []
+    for c in cands[1:]:
+        out = _first(run(c)).double()
+        err = ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+        bad.append(1.0 if not err <= TOLERANCE.get(dtype, 2e-2) else 0.0)  # NaN fails too
+    flags = torch.tensor([0.0] + bad, dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    return [c for c, f in zip(cands, flags.tolist()) if f == 0.0]
+
+
 def time_candidates(run: Callable[[Candidate], object], cands: Sequence[Candidate], group: dist.ProcessGroup,
                     device: torch.device, warmup: int = 3, iters: int = 10,
                     timer: Optional[Callable[[Candidate, Callable[[], object]], float]] = None) -> Dict[str, float]:

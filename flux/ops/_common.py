@@ -231,6 +231,11 @@ def choose_and_check(sig, op: str, input: torch.Tensor, weight: torch.Tensor, we
                               fused_built=cuda and _fused_kernels_built())
             cand = autotune.choose(problem, input.device)
             tune = autotune.tuning_requested(problem, input.device)
+    from flux.runtime import cuda_kernels_available
+
+    # A rank without flux._C would run its overlapped strategies' fallback (NCCL) while its
+    # peers wait for signals: make that a mismatch the check reports instead.
+    sig.add("flux._C loaded", cuda_kernels_available())
     sig.add("strategy", autotune.candidate_code(cand))
     sig.add("tunes now", tune)
     check_collectively(sig, group)

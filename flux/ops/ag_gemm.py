@@ -42,6 +42,7 @@ local GEMM for the weight's). Strategies, chosen per call by flux.autotune:
                finished its previous GEMM on its workspace. bf16, weight_layout "nk", K and N
                multiples of 8; otherwise the call runs 'decomposed'.
 """
+import math
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
@@ -139,12 +140,15 @@ def _oneshot(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     rows = a.shape[0]
     ws = symm.get_workspace(group, world * rows * k * a.element_size())
     slots = ws.view(rank, (world, rows, k), a.dtype)
-    comm, _ = _push_shard(ws, a, rank, world)
-    slots[rank].copy_(a)  # only this rank reads its own slot, after its earlier GEMMs in stream order
+    out = output(out, (world * rows, n), a.dtype, a.device)
+    comm, after_barrier = _push_shard(ws, a, rank, world)
+    # This rank's own slot is written only after the barrier: a peer may still be reading this
+    # region of the workspace for an earlier call of another op (gemm_rs oneshot pulls from it).
+    torch.cuda.current_stream().wait_event(after_barrier)
+    slots[rank].copy_(a)
     for step in range(1, world):
         ws.wait((rank - step) % world)
     gathered2d = slots.view(world * rows, k)
-    out = output(out, (world * rows, n), a.dtype, a.device)
     gemm_into(out, gathered2d, weight, bias, weight_layout)
     gathered = gathered2d.clone().view(world * input.shape[0], *input.shape[1:]) if need_gathered else None
     torch.cuda.current_stream().wait_stream(comm)
@@ -194,13 +198,19 @@ def _fused(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     full = ws.view(rank, (world * rows, k), a.dtype)
     flags = ws.flags()
     current = torch.cuda.current_stream()
+    # TMA needs 16-byte aligned bases: a caller's tensors at odd offsets go through aligned
+    # copies (a rank-local choice: the signals are the same either way).
+    dest = out if out is None or out.data_ptr() % 16 == 0 else None
+    res = output(dest, (world * rows, n), a.dtype, a.device)
+    w_ok = weight if weight.data_ptr() % 16 == 0 else weight.clone()
+    b_ok = bias if bias is None or bias.data_ptr() % 16 == 0 else bias.clone()
     flags.zero_()  # after this rank's previous fused GEMM (the only reader) in stream order
-    full[rank * rows:(rank + 1) * rows].copy_(a)
     comm, barrier_done = _push_shard(ws, a, rank, world, level_flags=True)
-    current.wait_event(barrier_done)
-    out = output(out, (world * rows, n), a.dtype, a.device)
-    torch.ops.flux.ag_gemm_fused_(out, full, weight, bias, flags, rank, world, rows, symm.timeout_ms(),
+    current.wait_event(barrier_done)  # before the own rows land: a peer may still read this region
+    full[rank * rows:(rank + 1) * rows].copy_(a)
+    torch.ops.flux.ag_gemm_fused_(res, full, w_ok, b_ok, flags, rank, world, rows, symm.timeout_ms(),
                                   symm.error_record_ptr(), 1, swizzle or _fused_swizzle(world * rows, n), config)
+    out = res if out is None or dest is not None else deliver(res, out)
     # Every peer's rows were waited for by the kernel, so the workspace holds them all now.
     gathered = full.clone().view(world * input.shape[0], *input.shape[1:]) if need_gathered else None
     current.wait_stream(comm)
@@ -275,7 +285,7 @@ def _ag_gemm_impl(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
 
     if tune_now:  # tuned on scratch outputs: the caller's out is written once, below
         cand = Candidate.parse(autotune.tune(problem, run, group, input.device)["choice"])
-    res, gathered = run(cand, None if out is None else out.view(-1, out.shape[-1]))
+    res, gathered = run(cand, None if out is None else out.view(math.prod(out.shape[:-1]), out.shape[-1]))
     if not return_gathered or gathered is None:
         gathered = input.new_empty((0,))
     return res, gathered

@@ -35,6 +35,7 @@ GEMM for the weight's). Strategies, chosen per call by flux.autotune:
                The entry barrier keeps a rank from overwriting its partial while a peer may
                still be reading the previous call's.
 """
+import math
 from typing import Callable, Dict, Optional
 
 import torch
@@ -89,8 +90,17 @@ def _decomposed_impl(input, weight, bias, group, weight_layout, out_dtype, out=N
     a = input.reshape(-1, k)
     rows = a.shape[0] // world
     splits = _row_splits(rows, chunks or default_chunks(world))
+    if len(splits) > symm.MAX_DATA_CHANNELS:
+        raise ValueError(f"{OP}: {name} takes at most {symm.MAX_DATA_CHANNELS} chunks, got {len(splits)}")
+    # Everything is allocated before the first signal, so that an allocation failure cannot
+    # leave a signal half sent. The staging blocks live until the current stream has waited
+    # for the copies that read them (freeing one earlier would let the allocator hand its
+    # memory to a later GEMM while the copy engine still reads it).
     ws = symm.get_workspace(group, world * rows * n * a.element_size())
     slots = ws.view(rank, (world, rows, n), a.dtype)  # slot p: rank p's partial of this rank's rows
+    out = output(out, (rows, n), a.dtype, a.device)
+    staging = [] if p2p else [[torch.empty((r1 - r0, n), dtype=a.dtype, device=a.device) for r0, r1 in splits]
+                              for _ in range(1, world)]
     current, comm = torch.cuda.current_stream(), symm.comm_stream()
     ws.barrier()  # every peer has finished reading its slots in the previous call
     for step in range(1, world):
@@ -102,8 +112,7 @@ def _decomposed_impl(input, weight, bias, group, weight_layout, out_dtype, out=N
                 gemm_into(dest_slot[r0:r1], block, weight, None, weight_layout)  # stores go over NVLink
                 ws.put(peer, symm.DATA_CHANNEL + c)
             else:
-                staged = gemm_into(torch.empty((r1 - r0, n), dtype=a.dtype, device=a.device), block, weight, None,
-                                   weight_layout)
+                staged = gemm_into(staging[step - 1][c], block, weight, None, weight_layout)
                 comm.wait_stream(current)
                 with torch.cuda.stream(comm):
                     dest_slot[r0:r1].copy_(staged)  # copy engine, over NVLink
@@ -112,10 +121,10 @@ def _decomposed_impl(input, weight, bias, group, weight_layout, out_dtype, out=N
     for c in range(len(splits)):
         for step in range(1, world):
             ws.wait((rank - step) % world, symm.DATA_CHANNEL + c)
-    out = output(out, (rows, n), a.dtype, a.device)
     torch.ops.flux.reduce_chunks_(out, slots, bias)  # fp32, rank order, bias once, one rounding
     if not p2p:
-        current.wait_stream(comm)  # staging buffers are freed on the current stream after their copies
+        current.wait_stream(comm)  # the staging blocks are freed after this, in stream order
+    del staging
     return out.view(input.shape[0] // world, *input.shape[1:-1], n)
 
 
@@ -217,7 +226,7 @@ def _gemm_rs_impl(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
 
     if tune_now:  # tuned on scratch outputs: the caller's out is written once, below
         cand = Candidate.parse(autotune.tune(problem, run, group, input.device)["choice"])
-    return run(cand, None if out is None else out.view(-1, out.shape[-1]))
+    return run(cand, None if out is None else out.view(math.prod(out.shape[:-1]), out.shape[-1]))
 
 
 def _gemm_rs_op_impl(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group_name: str,

@@ -26,6 +26,7 @@ import torch.distributed as dist
 BARRIER_CHANNEL = 0
 DATA_CHANNEL = 1
 FLAG_CHANNEL = 8
+MAX_DATA_CHANNELS = FLAG_CHANNEL - DATA_CHANNEL  # sub-block signals of one call: channels 1..7
 
 
 def timeout_ms() -> int:
@@ -148,6 +149,9 @@ class Workspace:
 
 
 _workspaces: Dict[Tuple[str, int], Workspace] = {}
+# Workspaces replaced by a larger one stay allocated: a CUDA graph captured earlier still
+# holds their addresses (buffers, signal pads) and may be replayed.
+_retired = []
 _comm_streams: Dict[int, torch.cuda.Stream] = {}
 
 
@@ -170,6 +174,7 @@ def get_workspace(group: dist.ProcessGroup, nbytes: int) -> Workspace:
             # still write into it; the rendezvous of the new buffer is a host-side collective,
             # reached by each rank only after its own synchronize.
             torch.cuda.synchronize(device)
+            _retired.append(ws)
         ws = Workspace(group, _round_up_pow2(nbytes), device)
         _workspaces[key] = ws
     return ws
