@@ -26,7 +26,7 @@ local GEMM for the weight's). Strategies, chosen per call by flux.autotune:
                workspace once every peer's shard is in::
 
                  comm:     [barrier] [copy -> r+1][put r+1] [copy -> r+2][put r+2] ...
-                 current:  [copy own shard] [wait all peers] [one GEMM over all rows]
+                 current:  [wait barrier][copy own shard] [wait all peers] [one GEMM over all rows]
 
   fused        one persistent CUTLASS GEMM over all gathered rows (csrc/ag_gemm/), its
                tile scheduler serving this rank's rows first and making every tile of a peer's
@@ -34,7 +34,7 @@ local GEMM for the weight's). Strategies, chosen per call by flux.autotune:
                every peer, each transfer followed by a flag write that needs no SM (the GEMM
                holds them all)::
 
-                 current:  [zero own flags][copy own shard] [wait barrier] [fused GEMM ..........]
+                 current:  [zero own flags] [wait barrier][copy own shard] [fused GEMM .....]
                  comm:     [barrier] [copy -> r+1][flag r+1] [copy -> r+2][flag r+2] ...
 
                The GEMM starts after the barrier (a barrier kernel could not get an SM once the
