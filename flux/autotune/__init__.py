@@ -38,6 +38,16 @@ log = logging.getLogger("flux")
 OPS = ("ag_gemm", "gemm_rs")
 _forced: Dict[str, Optional[str]] = {}
 _logged = set()
+# choose() is on every call's path: its answers are remembered per problem, device, forced
+# label and generation; the generation moves whenever something they depend on changes
+# (force, reset, a tuned entry).
+_choices: Dict[tuple, "Candidate"] = {}
+_generation = [0]
+
+
+def _bump() -> None:
+    _generation[0] += 1
+    _choices.clear()
 
 
 def force(op: str, name: Optional[str]) -> None:
@@ -46,6 +56,7 @@ def force(op: str, name: Optional[str]) -> None:
     if op not in OPS:
         raise ValueError(f"flux.autotune.force: unknown op {op!r}; known: {OPS}")
     _forced[op] = name
+    _bump()
 
 
 # Rows per rank block (M / W) from which splitting the GEMM into W row blocks pays. Each
@@ -103,6 +114,7 @@ def reset() -> None:
     """Forget detected topologies and loaded caches (tests; after changing FLUX_CACHE_DIR)."""
     _topologies.clear()
     _caches.clear()
+    _bump()
 
 
 def key_of(p: Problem) -> str:
@@ -118,6 +130,17 @@ def _warn_once(op: str, what: str, why: str) -> None:
 def choose(p: Problem, device: Optional[torch.device] = None) -> Candidate:
     """The candidate for one call (see the module docstring)."""
     label = _forced.get(p.op) or os.environ.get(f"FLUX_STRATEGY_{p.op.upper()}")
+    key = (p, None if device is None else (device.type, device.index), label, _generation[0])
+    c = _choices.get(key)
+    if c is None:
+        c = _choose(p, device, label)
+        if len(_choices) > 4096:
+            _choices.clear()
+        _choices[key] = c
+    return c
+
+
+def _choose(p: Problem, device: Optional[torch.device], label: Optional[str]) -> Candidate:
     if label:
         c = Candidate.parse(label)
         why = why_invalid(c, p)
@@ -165,6 +188,7 @@ def tune(p: Problem, run: Callable[[Candidate], object], group, device: torch.de
     entry = {"choice": best.label, "default": default.label, "times_ms": times}
     cache = cache_for(topology(p.world, device))
     cache.put(key_of(p), entry)
+    _bump()
     if save and int(os.environ.get("LOCAL_RANK", "0")) == 0:
         cache.save()
     return entry

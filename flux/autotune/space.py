@@ -70,21 +70,27 @@ MAX_CHUNKS = 7  # = flux.runtime.symm.MAX_DATA_CHANNELS (this module stays free 
 FUSED_AG_TILE_M = {0: 128, 1: 256, 2: 128}
 
 
+_SPACES = {
+    "ag_gemm": [Candidate("sequential"), Candidate("decomposed"), Candidate("oneshot")] + [
+        Candidate.of("fused", config=c, swizzle=s) for c in sorted(FUSED_AG_TILE_M) for s in (1, 8)],
+    "gemm_rs": [Candidate("sequential"), Candidate("oneshot"), Candidate.of("decomposed", chunks=1),
+                Candidate.of("decomposed", chunks=2), Candidate.of("decomposed_p2p", chunks=1)],
+}
+# op -> strategy -> the parameter names it takes
+_PARAMS = {op: {c.strategy: {k for x in space if x.strategy == c.strategy for k, _ in x.params} for c in space}
+           for op, space in _SPACES.items()}
+
+
 def _space(op: str) -> List[Candidate]:
-    if op == "ag_gemm":
-        return [Candidate("sequential"), Candidate("decomposed"), Candidate("oneshot")] + [
-            Candidate.of("fused", config=c, swizzle=s) for c in sorted(FUSED_AG_TILE_M) for s in (1, 8)]
-    return [Candidate("sequential"), Candidate("oneshot"), Candidate.of("decomposed", chunks=1),
-            Candidate.of("decomposed", chunks=2), Candidate.of("decomposed_p2p", chunks=1)]
+    return _SPACES[op]
 
 
 def why_invalid(c: Candidate, p: Problem) -> Optional[str]:
     """Why ``c`` cannot run ``p`` (None when it can)."""
-    space = _space(p.op)
-    if c.strategy not in {x.strategy for x in space}:
+    known = _PARAMS[p.op].get(c.strategy)
+    if known is None:
         return f"{p.op} has no strategy {c.strategy!r}"
-    known = {k for x in space if x.strategy == c.strategy for k, _ in x.params}
-    if not set(c.kwargs) <= known:
+    if c.params and not {k for k, _ in c.params} <= known:
         return f"{c.strategy} takes parameters {sorted(known)}, not {sorted(c.kwargs)}"
     if c.strategy == "sequential":
         return None
