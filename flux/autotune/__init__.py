@@ -29,6 +29,7 @@ from typing import Callable, Dict, Optional, Sequence
 
 import torch
 
+from flux.autotune.cache import GENERATION as cache_generation
 from flux.autotune.cache import TuneCache, problem_key
 from flux.autotune.space import Candidate, Problem, candidates, m_bucket, why_invalid
 from flux.autotune.topology import Topology, detect
@@ -39,8 +40,8 @@ OPS = ("ag_gemm", "gemm_rs")
 _forced: Dict[str, Optional[str]] = {}
 _logged = set()
 # choose() is on every call's path: its answers are remembered per problem, device, forced
-# label and generation; the generation moves whenever something they depend on changes
-# (force, reset, a tuned entry).
+# label and generations; a generation moves whenever something they depend on changes
+# (force, reset; any cache entry: flux.autotune.cache.GENERATION).
 _choices: Dict[tuple, "Candidate"] = {}
 _generation = [0]
 
@@ -130,7 +131,8 @@ def _warn_once(op: str, what: str, why: str) -> None:
 def choose(p: Problem, device: Optional[torch.device] = None) -> Candidate:
     """The candidate for one call (see the module docstring)."""
     label = _forced.get(p.op) or os.environ.get(f"FLUX_STRATEGY_{p.op.upper()}")
-    key = (p, None if device is None else (device.type, device.index), label, _generation[0])
+    key = (p, None if device is None else (device.type, device.index), label, _generation[0],
+           cache_generation[0])
     c = _choices.get(key)
     if c is None:
         c = _choose(p, device, label)
@@ -188,7 +190,6 @@ def tune(p: Problem, run: Callable[[Candidate], object], group, device: torch.de
     entry = {"choice": best.label, "default": default.label, "times_ms": times}
     cache = cache_for(topology(p.world, device))
     cache.put(key_of(p), entry)
-    _bump()
     if save and int(os.environ.get("LOCAL_RANK", "0")) == 0:
         cache.save()
     return entry

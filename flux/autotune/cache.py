@@ -19,6 +19,8 @@ from typing import Dict, Optional
 from flux._version import __version__
 
 FORMAT = 1
+# Moves on every change of any loaded cache, so that remembered choices are recomputed.
+GENERATION = [0]
 SHIPPED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shipped")
 
 
@@ -62,6 +64,7 @@ class TuneCache:
 
     def put(self, key: str, entry: dict) -> None:
         self.user[key] = entry
+        GENERATION[0] += 1
 
     def save(self, path: Optional[str] = None) -> str:
         """Write the user's entries (atomically: a reader never sees half a file)."""
