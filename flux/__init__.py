@@ -8,6 +8,7 @@ Public API:
     flux.ag_gemm_ref, flux.gemm_rs_ref       their unfused references
     flux.FluxInputError                      bad arguments, raised alike on every rank
     flux.cuda_kernels_available()            whether the CUDA extension flux._C is loaded
+    flux.nn.ColumnParallelLinear, flux.nn.RowParallelLinear    tensor-parallel layers
 """
 from flux._version import __version__
 from flux.runtime import cuda_kernels_available
