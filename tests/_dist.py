@@ -286,3 +286,18 @@ def _worker_main() -> None:
         log.close()
     dist.barrier(group=sync)
     dist.destroy_process_group()
+
+
+def batches(module_file: str, prefix: str, tmp_path_factory, timeout_s: float = 120.0):
+    """world -> Batch of the registered cases named ``prefix*``, each world size started once
+    (for a module-scoped pytest fixture)."""
+    done = {}
+
+    def get(world: int) -> "Batch":
+        if world not in done:
+            names = [n for n in case_names(world) if n.startswith(prefix)]
+            workdir = str(tmp_path_factory.mktemp(f"{prefix.strip('-')}{world}"))
+            done[world] = run_batch(module_file, world, names, workdir, timeout_s=timeout_s)
+        return done[world]
+
+    return get

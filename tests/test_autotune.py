@@ -12,7 +12,7 @@ from flux import autotune
 from flux.autotune import cache as cache_mod
 from flux.autotune.space import Candidate, Problem, candidates, m_bucket, why_invalid
 from flux.autotune.topology import Topology
-from _dist import case, case_names, run_batch
+from _dist import batches, case
 
 BF16 = torch.bfloat16
 
@@ -196,16 +196,7 @@ def _tune_end_to_end(rank, world):
 
 @pytest.fixture(scope="module")
 def batch(tmp_path_factory):
-    batches = {}
-
-    def get(world):
-        if world not in batches:
-            names = [n for n in case_names(world) if n.startswith("tune-")]
-            batches[world] = run_batch(__file__, world, names, str(tmp_path_factory.mktemp(f"tune{world}")),
-                                       timeout_s=120)
-        return batches[world]
-
-    return get
+    return batches(__file__, "tune-", tmp_path_factory)
 
 
 @pytest.mark.parametrize("world", [2, 4])

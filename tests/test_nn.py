@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import flux.nn as fnn
-from _dist import case, case_names, run_batch
+from _dist import batches, case
 
 
 @case("nn-mlp", worlds=(2, 4))
@@ -58,16 +58,7 @@ def _bad_size(rank, world):
 
 @pytest.fixture(scope="module")
 def batch(tmp_path_factory):
-    batches = {}
-
-    def get(world):
-        if world not in batches:
-            names = [n for n in case_names(world) if n.startswith("nn-")]
-            batches[world] = run_batch(__file__, world, names, str(tmp_path_factory.mktemp(f"nn{world}")),
-                                       timeout_s=120)
-        return batches[world]
-
-    return get
+    return batches(__file__, "nn-", tmp_path_factory)
 
 
 @pytest.mark.parametrize("world", [2, 4])

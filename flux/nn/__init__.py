@@ -26,44 +26,62 @@ def _shard(t: torch.Tensor, dim: int, group: dist.ProcessGroup, what: str) -> to
     return t.chunk(world, dim=dim)[rank].contiguous()
 
 
-class ColumnParallelLinear(nn.Module):
-    """``nn.Linear(in_features, out_features)`` with the output features split over ``group``
-    and the input sharded on dim 0 (sequence parallel): input ``[M/W, ..., in_features]``,
-    output ``[M, ..., out_features / W]``. Weight ``[out_features / W, in_features]``."""
+class _ParallelLinear(nn.Module):
+    """The shared part: a (sharded) weight, an optional bias, the group. ``_weight_dim`` is the
+    weight dimension split over the group; ``_bias_split`` whether the bias is split too."""
+
+    _weight_dim: int
+    _bias_split: bool
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  group: Optional[dist.ProcessGroup] = None, device=None, dtype=None):
         super().__init__()
-        self.group = resolve_group(group, "flux.nn.ColumnParallelLinear")
-        world = dist.get_world_size(self.group)
-        if out_features % world:
-            raise ValueError(f"flux.nn.ColumnParallelLinear: out_features={out_features} is not divisible by "
-                             f"the group size {world}")
-        self.in_features, self.out_features = in_features, out_features
-        full = nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self.weight = nn.Parameter(_shard(full.weight.data, 0, self.group, "weight"))
-        self.bias = nn.Parameter(_shard(full.bias.data, 0, self.group, "bias")) if bias else None
+        self._take(nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype), group)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group: Optional[dist.ProcessGroup] = None) -> "ColumnParallelLinear":
+    def from_linear(cls, linear: nn.Linear, group: Optional[dist.ProcessGroup] = None):
         """This rank's shard of an existing (replicated) nn.Linear."""
         m = cls.__new__(cls)
         nn.Module.__init__(m)
-        m.group = resolve_group(group, "flux.nn.ColumnParallelLinear")
-        m.in_features, m.out_features = linear.in_features, linear.out_features
-        m.weight = nn.Parameter(_shard(linear.weight.data, 0, m.group, "weight"))
-        m.bias = nn.Parameter(_shard(linear.bias.data, 0, m.group, "bias")) if linear.bias is not None else None
+        m._take(linear, group)
         return m
+
+    def _take(self, linear: nn.Linear, group: Optional[dist.ProcessGroup]) -> None:
+        name = f"flux.nn.{type(self).__name__}"
+        self.group = resolve_group(group, name)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        world = dist.get_world_size(self.group)
+        split = (self.out_features, "out_features") if self._weight_dim == 0 else (self.in_features, "in_features")
+        if split[0] % world:
+            raise ValueError(f"{name}: {split[1]}={split[0]} is not divisible by the group size {world}")
+        self.weight = nn.Parameter(_shard(linear.weight.data, self._weight_dim, self.group, "weight"))
+        if linear.bias is None:
+            self.bias = None
+        elif self._bias_split:
+            self.bias = nn.Parameter(_shard(linear.bias.data, 0, self.group, "bias"))
+        else:
+            self.bias = nn.Parameter(linear.bias.data.clone())
+
+    def extra_repr(self) -> str:
+        per = self.weight.shape[self._weight_dim]
+        ins = f"in_features={self.in_features}" + (f" ({per} per rank)" if self._weight_dim == 1 else "")
+        outs = f"out_features={self.out_features}" + (f" ({per} per rank)" if self._weight_dim == 0 else "")
+        return f"{ins}, {outs}, bias={self.bias is not None}"
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """``nn.Linear(in_features, out_features)`` with the output features split over ``group``
+    and the input sharded on dim 0 (sequence parallel): input ``[M/W, ..., in_features]``,
+    output ``[M, ..., out_features / W]``. Weight ``[out_features / W, in_features]``, bias
+    ``[out_features / W]``."""
+
+    _weight_dim, _bias_split = 0, True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ag_gemm(x, self.weight, self.bias, group=self.group)
 
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features} "
-                f"({self.weight.shape[0]} per rank), bias={self.bias is not None}")
 
-
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ParallelLinear):
     """``nn.Linear(in_features, out_features)`` with the input features split over ``group``
     and the output reduce-scattered on dim 0 (sequence parallel): input
     ``[M, ..., in_features / W]``, output ``[M/W, ..., out_features]``. Weight
@@ -71,36 +89,10 @@ class RowParallelLinear(nn.Module):
     reduction (its gradient is this rank's rows' share: sum it over the group, as Megatron
     does for sequence-parallel parameters)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
-                 group: Optional[dist.ProcessGroup] = None, device=None, dtype=None):
-        super().__init__()
-        self.group = resolve_group(group, "flux.nn.RowParallelLinear")
-        world = dist.get_world_size(self.group)
-        if in_features % world:
-            raise ValueError(f"flux.nn.RowParallelLinear: in_features={in_features} is not divisible by "
-                             f"the group size {world}")
-        self.in_features, self.out_features = in_features, out_features
-        full = nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self.weight = nn.Parameter(_shard(full.weight.data, 1, self.group, "weight"))
-        self.bias = nn.Parameter(full.bias.data.clone()) if bias else None
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, group: Optional[dist.ProcessGroup] = None) -> "RowParallelLinear":
-        """This rank's shard of an existing (replicated) nn.Linear."""
-        m = cls.__new__(cls)
-        nn.Module.__init__(m)
-        m.group = resolve_group(group, "flux.nn.RowParallelLinear")
-        m.in_features, m.out_features = linear.in_features, linear.out_features
-        m.weight = nn.Parameter(_shard(linear.weight.data, 1, m.group, "weight"))
-        m.bias = nn.Parameter(linear.bias.data.clone()) if linear.bias is not None else None
-        return m
+    _weight_dim, _bias_split = 1, False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return gemm_rs(x, self.weight, self.bias, group=self.group)
-
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features} ({self.weight.shape[1]} per rank), "
-                f"out_features={self.out_features}, bias={self.bias is not None}")
 
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
