@@ -215,3 +215,23 @@ def test_wrong_candidates_are_dropped_everywhere(batch, world):
 def test_tune_end_to_end(batch):
     values = batch(2).assert_ok("tune-end-to-end")
     assert values == [{"entry": "sequential", "saved": "sequential"}] * 2, values
+
+
+def test_cli_on_cpu(tmp_path):
+    """`torchrun -m flux.autotune` end to end on the CPU (gloo, 2 processes): it tunes the shapes,
+    prints the table and writes the cache of this topology."""
+    import subprocess
+    import sys
+
+    from _dist import free_port
+
+    env = dict(os.environ, FLUX_CACHE_DIR=str(tmp_path), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           "-m", "flux.autotune", "--cpu", "--shapes", "ag_gemm:64x32x48,gemm_rs:64x32x48", "--iters", "2"]
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "2 shapes in" in proc.stdout and "gemm_rs" in proc.stdout, proc.stdout[-3000:]
+    files = list(tmp_path.glob("tune-*.json"))
+    assert len(files) == 1, files
+    data = json.load(open(files[0]))
+    assert data["topology"] == "cpu|sm0|2r|1n|cpu" and len(data["entries"]) == 2, data
