@@ -135,9 +135,9 @@ AG_SHAPES = {  # name: (M_local, K, N); M = world * M_local
     "odd": (999, 4096 + 64, 1000),
     "public-8192x8192x5120": (8192 // 2, 8192, 5120),
 }
-RS_SHAPES = {  # name: (M, K_local, N); K = world * K_local
-    "odd": (999 * 2, 4096 + 64, 1000),
-    "public-4096x14336x8192": (4096, 14336 // 2, 8192),
+RS_SHAPES = {  # name: (M_local, K_local, N); M = world * M_local, K = world * K_local
+    "odd": (999, 4096 + 64, 1000),
+    "public-4096x14336x8192": (4096 // 2, 14336 // 2, 8192),
 }
 
 
@@ -149,7 +149,7 @@ def _fwd(op, shape_name, dtype):
             mod = ag_mod
         else:
             m, k, n = RS_SHAPES[shape_name]
-            prob = RsProblem(rank, world, dev, m, k, n, dtype)
+            prob = RsProblem(rank, world, dev, m * world, k, n, dtype)
             mod = rs_mod
         result = {}
         for name in mod.available_strategies(dev):
@@ -179,7 +179,7 @@ def _options(op):
                 if op == "ag":
                     prob = AgProblem(rank, world, dev, 77, 264, 136, BF16, layout, True, out_dtype, seed=7)
                 else:
-                    prob = RsProblem(rank, world, dev, 154, 264, 136, BF16, layout, True, out_dtype, seed=7)
+                    prob = RsProblem(rank, world, dev, 77 * world, 264, 136, BF16, layout, True, out_dtype, seed=7)
                 for name in mod.available_strategies(dev):
                     if op == "ag":
                         out, gathered = mod.run_strategy(name, prob.x, prob.w, prob.b, return_gathered=True,
@@ -201,7 +201,7 @@ def _out(op):
     def fn(rank, world, dev):
         mod = ag_mod if op == "ag" else rs_mod
         prob = (AgProblem(rank, world, dev, 136, 512, 264, BF16, bias=True, seed=60) if op == "ag"
-                else RsProblem(rank, world, dev, 272, 512, 264, BF16, bias=True, seed=60))
+                else RsProblem(rank, world, dev, 136 * world, 512, 264, BF16, bias=True, seed=60))
         call = flux.ag_gemm if op == "ag" else flux.gemm_rs
         result = {}
         for name in mod.available_strategies(dev):
@@ -260,8 +260,8 @@ def _repeat(op):
                      AgProblem(rank, world, dev, 256, 2048, 768, BF16, bias=True, seed=12)]
             mod = ag_mod
         else:
-            probs = [RsProblem(rank, world, dev, 1998, 4160, 1000, BF16, seed=11),
-                     RsProblem(rank, world, dev, 512, 2048, 768, BF16, bias=True, seed=12)]
+            probs = [RsProblem(rank, world, dev, 999 * world, 4160, 1000, BF16, seed=11),
+                     RsProblem(rank, world, dev, 256 * world, 2048, 768, BF16, bias=True, seed=12)]
             mod = rs_mod
         result = {}
         for name in mod.available_strategies(dev):
@@ -302,7 +302,7 @@ def _bad(op, kind):
         prefix = "flux.ag_gemm:" if op == "ag" else "flux.gemm_rs:"
         assert msg.startswith(prefix), msg
         prob = (AgProblem(rank, world, dev, 64, 128, 96, BF16) if op == "ag"
-                else RsProblem(rank, world, dev, 128, 128, 96, BF16))
+                else RsProblem(rank, world, dev, 64 * world, 128, 96, BF16))
         prob.check(call(prob.x, prob.w), "good call after the bad one")
         return msg
 
@@ -331,7 +331,7 @@ def _strategy_differs(rank, world, dev):
     finally:
         autotune.force("gemm_rs", None)
     assert msg.startswith("flux.gemm_rs:") and "strategy" in msg, msg
-    prob = RsProblem(rank, world, dev, 128, 128, 96, BF16)
+    prob = RsProblem(rank, world, dev, 64 * world, 128, 96, BF16)
     prob.check(flux.gemm_rs(prob.x, prob.w), "good call after the bad one")
     return msg
 
@@ -385,7 +385,7 @@ def _delayed(op):
         if op == "ag":
             prob, mod = AgProblem(rank, world, dev, 48, 320, 136, BF16, bias=True, seed=31), ag_mod
         else:
-            prob, mod = RsProblem(rank, world, dev, 96, 320, 136, BF16, bias=True, seed=31), rs_mod
+            prob, mod = RsProblem(rank, world, dev, 48 * world, 320, 136, BF16, bias=True, seed=31), rs_mod
         result = {}
         for name in _overlapped(mod, dev):
             outs = []
@@ -419,7 +419,7 @@ def _graph(op):
         mod = ag_mod if op == "ag" else rs_mod
         make = ((lambda s: AgProblem(rank, world, dev, 130, 512, 264, BF16, bias=True, seed=s, wseed=40))
                 if op == "ag" else
-                (lambda s: RsProblem(rank, world, dev, 260, 512, 264, BF16, bias=True, seed=s, wseed=40)))
+                (lambda s: RsProblem(rank, world, dev, 130 * world, 512, 264, BF16, bias=True, seed=s, wseed=40)))
         probs = [make(40 + i) for i in range(3)]
         result = {}
         for name in mod.available_strategies(dev):
@@ -452,8 +452,8 @@ gcase("graph-rs")(_graph("rs"))
 
 
 def timeout_case(rank, world, dev, strategy="decomposed"):
-    """Run alone (it breaks rank 0's CUDA context): both ranks make one call, then rank 1
-    skips the next one; rank 0's bounded wait must fail, naming rank 1, within seconds."""
+    """Run alone (it breaks the CUDA contexts): all ranks make one call, then rank 1 skips
+    the next one; the others' bounded waits must fail, naming rank 1, within seconds."""
     import time
 
     from flux.runtime import symm
@@ -471,10 +471,10 @@ def timeout_case(rank, world, dev, strategy="decomposed"):
         ag_mod.run_strategy(strategy, prob.x, prob.w)
         torch.cuda.synchronize()
     except Exception as e:  # noqa: BLE001
-        print(f"FLUXTIMEOUT rank 0 raised after {time.time() - start:.1f} s: {type(e).__name__}: {e}", flush=True)
+        print(f"FLUXTIMEOUT rank {rank} raised after {time.time() - start:.1f} s: {type(e).__name__}: {e}", flush=True)
         print(f"FLUXTIMEOUT report: {symm.timeout_report()}", flush=True)
         os._exit(0)
-    print("FLUXTIMEOUT rank 0 did not fail", flush=True)
+    print(f"FLUXTIMEOUT rank {rank} did not fail", flush=True)
     os._exit(1)
 
 
