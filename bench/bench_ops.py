@@ -111,14 +111,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 
 sys.path.insert(0, REPO)  # run from a checkout without installing
-from flux.autotune.space import PUBLIC_SUITE as SUITE  # noqa: E402
+from flux.autotune.space import PUBLIC_SUITE as SUITE, per_rank_shape  # noqa: E402
 QUICK = {
     "ag_gemm": ["4096x8192x14336", "512x8192x14336"],
     "gemm_rs": ["4096x14336x8192", "512x14336x8192"],
 }
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 DEFAULT_TOL = {"bf16": 2e-2, "fp16": 1e-2, "fp32": 1e-4}
-ROUND = 128  # scaled N / K are rounded to this (a GEMM tile multiple)
 
 
 def parse_args(argv=None):
@@ -185,12 +184,6 @@ def parse_args(argv=None):
 def _short(e: BaseException, limit: int = 300) -> str:
     msg = f"{type(e).__name__}: {e}".replace("\n", " ")
     return msg if len(msg) <= limit else msg[:limit] + "..."
-
-
-def _scaled(v: int, world: int, on: bool) -> int:
-    if not on or world == 2:
-        return v
-    return max(ROUND, int(round(v * 2 / world / ROUND)) * ROUND)
 
 
 def _eff(t_seq, t_gemm, t_op):
@@ -395,10 +388,7 @@ def run_shape(bench, op, shape, strategies):
     if m % W != 0:
         rec["status"] = f"skipped: M={m} is not divisible by the world size {W}"
         return rec
-    if op == "ag_gemm":
-        n_loc, k_loc = _scaled(n, W, args.scale_with_world), k
-    else:
-        n_loc, k_loc = n, _scaled(k, W, args.scale_with_world)
+    n_loc, k_loc = per_rank_shape(op, m, k, n, W, args.scale_with_world)
     rec["local"] = {"N": n_loc, "K": k_loc}
     gen = torch.Generator(device=dev)
     gen.manual_seed(1000 + bench.rank)
@@ -439,6 +429,7 @@ def run_shape(bench, op, shape, strategies):
 
         def make_auto():
             return (lambda: flux.ag_gemm(a_shard, weight, group=bench.group)), None
+        auto_input = a_shard
         comm_bytes = m * k_loc * a_shard.element_size()
     else:
         a = torch.randn((m, k_loc), device=dev, dtype=dt, generator=gen)
@@ -473,6 +464,7 @@ def run_shape(bench, op, shape, strategies):
 
         def make_auto():
             return (lambda: flux.gemm_rs(a, weight, group=bench.group)), None
+        auto_input = a
         comm_bytes = m * n_loc * a.element_size()
 
     # Baselines: the reference output first (also a check that NCCL and cuBLAS run).
@@ -507,6 +499,12 @@ def run_shape(bench, op, shape, strategies):
         _method(bench, f"flux:{s}", mk, ref, methods)
         bench.sync()
     _method(bench, "flux:auto", make_auto, ref, methods)
+    if methods["flux:auto"].get("status") == "ok":  # what the automatic choice ran
+        from flux import autotune
+        from flux.ops._common import problem_of
+
+        methods["flux:auto"]["choice"] = autotune.choose(
+            problem_of(op, auto_input, weight, "nk", None, W, m), dev).label
     for entry in methods.values():
         if entry.get("status") == "ok":
             entry["E"], entry["speedup"] = _eff(t_seq, t_gemm, entry["t_ms"])
@@ -566,7 +564,8 @@ def metadata(bench, argv):
         "git_dirty": dirty,
         "env": {v: os.environ.get(v) for v in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
                                                 "NVSHMEM_DISABLE_NVLS", "CUDA_VISIBLE_DEVICES",
-                                                "FLUX_STRATEGY_AG_GEMM", "FLUX_STRATEGY_GEMM_RS")},
+                                                "FLUX_STRATEGY_AG_GEMM", "FLUX_STRATEGY_GEMM_RS", "FLUX_CACHE_DIR",
+                                                "FLUX_AUTOTUNE")},
         "protocol": {"dtype": bench.args.dtype, "warmup": bench.args.warmup, "iters": bench.args.iters,
                      "tol": bench.args.tol, "scale_with_world": bench.args.scale_with_world,
                      "flush_l2": bench.args.flush_l2, "quick": bench.args.quick,
@@ -602,7 +601,7 @@ def table(op, recs, strategies, world, dtype):
     hdr = f"{'shape':<16} {'gemm':>7}  {'comm':>7}  {'seq':>7} "
     for h in heads:
         hdr += f" | {h[:width]:<{width}}"
-    hdr += " | best flux"
+    hdr += f" | {'best flux':<{width + 12}} | auto (its choice; vs best)"
     lines.append(hdr)
     lines.append("-" * len(hdr))
     for r in recs:
@@ -618,8 +617,14 @@ def table(op, recs, strategies, world, dtype):
         b = r.get("best_flux")
         if b:
             E = b["E"]
-            row += f" | {b['strategy']} {b['t_ms']:.3f} {('%+.2f' % E) if E is not None else 'n/a'} " \
-                   f"{b['speedup']:.2f}x"
+            best = f"{b['strategy']} {b['t_ms']:.3f} {('%+.2f' % E) if E is not None else 'n/a'} {b['speedup']:.2f}x"
+            row += f" | {best:<{width + 12}}"
+        else:
+            row += f" | {'-':<{width + 12}}"
+        a = r["methods"].get("flux:auto") or {}
+        if a.get("status") == "ok":
+            vs = f"; {100 * (a['t_ms'] / b['t_ms'] - 1):+.1f}%" if b else ""
+            row += f" | {a['t_ms']:.3f} ({a.get('choice', '?')}{vs})"
         else:
             row += " | -"
         lines.append(row)

@@ -3,24 +3,29 @@
 # carried in .ext/ when csrc/ and setup.py are unchanged), run the GPU tests and the main
 # benchmark, and leave logs and JSON in OUTDIR.
 #
-#   bench/run_gpu.sh OUTDIR [--quick] [--skip-tests] [--skip-bench] [-- extra bench_ops.py args]
+#   bench/run_gpu.sh OUTDIR [--quick] [--skip-tests] [--skip-bench] [--tune] [-- extra bench_ops.py args]
+#
+# --tune: before the benchmark, tune the public suite (torchrun -m flux.autotune --suite) into
+# OUTDIR/cache and let the benchmark's flux:auto use that cache (FLUX_CACHE_DIR).
 #
 # On a machine without network, carry the nvidia-cutlass wheel in .whl/ (git-ignored), made here with:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux2014_x86_64 -d .whl nvidia-cutlass==4.2.0.0
 # and a previous build's flux_C.so + flux_C.hash in .ext/ to skip the build (~85 s on 32 cores).
 #
-# Writes (at most 8 files): build.log, flux_C.so + flux_C.hash (reusable: copy both into .ext/),
-# env.txt, tests.log, bench.log, bench_ops.json.
+# Writes (at most 8 files): build.log, flux_C.so + flux_C.hash (reusable: copy both into .ext/;
+# not written when the carried build was reused), env.txt, tests.log, bench.log, bench_ops.json,
+# with --tune autotune.log and cache/tune-<topology>.json.
 set -uo pipefail
 OUTDIR=${1:?usage: bench/run_gpu.sh OUTDIR [--quick] [--skip-tests] [--skip-bench] [-- bench args]}
 shift
-QUICK=0; TESTS=1; BENCH=1; BENCH_ARGS=()
+QUICK=0; TESTS=1; BENCH=1; TUNE=0; BENCH_ARGS=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1 ;;
     --skip-tests) TESTS=0 ;;
     --skip-bench) BENCH=0 ;;
+    --tune) TUNE=1 ;;
     --) shift; BENCH_ARGS=("$@"); break ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
@@ -45,10 +50,11 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
   $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version(), 'gpus', torch.cuda.device_count())"
 } > "$OUTDIR/env.txt" 2>&1
 
-hash=$(cat setup.py $(find csrc -type f | sort) | sha256sum | cut -c1-16)
+hash=$(cat setup.py $(find csrc -type f | LC_ALL=C sort) | sha256sum | cut -c1-16)  # C locale: the same order everywhere
 if [ -f .ext/flux_C.so ] && [ "$(cat .ext/flux_C.hash 2>/dev/null)" = "$hash" ]; then
   echo "reusing carried build $hash" | tee "$OUTDIR/build.log"
   cp .ext/flux_C.so "flux/_C$($PY -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
+  REUSED=1
 else
   start=$(date +%s)
   FLUX_BUILD_CUDA=1 MAX_JOBS=${MAX_JOBS:-32} $PY setup.py build_ext --inplace > "$OUTDIR/build.log" 2>&1
@@ -57,7 +63,7 @@ else
   grep -E "error|warning.*C7510" "$OUTDIR/build.log" | head -20
   [ $rc -eq 0 ] || exit $rc
 fi
-cp flux/_C*.so "$OUTDIR/flux_C.so" && echo "$hash" > "$OUTDIR/flux_C.hash"
+[ "${REUSED:-0}" = 1 ] || { cp flux/_C*.so "$OUTDIR/flux_C.so" && echo "$hash" > "$OUTDIR/flux_C.hash"; }
 # The fused GEMMs must use Hopper's warpgroup MMA (HGMMA in SASS), not a fallback path.
 echo "HGMMA instructions in flux._C: $(cuobjdump --dump-sass flux/_C*.so 2>/dev/null | grep -c HGMMA)" | tee -a "$OUTDIR/build.log"
 
@@ -66,13 +72,21 @@ if [ $TESTS -eq 1 ]; then
   timeout 900 $PY -m pytest -q -rs tests -k gpu 2>&1 | tee "$OUTDIR/tests.log"
   rc_tests=${PIPESTATUS[0]}
 fi
+NPROC=${NGPUS:-$($PY -c 'import torch; print(torch.cuda.device_count())')}
+rc_tune=0
+if [ $TUNE -eq 1 ]; then
+  mkdir -p "$OUTDIR/cache"
+  export FLUX_CACHE_DIR="$OUTDIR/cache"
+  timeout 600 torchrun --nproc_per_node="$NPROC" -m flux.autotune --suite 2>&1 | tee "$OUTDIR/autotune.log"
+  rc_tune=${PIPESTATUS[0]}
+fi
 rc_bench=0
 if [ $BENCH -eq 1 ]; then
   args=(--out "$OUTDIR/bench_ops.json")
   [ $QUICK -eq 1 ] && args+=(--quick)
-  timeout 1200 torchrun --nproc_per_node="${NGPUS:-$($PY -c 'import torch; print(torch.cuda.device_count())')}" \
+  timeout 1200 torchrun --nproc_per_node="$NPROC" \
     bench/bench_ops.py "${args[@]}" "${BENCH_ARGS[@]}" 2>&1 | tee "$OUTDIR/bench.log"
   rc_bench=${PIPESTATUS[0]}
 fi
-echo "run_gpu: tests rc=$rc_tests bench rc=$rc_bench"
-[ $rc_tests -eq 0 ] && [ $rc_bench -eq 0 ]
+echo "run_gpu: tests rc=$rc_tests tune rc=$rc_tune bench rc=$rc_bench"
+[ $rc_tests -eq 0 ] && [ $rc_tune -eq 0 ] && [ $rc_bench -eq 0 ]

@@ -152,6 +152,28 @@ def _ranks_disagree(rank, world):
     return {"best": best.label, "times": times}
 
 
+@case("tune-margin", worlds=(2,))
+def _margin(rank, world):
+    """A candidate replaces the default only if it is more than MARGIN faster; the rounds
+    interleave the candidates (a, b, a, b, ...) after one warm-up call each."""
+    from flux.autotune import tuner
+
+    cands = [Candidate("sequential"), Candidate("decomposed"), Candidate("oneshot")]
+    calls = []
+
+    def timer(c, fn):
+        calls.append(c.label)
+        return {"sequential": 2.0, "decomposed": 1.0, "oneshot": 0.999}[c.label]
+    times = tuner.time_candidates(lambda c: None, cands, dist.group.WORLD, torch.device("cpu"), warmup=0,
+                                  rounds=3, timer=timer)
+    near = tuner.pick(times, cands, dist.group.WORLD, torch.device("cpu"), default=cands[1])
+    times["oneshot"] = 0.9
+    far = tuner.pick(times, cands, dist.group.WORLD, torch.device("cpu"), default=cands[1])
+    plain = tuner.pick({"sequential": 2.0, "decomposed": 1.0, "oneshot": 0.999}, cands, dist.group.WORLD,
+                       torch.device("cpu"))
+    return {"near": near.label, "far": far.label, "plain": plain.label, "calls": calls}
+
+
 @case("tune-drops-wrong", worlds=(2, 4))
 def _drops_wrong(rank, world):
     """A candidate that computes the wrong thing on one rank only is dropped on every rank
@@ -210,6 +232,23 @@ def test_ranks_that_measure_differently_agree(batch, world):
 def test_wrong_candidates_are_dropped_everywhere(batch, world):
     values = batch(world).assert_ok("tune-drops-wrong")
     assert values == [["sequential", "c"]] * world, values
+
+
+def test_default_kept_within_the_margin(batch):
+    values = batch(2).assert_ok("tune-margin")
+    order = ["sequential", "decomposed", "oneshot"] * 3
+    assert values == [{"near": "decomposed", "far": "oneshot", "plain": "oneshot", "calls": order}] * 2, values
+
+
+def test_per_rank_shape_scales_with_the_world():
+    from flux.autotune.space import per_rank_shape
+
+    assert per_rank_shape("ag_gemm", 8192, 8192, 14336, 2) == (14336, 8192)
+    assert per_rank_shape("ag_gemm", 8192, 8192, 14336, 4) == (7168, 8192)
+    assert per_rank_shape("ag_gemm", 8192, 8192, 14336, 8) == (3584, 8192)
+    assert per_rank_shape("gemm_rs", 8192, 14336, 8192, 8) == (8192, 3584)
+    assert per_rank_shape("gemm_rs", 128, 14336, 8192, 4, scale=False) == (8192, 14336)
+    assert per_rank_shape("ag_gemm", 128, 8192, 200, 8) == (128, 8192)  # rounded, at least one tile
 
 
 def test_tune_end_to_end(batch):

@@ -183,10 +183,10 @@ def tune(p: Problem, run: Callable[[Candidate], object], group, device: torch.de
 
     cands = tuner.correct_candidates(run, candidates(p), group, device, p.dtype)
     times = tuner.time_candidates(run, cands, group, device, warmup=warmup, iters=iters, timer=timer)
-    best = tuner.pick(times, cands, group, device)
     default = default_candidate(p)
     if default.label not in times:  # the default failed its correctness check: never pick it
         default = Candidate("sequential")
+    best = tuner.pick(times, cands, group, device, default=default)
     entry = {"choice": best.label, "default": default.label, "times_ms": times}
     cache = cache_for(topology(p.world, device))
     cache.put(key_of(p), entry)

@@ -3,8 +3,11 @@
     torchrun --nproc_per_node=N -m flux.autotune --suite
     torchrun --nproc_per_node=N -m flux.autotune --shapes ag_gemm:8192x8192x14336,gemm_rs:4096x14336x8192
 
-Shapes are M x K x N as in bench/bench_ops.py (M all rows; for ag_gemm each rank holds M/N
-rows of K; for gemm_rs each rank holds K columns of its shard). Every rank times every valid
+Shapes are M x K x N as in bench/bench_ops.py (M all rows; for ag_gemm each rank holds M/W
+rows of K and N columns of the weight; for gemm_rs each rank holds K columns of its shard).
+The suite's shapes are scaled with the world size as bench_ops.py scales them (N or K times
+2/W, flux.autotune.space.per_rank_shape), so that the cache covers what the benchmark runs;
+--no-scale-with-world tunes them unscaled; --shapes are taken as given. Every rank times every valid
 candidate of a shape together (flux/autotune/tuner.py); the choice, the default and all
 times go to the cache of this topology (flux/autotune/cache.py), or with --ship to the
 shipped defaults in the source tree. Prints what it chose and by how much it beat the
@@ -26,11 +29,17 @@ import torch.distributed as dist  # noqa: E402
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def _parse_shapes(args):
-    from flux.autotune.space import PUBLIC_SUITE
+def _parse_shapes(args, world):
+    from flux.autotune.space import PUBLIC_SUITE, per_rank_shape
 
     if args.suite:
-        return [(op, s) for op in args.ops for s in PUBLIC_SUITE[op]]
+        out = []
+        for op in args.ops:
+            for s in PUBLIC_SUITE[op]:
+                m, k, n = (int(x) for x in s.split("x"))
+                n, k = per_rank_shape(op, m, k, n, world, args.scale_with_world)
+                out.append((op, f"{m}x{k}x{n}"))
+        return out
     out = []
     for item in args.shapes.split(","):
         op, _, shape = item.rpartition(":")
@@ -53,6 +62,8 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--ship", action="store_true", help="write the shipped defaults (flux/autotune/shipped/)")
+    p.add_argument("--scale-with-world", action=argparse.BooleanOptionalAction, default=True,
+                   help="--suite: scale N (ag_gemm) or K (gemm_rs) by 2/W as bench_ops.py does")
     p.add_argument("--cpu", action="store_true", help="gloo on CPU (tests the tool; only 'sequential' runs there)")
     args = p.parse_args(argv)
     args.ops = args.ops.split(",")
@@ -68,12 +79,12 @@ def main(argv=None):
     import flux
     from flux import autotune
     from flux.autotune import cache as cache_mod
-    from flux.autotune.space import Problem
+    from flux.ops._common import problem_of
 
     group, rank, world = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
     topo = autotune.topology(world, device)
     dtype = DTYPES[args.dtype]
-    shapes = _parse_shapes(args)
+    shapes = _parse_shapes(args, world)
     if rank == 0:
         print(f"flux.autotune: {topo}\n  topology key {topo.key!r}, flux {flux.__version__}, {len(shapes)} shapes",
               flush=True)
@@ -88,11 +99,7 @@ def main(argv=None):
         w = torch.randn(n, k, generator=gen, device=device, dtype=torch.float32).to(dtype) * 0.1
         mod = flux.ops.ag_gemm if op == "ag_gemm" else flux.ops.gemm_rs
         cuda = device.type == "cuda"
-        from flux.ops._common import _fused_kernels_built
-
-        problem = Problem(op, m, n, k, dtype, world, "nk", False, device.type,
-                          sm90=cuda and torch.cuda.get_device_capability(device) == (9, 0),
-                          fused_built=cuda and _fused_kernels_built())
+        problem = problem_of(op, x, w, "nk", None, world, m)
         mod.run_strategy("sequential", x, w)  # argument check, workspace, cuBLAS handles
 
         def run(c, x=x, w=w, mod=mod):

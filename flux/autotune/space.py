@@ -141,3 +141,14 @@ PUBLIC_SUITE = {
     "gemm_rs": ["8192x14336x8192", "8192x4096x8192", "4096x14336x8192", "2048x8192x8192",
                 "512x14336x8192", "128x14336x8192"],
 }
+SUITE_ROUND = 128  # scaled N / K are rounded to this (a GEMM tile multiple)
+
+
+def per_rank_shape(op: str, m: int, k: int, n: int, world: int, scale: bool = True) -> Tuple[int, int]:
+    """(N, K) of one rank's GEMM for a suite shape at ``world`` ranks. Suite shapes are each
+    rank's GEMM at two ranks; with ``scale`` N (ag_gemm, column-parallel) or K (gemm_rs,
+    row-parallel) is multiplied by 2/world and rounded to a multiple of 128, so that the
+    whole problem stays that of the listed shape; at two ranks nothing changes."""
+    def scaled(v):
+        return v if not scale or world == 2 else max(SUITE_ROUND, round(v * 2 / world / SUITE_ROUND) * SUITE_ROUND)
+    return (scaled(n), k) if op == "ag_gemm" else (n, scaled(k))

@@ -11,6 +11,9 @@ import torch.distributed as dist
 
 from flux.autotune.space import Candidate
 
+ROUNDS = 3  # interleaved timing rounds over all candidates
+MARGIN = 0.01  # a candidate must beat the analytic default by more than 1% to replace it
+
 
 def _sync(group: dist.ProcessGroup, device: torch.device) -> None:
     """Start every rank's timing together: a one-element all-reduce, then the device idle."""
@@ -68,28 +71,43 @@ def correct_candidates(run: Callable[[Candidate], object], cands: Sequence[Candi
 
 
 def time_candidates(run: Callable[[Candidate], object], cands: Sequence[Candidate], group: dist.ProcessGroup,
-                    device: torch.device, warmup: int = 3, iters: int = 10,
+                    device: torch.device, warmup: int = 3, iters: int = 10, rounds: int = ROUNDS,
                     timer: Optional[Callable[[Candidate, Callable[[], object]], float]] = None) -> Dict[str, float]:
-    """{candidate label: max over ranks of its median time (ms)}. ``timer(c, fn)`` replaces
-    this rank's measurement (tests)."""
-    mine = []
-    for c in cands:
-        fn = lambda c=c: run(c)  # noqa: E731
+    """{candidate label: max over ranks of its median time (ms)}. The candidates are timed in
+    ``rounds`` interleaved rounds (a, b, c, a, b, c, ...), ``iters`` calls each in all, so
+    that a slow drift of the machine (clocks, temperature, another candidate's after-effects)
+    spreads over all of them instead of favouring whichever ran first. ``timer(c, fn)``
+    replaces this rank's measurement of one round (tests)."""
+    fns = [lambda c=c: run(c) for c in cands]
+    for fn in fns:
         for _ in range(warmup):
             fn()
-        _sync(group, device)
-        one = torch.zeros(1, device=device)
-        align = (lambda: dist.all_reduce(one, group=group)) if device.type == "cuda" else None
-        mine.append(timer(c, fn) if timer else time_on_rank(fn, device, iters, align))
+    per_round = max(1, -(-iters // rounds))
+    one = torch.zeros(1, device=device)
+    align = (lambda: dist.all_reduce(one, group=group)) if device.type == "cuda" else None
+    samples: List[List[float]] = [[] for _ in cands]
+    for _ in range(rounds):
+        for i, (c, fn) in enumerate(zip(cands, fns)):
+            fn()  # one untimed call: this candidate's buffers and caches, after the previous one's
+            _sync(group, device)
+            samples[i].append(timer(c, fn) if timer else time_on_rank(fn, device, per_round, align))
+    mine = [statistics.median(s) for s in samples]
     times = torch.tensor(mine, dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
     return {c.label: float(t) for c, t in zip(cands, times.tolist())}
 
 
 def pick(times: Dict[str, float], cands: List[Candidate], group: dist.ProcessGroup,
-         device: torch.device) -> Candidate:
-    """The fastest candidate by rank 0's reading of ``times``, the same on every rank."""
+         device: torch.device, default: Optional[Candidate] = None, margin: float = MARGIN) -> Candidate:
+    """The fastest candidate by rank 0's reading of ``times``, the same on every rank. With
+    ``default``, another candidate is chosen only if it beats the default by more than
+    ``margin`` (a fraction): a choice within the timing noise is not worth leaving the
+    analytic default for."""
     best = min(range(len(cands)), key=lambda i: times[cands[i].label])
+    if default is not None and default.label in times:
+        d = [c.label for c in cands].index(default.label)
+        if times[cands[best].label] >= times[default.label] * (1 - margin):
+            best = d
     idx = torch.tensor([best], dtype=torch.int64, device=device if device.type == "cuda" else "cpu")
     dist.broadcast(idx, src=dist.get_global_rank(group, 0), group=group)
     return cands[int(idx.item())]

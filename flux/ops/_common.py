@@ -208,6 +208,19 @@ def _fused_kernels_built() -> bool:
     return _fused_built
 
 
+def problem_of(op: str, input: torch.Tensor, weight: torch.Tensor, weight_layout: str,
+               out_dtype: Optional[torch.dtype], world: int, m_total: int):
+    """The autotuner's Problem (flux.autotune.space) of one call on ``world`` ranks."""
+    from flux.autotune.space import Problem
+
+    n, k = weight_nk_shape(weight, weight_layout)
+    cuda = input.device.type == "cuda"
+    return Problem(op, m_total, n, k, input.dtype, world, weight_layout,
+                   out_dtype is not None and out_dtype != input.dtype, input.device.type,
+                   sm90=cuda and torch.cuda.get_device_capability(input.device) == (9, 0),
+                   fused_built=cuda and _fused_kernels_built())
+
+
 def choose_and_check(sig, op: str, input: torch.Tensor, weight: torch.Tensor, weight_layout: str,
                      out_dtype: Optional[torch.dtype], group, m_total: int):
     """Choose the call's candidate (flux.autotune), put it into the signature, and check the
@@ -217,18 +230,14 @@ def choose_and_check(sig, op: str, input: torch.Tensor, weight: torch.Tensor, we
     import torch.distributed as dist
 
     from flux import autotune
-    from flux.autotune.space import Candidate, Problem
+    from flux.autotune.space import Candidate
     from flux.ops._checks import check_collectively
 
     problem, cand, tune = None, Candidate("sequential"), False
     if sig.error is None:
         n, k = weight_nk_shape(weight, weight_layout)
         if min(m_total, n, k) > 0:
-            cuda = input.device.type == "cuda"
-            problem = Problem(op, m_total, n, k, input.dtype, dist.get_world_size(group), weight_layout,
-                              out_dtype is not None and out_dtype != input.dtype, input.device.type,
-                              sm90=cuda and torch.cuda.get_device_capability(input.device) == (9, 0),
-                              fused_built=cuda and _fused_kernels_built())
+            problem = problem_of(op, input, weight, weight_layout, out_dtype, dist.get_world_size(group), m_total)
             cand = autotune.choose(problem, input.device)
             tune = autotune.tuning_requested(problem, input.device)
     from flux.runtime import cuda_kernels_available
