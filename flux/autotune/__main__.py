@@ -92,11 +92,11 @@ def main(argv=None):
     for i, (op, shape) in enumerate(shapes, 1):
         m, k, n = (int(x) for x in shape.lower().split("x"))
         gen = torch.Generator(device=device).manual_seed(1234 + rank)
-        if op == "ag_gemm":
-            x = torch.randn(m // world, k, generator=gen, device=device, dtype=torch.float32).to(dtype) * 0.1
-        else:
-            x = torch.randn(m, k, generator=gen, device=device, dtype=torch.float32).to(dtype) * 0.1
-        w = torch.randn(n, k, generator=gen, device=device, dtype=torch.float32).to(dtype) * 0.1
+        # The values of bench/bench_ops.py (x ~ N(0, 1), w ~ N(0, 1/K), as trained layers have):
+        # GEMM times depend on the numbers, not only on the shapes (docs/tuning.md).
+        x = torch.randn(m // world if op == "ag_gemm" else m, k, generator=gen, device=device,
+                        dtype=torch.float32).to(dtype)
+        w = (torch.randn(n, k, generator=gen, device=device, dtype=torch.float32) / k ** 0.5).to(dtype)
         mod = flux.ops.ag_gemm if op == "ag_gemm" else flux.ops.gemm_rs
         cuda = device.type == "cuda"
         problem = problem_of(op, x, w, "nk", None, world, m)
