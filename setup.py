@@ -133,6 +133,7 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_packages(include=["flux", "flux.*"]),
+    package_data={"flux.autotune": ["shipped/*.json"]},  # tuned choices for measured topologies
     install_requires=["torch>=2.6", "numpy"],
     extras_require={"test": ["pytest>=7", "pytest-timeout"], "cuda": ["nvidia-cutlass>=3.5", "ninja"]},
     ext_modules=ext_modules,

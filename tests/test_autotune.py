@@ -107,6 +107,26 @@ def test_cache_round_trip_and_versioning(tmp_path, monkeypatch):
     assert s2.get("k1")["choice"] == "oneshot"
 
 
+def test_shipped_defaults_load_and_name_valid_candidates():
+    """Every shipped file loads for its own topology, and each choice parses as a candidate of
+    its op (a corrupt or stale shipped file would silently fall back to the default)."""
+    import glob
+
+    files = glob.glob(os.path.join(cache_mod.SHIPPED_DIR, "tune-*.json"))
+    assert files, "no shipped defaults"
+    for path in files:
+        data = json.load(open(path))
+        assert os.path.basename(path) == cache_mod.file_name(data["topology"]), path
+        entries = cache_mod._load(path, data["topology"], check_version=False)
+        assert len(entries) == len(data["entries"]) > 0, path
+        for key, entry in entries.items():
+            op = key.split("|")[0]
+            c = Candidate.parse(entry["choice"])
+            assert c.strategy in {"ag_gemm": ("sequential", "decomposed", "oneshot", "fused"),
+                                  "gemm_rs": ("sequential", "oneshot", "decomposed", "decomposed_p2p")}[op], key
+            assert entry["choice"] in entry["times_ms"] and entry["default"] in entry["times_ms"], key
+
+
 def test_choice_precedence(tmp_path, monkeypatch):
     monkeypatch.setenv("FLUX_CACHE_DIR", str(tmp_path))
     autotune.reset()
