@@ -9,7 +9,9 @@ outputs. Prints a table; --out writes JSON.
 """
 import argparse
 import json
+import shlex
 import statistics
+import sys
 
 import torch
 
@@ -66,7 +68,8 @@ def main():
         print(f"{shape:>18} {t_ref:8.3f} " + " ".join(cells), flush=True)
         rows_out.append(rec)
     if args.out:
-        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": rows_out},
+        json.dump({"command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
+                   "device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": rows_out},
                   open(args.out, "w"), indent=1)
 
 
