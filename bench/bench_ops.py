@@ -111,7 +111,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 
 sys.path.insert(0, REPO)  # run from a checkout without installing
-from flux.autotune.space import PUBLIC_SUITE as SUITE, per_rank_shape  # noqa: E402
+from flux.autotune.space import PUBLIC_SUITE as SUITE, Candidate, per_rank_shape  # noqa: E402
 QUICK = {
     "ag_gemm": ["4096x8192x14336", "512x8192x14336"],
     "gemm_rs": ["4096x14336x8192", "512x14336x8192"],
@@ -134,7 +134,12 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None,
                    help="JSON file written by rank 0 (default bench/results/bench_ops-<host>-<time>.json)")
     p.add_argument("--strategies", default=None,
-                   help="comma-separated flux strategies to run (default: all of available_strategies)")
+                   help="comma-separated flux strategies to run, each a name or a candidate label with "
+                        "parameters, e.g. 'decomposed,decomposed(wait_barrier=1)' (default: all of "
+                        "available_strategies)")
+    p.add_argument("--ablation", action="store_true",
+                   help="also time the stages of the decomposed strategies alone: 'split' (the W row-block "
+                        "GEMMs, no communication) and, for gemm_rs, 'reduce' (the final reduction pass)")
     p.add_argument("--scale-with-world", action=argparse.BooleanOptionalAction, default=True,
                    help="multiply N (ag_gemm) or K (gemm_rs) by 2/W, rounded to a multiple of 128, so the "
                         "total problem is the listed one at W=2 (default: on)")
@@ -173,12 +178,25 @@ def parse_args(argv=None):
                 p.error(f"bad shape {s!r}: every dimension must be positive")
             shapes.append((m, k, n))
         args.shape_lists[op] = shapes
-    args.strategy_filter = ([s.strip() for s in args.strategies.split(",") if s.strip()]
-                            if args.strategies else None)
+    args.strategy_filter = split_labels(args.strategies) if args.strategies else None
     return args
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+def split_labels(text: str):
+    """'a,b(x=1,y=2),c' -> ['a', 'b(x=1,y=2)', 'c'] (commas inside parentheses kept)."""
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        depth += (ch == "(") - (ch == ")")
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    out.append(cur.strip())
+    return [s for s in out if s]
 
 
 def _short(e: BaseException, limit: int = 300) -> str:
@@ -423,9 +441,11 @@ def run_shape(bench, op, shape, strategies):
             return (lambda: f(a_shard, [w_kn], 0, bench.group_name)[1][0]), None
 
         def make_flux(s):
-            mod.run_strategy(s, a_shard, weight, group=bench.group, weight_layout="nk", check=True)
-            return (lambda: mod.run_strategy(s, a_shard, weight, group=bench.group, weight_layout="nk",
-                                             check=False)), None
+            c = Candidate.parse(s)
+            mod.run_strategy(c.strategy, a_shard, weight, group=bench.group, weight_layout="nk", check=True,
+                             **c.kwargs)
+            return (lambda: mod.run_strategy(c.strategy, a_shard, weight, group=bench.group, weight_layout="nk",
+                                             check=False, **c.kwargs)), None
 
         def make_auto():
             return (lambda: flux.ag_gemm(a_shard, weight, group=bench.group)), None
@@ -458,9 +478,10 @@ def run_shape(bench, op, shape, strategies):
             return (lambda: f(a, w_kn, "sum", 0, bench.group_name)), None
 
         def make_flux(s):
-            mod.run_strategy(s, a, weight, group=bench.group, weight_layout="nk", check=True)
-            return (lambda: mod.run_strategy(s, a, weight, group=bench.group, weight_layout="nk",
-                                             check=False)), None
+            c = Candidate.parse(s)
+            mod.run_strategy(c.strategy, a, weight, group=bench.group, weight_layout="nk", check=True, **c.kwargs)
+            return (lambda: mod.run_strategy(c.strategy, a, weight, group=bench.group, weight_layout="nk",
+                                             check=False, **c.kwargs)), None
 
         def make_auto():
             return (lambda: flux.gemm_rs(a, weight, group=bench.group)), None
@@ -485,6 +506,9 @@ def run_shape(bench, op, shape, strategies):
                comm_algbw_GBps=comm_bytes / t_comm / 1e6 if t_comm > 0 else None,
                baselines=base)
 
+    if args.ablation:
+        rec["ablation"] = ablation(bench, op, m, k_loc, n_loc, weight)
+
     methods = {}
     if args.skip_async_tp:
         methods["async_tp"] = {"status": "unavailable: --skip-async-tp"}
@@ -493,7 +517,7 @@ def run_shape(bench, op, shape, strategies):
         bench.sync()
     for s in strategies:
         def mk(s=s):
-            if s not in mod.available_strategies(dev):
+            if Candidate.parse(s).strategy not in mod.available_strategies(dev):
                 return None, f"not in flux.ops.{op}.available_strategies({dev})"
             return make_flux(s)
         _method(bench, f"flux:{s}", mk, ref, methods)
@@ -519,6 +543,42 @@ def run_shape(bench, op, shape, strategies):
         rec["best_flux"] = None
     rec["status"] = "ok"
     return rec
+
+
+def ablation(bench, op, m, k, n, weight):
+    """The decomposed strategies' stages alone, on this rank's shapes (no communication):
+    'split' = the W row-block GEMMs of m/W rows each, as the strategies issue them (cuBLAS
+    through flux.ops._common.gemm_into); gemm_rs also 'reduce' = flux::reduce_chunks_ over
+    [W, m/W, n] into [m/W, n]. Subtracted from a strategy's time they leave what the
+    communication, the signals and the launches add."""
+    torch, W, dev, dt = bench.torch, bench.world, bench.device, bench.dtype
+    from flux.ops._common import gemm_into
+
+    rows = m // W
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(3000 + bench.rank)
+    a = torch.randn((m, k), device=dev, dtype=dt, generator=gen)
+    out = torch.empty((m, n), device=dev, dtype=dt)
+
+    def split():
+        for p in range(W):
+            gemm_into(out[p * rows:(p + 1) * rows], a[p * rows:(p + 1) * rows], weight, None, "nk")
+        return out
+
+    res = {}
+    bench.sync()
+    res["split"] = bench.time(split)
+    if op == "gemm_rs" and hasattr(torch.ops.flux, "reduce_chunks_"):
+        red = torch.empty((rows, n), device=dev, dtype=dt)
+        parts = out.view(W, rows, n)
+
+        def reduce():
+            torch.ops.flux.reduce_chunks_(red, parts, None)
+            return red
+
+        bench.sync()
+        res["reduce"] = bench.time(reduce)
+    return res
 
 
 # ----------------------------------------------------------------------------- output
@@ -678,8 +738,9 @@ def main(argv=None):
                     rec = {"shape": "x".join(map(str, shape)), "status": f"error: {_short(e, 200)}"}
                 recs.append(rec)
                 if rec.get("status") == "ok":
+                    abl = "".join(f"{k} {v['t_ms']:.3f}  " for k, v in rec.get("ablation", {}).items())
                     bench.log(f"    gemm {rec['t_gemm_ms']:.3f}  comm {rec['t_comm_ms']:.3f}  "
-                              f"seq {rec['t_seq_ms']:.3f}  " +
+                              f"seq {rec['t_seq_ms']:.3f}  {abl}" +
                               "  ".join(f"{k} [{_cell(v)}]" for k, v in rec["methods"].items()))
                 else:
                     bench.log(f"    {rec.get('status')}")

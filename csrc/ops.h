@@ -22,7 +22,7 @@ void ag_gemm_fused_(at::Tensor& out, const at::Tensor& a_full, const at::Tensor&
 
 // Bounded, self-resetting signals between ranks (csrc/runtime/signals.cu).
 void signal_barrier_(at::Tensor& own_pad, int64_t pads_dev, int64_t channel, int64_t rank, int64_t world,
-                     int64_t timeout_ms);
+                     int64_t timeout_ms, int64_t started_channel);
 void signal_put_(at::Tensor& peer_pad, int64_t channel, int64_t rank, int64_t peer, int64_t world,
                  int64_t timeout_ms);
 void signal_wait_(at::Tensor& own_pad, int64_t channel, int64_t rank, int64_t peer, int64_t world,

@@ -19,7 +19,9 @@ TORCH_LIBRARY(flux, m) {
   m.def("ag_gemm_fused_supported() -> bool");
   // Signals on symmetric-workspace signal pads (csrc/runtime/signals.cu). The pads are
   // written by peers, so they are marked as mutated.
-  m.def("signal_barrier_(Tensor(a!) own_pad, int pads_dev, int channel, int rank, int world, int timeout_ms) -> ()");
+  // started_channel >= 0: the kernel sets this rank's own slot of that channel when it starts.
+  m.def("signal_barrier_(Tensor(a!) own_pad, int pads_dev, int channel, int rank, int world, int timeout_ms, "
+        "int started_channel=-1) -> ()");
   m.def("signal_put_(Tensor(a!) peer_pad, int channel, int rank, int peer, int world, int timeout_ms) -> ()");
   m.def("signal_wait_(Tensor(a!) own_pad, int channel, int rank, int peer, int world, int timeout_ms) -> ()");
 }

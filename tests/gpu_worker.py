@@ -44,6 +44,7 @@ import _ref  # noqa: E402
 from _ref import rand, rel_err, w_nk  # noqa: E402,F401
 from flux.ops import ag_gemm as ag_mod  # noqa: E402
 from flux.ops import gemm_rs as rs_mod  # noqa: E402
+from flux.autotune.space import Candidate  # noqa: E402
 
 F64, F32, F16, BF16 = torch.float64, torch.float32, torch.float16, torch.bfloat16
 CASE_TIMEOUT_S = 240
@@ -375,7 +376,8 @@ def _overlapped(mod, dev):
 
 
 def _delayed(op):
-    """1,000 back-to-back calls of every overlapped strategy; before every 10th call one rank
+    """1,000 back-to-back calls of every overlapped strategy (and of decomposed with
+    wait_barrier=1); before every 10th call one rank
     (alternating) stalls its current stream and the communication stream with
     torch.cuda._sleep, so the peer's device-side waits really wait. Every output is kept
     and compared at the end (signals and buffers reused across 1,000 calls)."""
@@ -387,7 +389,9 @@ def _delayed(op):
         else:
             prob, mod = RsProblem(rank, world, dev, 48 * world, 320, 136, BF16, bias=True, seed=31), rs_mod
         result = {}
-        for name in _overlapped(mod, dev):
+        # The decomposed strategies' former entry (wait for the barrier to pass) too.
+        for name in _overlapped(mod, dev) + ["decomposed(wait_barrier=1)"]:
+            c = Candidate.parse(name)
             outs = []
             for i in range(1000):
                 if i % 10 == 0 and (i // 10) % world == rank:
@@ -395,7 +399,7 @@ def _delayed(op):
                     symm.comm_stream().wait_stream(torch.cuda.current_stream())
                     with torch.cuda.stream(symm.comm_stream()):
                         torch.cuda._sleep(200_000)
-                outs.append(mod.run_strategy(name, prob.x, prob.w, prob.b))
+                outs.append(mod.run_strategy(c.strategy, prob.x, prob.w, prob.b, **c.kwargs))
             torch.cuda.synchronize()
             stacked = torch.stack(outs)
             first = prob.check(outs[0], f"strategy {name}, call 0")

@@ -59,8 +59,17 @@ __device__ __forceinline__ void bounded_wait(const uint32_t* slot, uint32_t want
 }
 
 // One thread per peer. put: our slot on the peer's pad; wait: the peer's slot on our pad.
-__global__ void barrier_kernel(uint32_t** pads, int channel, int rank, int world, uint64_t timeout_ms) {
+// started (or null): a slot of this rank's own pad set to 1 as soon as the kernel runs, so
+// that another stream can wait for the barrier to hold an SM (signal_wait_ on that slot)
+// instead of waiting for the whole barrier (docs/design.md, "the entry barrier").
+__global__ void barrier_kernel(uint32_t** pads, int channel, int rank, int world, uint64_t timeout_ms,
+                               uint32_t* started) {
   const int peer = threadIdx.x;
+  if (started != nullptr && peer == 0) {
+    // The waiter's wait_kernel polls this slot, put-style: wait until it consumed the last one.
+    bounded_wait(started, 0u, timeout_ms, "barrier (started)", rank, rank, -1);
+    st_relaxed_sys(started, 1u);
+  }
   if (peer >= world || peer == rank) return;
   uint32_t* remote = pads[peer] + channel * world + rank;
   bounded_wait(remote, 0u, timeout_ms, "barrier (put)", rank, peer, channel);
@@ -93,17 +102,22 @@ void check_pad(const at::Tensor& pad, const char* op) {
 
 // pads_dev: device address of a uint32_t*[world] array of every rank's signal pad;
 // own_pad: this rank's pad (it fixes the device and stream).
+// started_channel >= 0: also set this rank's own slot of that channel once the kernel runs.
 void signal_barrier_(at::Tensor& own_pad, int64_t pads_dev, int64_t channel, int64_t rank, int64_t world,
-                     int64_t timeout_ms) {
+                     int64_t timeout_ms, int64_t started_channel) {
   constexpr const char* op = "signal_barrier_";
   check_pad(own_pad, op);
   FLUX_CHECK(world >= 1 && world <= 1024 && rank >= 0 && rank < world, op, "bad rank ", rank, " / world ", world);
   FLUX_CHECK((channel + 1) * world <= own_pad.numel(), op, "channel ", channel, " out of range");
+  FLUX_CHECK(started_channel < 0 || (started_channel != channel && (started_channel + 1) * world <= own_pad.numel()),
+             op, "started channel ", started_channel, " out of range");
   if (world == 1) return;
+  uint32_t* started = started_channel < 0 ? nullptr
+                                          : reinterpret_cast<uint32_t*>(own_pad.data_ptr()) + started_channel * world + rank;
   const c10::cuda::CUDAGuard guard(own_pad.device());
   const int threads = ((int)world + 31) / 32 * 32;
   barrier_kernel<<<1, threads, 0, at::cuda::getCurrentCUDAStream()>>>(
-      reinterpret_cast<uint32_t**>(pads_dev), (int)channel, (int)rank, (int)world, (uint64_t)timeout_ms);
+      reinterpret_cast<uint32_t**>(pads_dev), (int)channel, (int)rank, (int)world, (uint64_t)timeout_ms, started);
   FLUX_CHECK_LAUNCH();
 }
 

@@ -16,13 +16,15 @@ local GEMM for the weight's). Strategies, chosen per call by flux.autotune:
                on rank r of W (blocks named by the rank whose rows they are)::
 
                  comm:     [barrier] [copy shard -> r+1][put r+1] [copy -> r+2][put r+2] ...
-                 current:  [wait barrier][GEMM r (from input)] [wait r-1][GEMM r-1] [wait r-2] ...
+                 current:  [wait barrier started][GEMM r (from input)] [wait r-1][GEMM r-1] ...
 
                The barrier proves that every peer's earlier GEMMs on its workspace are done
                before this rank overwrites it; each put follows its copy in stream order, and
-               each wait precedes the GEMM that reads that block. The first GEMM waits for the
-               barrier (microseconds): otherwise, where it gets the SMs first, the barrier
-               kernel, and with it every push of this rank, waits for the whole GEMM.
+               each wait precedes the GEMM that reads that block. The first GEMM reads only the
+               input, so it need not wait for the barrier to pass, only for the barrier kernel
+               to hold an SM (the default): otherwise, where the GEMM gets the SMs
+               first, the barrier kernel, and with it every push of this rank, waits for the
+               whole GEMM. ``wait_barrier=1`` waits for the barrier to pass (the former way).
   oneshot      for small M, where splitting the GEMM would read the weight W times: the
                copy engine pushes the shard to every peer, then one GEMM over the gathered
                workspace once every peer's shard is in::
@@ -76,17 +78,19 @@ def _sequential(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     return deliver(res.reshape(*gathered.shape[:-1], n), out), gathered
 
 
-def _push_shard(ws, a: torch.Tensor, rank: int, world: int, level_flags: bool = False):
+def _push_shard(ws, a: torch.Tensor, rank: int, world: int, level_flags: bool = False, started: bool = False):
     """Enqueue, on the communication stream after the current stream's work so far: the
     entry barrier, then copy-engine pushes of this rank's shard ``a`` ([rows, K]) into slot
     ``rank`` of every peer's workspace ([world, rows, K]), in rotated order (rank+1 first),
     each followed by a signal: a self-resetting put, or a level flag for the fused kernel.
-    Returns (the communication stream, an event recorded right after the barrier)."""
+    ``started``: the barrier raises its "started" slot, which the caller must consume
+    (``ws.wait_started()``). Returns (the communication stream, an event recorded right after
+    the barrier)."""
     rows, k = a.shape
     current, comm = torch.cuda.current_stream(), symm.comm_stream()
     comm.wait_stream(current)
     with torch.cuda.stream(comm):
-        ws.barrier()
+        ws.barrier(started=started)
         after_barrier = torch.cuda.Event()
         after_barrier.record()
         for step in range(1, world):
@@ -101,7 +105,7 @@ def _push_shard(ws, a: torch.Tensor, rank: int, world: int, level_flags: bool = 
 
 def _decomposed(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                 group: dist.ProcessGroup, weight_layout: str, out_dtype: Optional[torch.dtype],
-                need_gathered: bool, out: Optional[torch.Tensor] = None):
+                need_gathered: bool, out: Optional[torch.Tensor] = None, wait_barrier: int = 0):
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     reason = "world size 1" if world == 1 else overlap_ineligible(OP, "decomposed", input, group, out_dtype)
     if reason:
@@ -113,12 +117,16 @@ def _decomposed(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     ws = symm.get_workspace(group, world * rows * k * a.element_size())
     slots = ws.view(rank, (world, rows, k), a.dtype)  # slot p: rank p's shard, pushed by p
     out = output(out, (world * rows, n), a.dtype, a.device)
-    comm, after_barrier = _push_shard(ws, a, rank, world)
-    # The local GEMM starts only once the entry barrier has passed (a few microseconds). Else
-    # it races the barrier kernel for the SMs: where the GEMM wins on one rank, that rank's
-    # barrier, and so its pushes, wait for the whole local GEMM, and the peers' second GEMMs
-    # wait for those pushes (measured on 2xH200, 16384x8192x4096: 1.65 ms instead of 1.38).
-    torch.cuda.current_stream().wait_event(after_barrier)
+    comm, after_barrier = _push_shard(ws, a, rank, world, started=not wait_barrier)
+    # The local GEMM must not start before the barrier kernel holds an SM. Else it races the
+    # barrier kernel for the SMs: where the GEMM wins on one rank, that rank's barrier, and so
+    # its pushes, wait for the whole local GEMM, and the peers' second GEMMs wait for those
+    # pushes (measured on 2xH200, 16384x8192x4096: 1.65 ms instead of 1.38). Waiting for the
+    # kernel to run costs a launch; waiting for it to pass also costs the peers' arrival.
+    if not wait_barrier:
+        ws.wait_started()
+    else:
+        torch.cuda.current_stream().wait_event(after_barrier)
     gemm_into(out[rank * rows:(rank + 1) * rows], a, weight, bias, weight_layout)
     for step in range(1, world):
         src = (rank - step) % world  # the peer whose step-th push comes to this rank

@@ -17,8 +17,13 @@ GEMM for the weight's). Strategies, chosen per call by flux.autotune:
                into its own slot; then one pass sums the W slots in rank order, in fp32, and
                adds the bias (flux::reduce_chunks_). Stream timeline on rank r of W::
 
-                 current:  [barrier][GEMM r+1][GEMM r+2] ... [GEMM r] [wait all][reduce + bias]
-                 comm:               [copy -> r+1, put] [copy -> r+2, put] ...
+                 current:  [wait barrier started][GEMM r+1][GEMM r+2] ... [GEMM r] [wait all][reduce + bias]
+                 comm:     [barrier]           [copy -> r+1, put] [copy -> r+2, put] ...
+
+               The peer blocks' GEMMs write local staging buffers, so only the copies and the
+               own block's GEMM (into this rank's workspace) wait for the barrier to pass; the
+               first GEMM waits only for the barrier kernel to hold an SM (the default;
+               ``wait_barrier=1``: the barrier on the current stream, the former way).
 
                ``chunks`` > 1 splits each block into sub-blocks, each pushed and signalled on
                its own channel (a shorter last transfer, more GEMM launches).
@@ -80,7 +85,7 @@ def default_chunks(world: int) -> int:
 
 
 def _decomposed_impl(input, weight, bias, group, weight_layout, out_dtype, out=None, *, p2p: bool, name: str,
-                     chunks: Optional[int] = None):
+                     chunks: Optional[int] = None, wait_barrier: int = 0):
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     reason = "world size 1" if world == 1 else overlap_ineligible(OP, name, input, group, out_dtype)
     if reason:
@@ -102,7 +107,16 @@ def _decomposed_impl(input, weight, bias, group, weight_layout, out_dtype, out=N
     staging = [] if p2p else [[torch.empty((r1 - r0, n), dtype=a.dtype, device=a.device) for r0, r1 in splits]
                               for _ in range(1, world)]
     current, comm = torch.cuda.current_stream(), symm.comm_stream()
-    ws.barrier()  # every peer has finished reading its slots in the previous call
+    after_barrier = None
+    if p2p or wait_barrier:  # p2p: the first GEMM already writes into a peer's workspace
+        ws.barrier()  # every peer has finished reading its slots in the previous call
+    else:
+        comm.wait_stream(current)
+        with torch.cuda.stream(comm):
+            ws.barrier(started=True)
+            after_barrier = torch.cuda.Event()
+            after_barrier.record()
+        ws.wait_started()  # the first GEMM may not take every SM before the barrier kernel runs
     for step in range(1, world):
         peer = (rank + step) % world
         dest_slot = ws.view(peer, (world, rows, n), a.dtype)[rank]
@@ -117,6 +131,8 @@ def _decomposed_impl(input, weight, bias, group, weight_layout, out_dtype, out=N
                 with torch.cuda.stream(comm):
                     dest_slot[r0:r1].copy_(staged)  # copy engine, over NVLink
                     ws.put(peer, symm.DATA_CHANNEL + c)
+    if after_barrier is not None:
+        current.wait_event(after_barrier)  # long passed: a peer may read this workspace until then
     gemm_into(slots[rank], a[rank * rows:(rank + 1) * rows], weight, None, weight_layout)
     for c in range(len(splits)):
         for step in range(1, world):
@@ -128,9 +144,10 @@ def _decomposed_impl(input, weight, bias, group, weight_layout, out_dtype, out=N
     return out.view(input.shape[0] // world, *input.shape[1:-1], n)
 
 
-def _decomposed(input, weight, bias, group, weight_layout, out_dtype, out=None, chunks: Optional[int] = None):
+def _decomposed(input, weight, bias, group, weight_layout, out_dtype, out=None, chunks: Optional[int] = None,
+                wait_barrier: int = 0):
     return _decomposed_impl(input, weight, bias, group, weight_layout, out_dtype, out, p2p=False,
-                            name="decomposed", chunks=chunks)
+                            name="decomposed", chunks=chunks, wait_barrier=wait_barrier)
 
 
 def _decomposed_p2p(input, weight, bias, group, weight_layout, out_dtype, out=None, chunks: Optional[int] = None):

@@ -16,6 +16,10 @@ Signal pad channels (each channel holds one slot per source rank):
            owner zeroes its own before the call's barrier, peers set them with
            ``set_flag`` (a stream memory operation: no SM, so it can run while a persistent
            kernel holds every SM), fused kernels spin until they are non-zero.
+  9        "barrier started" (this rank's own slot only, self-resetting): set by the barrier
+           kernel as soon as it runs when asked (``barrier(started=True)``), consumed by
+           ``wait_started`` on another stream, so that work there can start once the
+           barrier holds an SM instead of once every peer has arrived.
 """
 import os
 from typing import Dict, Tuple
@@ -26,6 +30,7 @@ import torch.distributed as dist
 BARRIER_CHANNEL = 0
 DATA_CHANNEL = 1
 FLAG_CHANNEL = 8
+STARTED_CHANNEL = 9
 MAX_DATA_CHANNELS = FLAG_CHANNEL - DATA_CHANNEL  # sub-block signals of one call: channels 1..7
 
 
@@ -121,9 +126,18 @@ class Workspace:
         return v
 
     # Signals, enqueued on the current stream.
-    def barrier(self, channel: int = BARRIER_CHANNEL) -> None:
+    def barrier(self, channel: int = BARRIER_CHANNEL, started: bool = False) -> None:
+        """Hold this stream until every peer has reached its barrier of ``channel`` (after all
+        of its stream's earlier work). ``started``: also raise this rank's "barrier started"
+        slot as soon as the kernel runs; exactly one ``wait_started`` must consume it."""
         torch.ops.flux.signal_barrier_(self.pads[self.rank], self.pads_dev, channel, self.rank, self.world,
-                                       timeout_ms())
+                                       timeout_ms(), STARTED_CHANNEL if started else -1)
+
+    def wait_started(self) -> None:
+        """Hold this stream until a ``barrier(started=True)`` enqueued on another stream is
+        running (it holds an SM), not until it has passed. Work queued after this cannot
+        take every SM before the barrier kernel got one."""
+        self.wait(self.rank, STARTED_CHANNEL)
 
     def put(self, peer: int, channel: int = DATA_CHANNEL) -> None:
         """Tell ``peer`` that this rank's data for it is in place (after this stream's earlier work)."""
