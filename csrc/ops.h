@@ -20,6 +20,13 @@ void ag_gemm_fused_(at::Tensor& out, const at::Tensor& a_full, const at::Tensor&
                     int64_t rows_per_rank, int64_t timeout_ms, int64_t error_record, int64_t raster,
                     int64_t swizzle, int64_t config);
 
+// Fused GEMM+ReduceScatter own block (csrc/gemm_rs/rs_fused.cu): out = a @ weight^T + source (+ bias),
+// the epilogue of each tile waiting for the flags of the source segments it reads.
+void gemm_rs_fused_(at::Tensor& out, const at::Tensor& a, const at::Tensor& weight,
+                    const std::optional<at::Tensor>& bias, const at::Tensor& source, const at::Tensor& flags,
+                    int64_t rows_per_segment, int64_t rank, int64_t peer, int64_t timeout_ms, int64_t error_record,
+                    int64_t raster, int64_t swizzle, int64_t config);
+
 // Bounded, self-resetting signals between ranks (csrc/runtime/signals.cu).
 void signal_barrier_(at::Tensor& own_pad, int64_t pads_dev, int64_t channel, int64_t rank, int64_t world,
                      int64_t timeout_ms, int64_t started_channel);

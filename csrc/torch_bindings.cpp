@@ -17,6 +17,12 @@ TORCH_LIBRARY(flux, m) {
         "int world, int rows_per_rank, int timeout_ms, int error_record, int raster=1, int swizzle=8, "
         "int config=0) -> ()");
   m.def("ag_gemm_fused_supported() -> bool");
+  // Fused GEMM+ReduceScatter own block (csrc/gemm_rs/rs_fused.cu): out = a @ weight^T + source (+ bias);
+  // source: this rank's workspace slot that the peer fills segment by segment, segment s announced
+  // by flags[s] != 0; the epilogue of a tile waits (bounded, naming `peer`) for its segments.
+  m.def("gemm_rs_fused_(Tensor(a!) out, Tensor a, Tensor weight, Tensor? bias, Tensor source, Tensor flags, "
+        "int rows_per_segment, int rank, int peer, int timeout_ms, int error_record, int raster=1, int swizzle=1, "
+        "int config=0) -> ()");
   // Signals on symmetric-workspace signal pads (csrc/runtime/signals.cu). The pads are
   // written by peers, so they are marked as mutated.
   // started_channel >= 0: the kernel sets this rank's own slot of that channel when it starts.
@@ -35,6 +41,7 @@ TORCH_LIBRARY_IMPL(flux, CUDA, m) {
   m.impl("reduce_peers_", &flux::reduce_peers_);
   m.impl("signal_barrier_", &flux::signal_barrier_);
   m.impl("ag_gemm_fused_", &flux::ag_gemm_fused_);
+  m.impl("gemm_rs_fused_", &flux::gemm_rs_fused_);
   m.impl("signal_put_", &flux::signal_put_);
   m.impl("signal_wait_", &flux::signal_wait_);
 }

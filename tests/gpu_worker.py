@@ -252,9 +252,10 @@ gcase("options-ag")(_options("ag"))
 gcase("options-rs")(_options("rs"))
 
 
-def _repeat(op):
+def _repeat(op, names=None):
     """50 back-to-back calls alternating two shapes, no synchronisation in between; all
-    outputs kept, then compared (a strategy reusing a buffer or signal too early shows)."""
+    outputs kept, then compared (a strategy reusing a buffer or signal too early shows).
+    ``names``: the strategies (candidate labels) to run; default: every available one."""
     def fn(rank, world, dev):
         if op == "ag":
             probs = [AgProblem(rank, world, dev, 999, 4160, 1000, BF16, seed=11),
@@ -265,8 +266,10 @@ def _repeat(op):
                      RsProblem(rank, world, dev, 256 * world, 2048, 768, BF16, bias=True, seed=12)]
             mod = rs_mod
         result = {}
-        for name in mod.available_strategies(dev):
-            outs = [mod.run_strategy(name, probs[i % 2].x, probs[i % 2].w, probs[i % 2].b, **probs[i % 2].kwargs())
+        for name in names or mod.available_strategies(dev):
+            c = Candidate.parse(name)
+            outs = [mod.run_strategy(c.strategy, probs[i % 2].x, probs[i % 2].w, probs[i % 2].b,
+                                     **probs[i % 2].kwargs(), **c.kwargs)
                     for i in range(50)]
             torch.cuda.synchronize()
             errs = [probs[i % 2].check(o, f"strategy {name}, call {i}")[0] for i, o in enumerate(outs)]
@@ -375,7 +378,7 @@ def _overlapped(mod, dev):
     return [n for n in mod.available_strategies(dev) if n != "sequential"]
 
 
-def _delayed(op):
+def _delayed(op, names=None):
     """1,000 back-to-back calls of every overlapped strategy (and of decomposed with
     wait_barrier=1); before every 10th call one rank
     (alternating) stalls its current stream and the communication stream with
@@ -390,7 +393,7 @@ def _delayed(op):
             prob, mod = RsProblem(rank, world, dev, 48 * world, 320, 136, BF16, bias=True, seed=31), rs_mod
         result = {}
         # The decomposed strategies' former entry (wait for the barrier to pass) too.
-        for name in _overlapped(mod, dev) + ["decomposed(wait_barrier=1)"]:
+        for name in names or (_overlapped(mod, dev) + ["decomposed(wait_barrier=1)"]):
             c = Candidate.parse(name)
             outs = []
             for i in range(1000):
@@ -415,7 +418,7 @@ gcase("delayed1000-ag")(_delayed("ag"))
 gcase("delayed1000-rs")(_delayed("rs"))
 
 
-def _graph(op):
+def _graph(op, names=None):
     """Every strategy captured in a CUDA graph (after one eager warm-up call) and replayed an
     odd number of times (3), each replay on new input data copied into the static input,
     with the weight and bias fixed; every replay's output is checked."""
@@ -426,18 +429,19 @@ def _graph(op):
                 (lambda s: RsProblem(rank, world, dev, 130 * world, 512, 264, BF16, bias=True, seed=s, wseed=40)))
         probs = [make(40 + i) for i in range(3)]
         result = {}
-        for name in mod.available_strategies(dev):
+        for name in names or mod.available_strategies(dev):
+            c = Candidate.parse(name)
             static_x = probs[0].x.clone()
             w, b = probs[0].w, probs[0].b
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                mod.run_strategy(name, static_x, w, b)  # warm-up: workspace, argument check, cuBLAS
+                mod.run_strategy(c.strategy, static_x, w, b, **c.kwargs)  # warm-up: workspace, check, cuBLAS
             torch.cuda.current_stream().wait_stream(side)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                static_out = mod.run_strategy(name, static_x, w, b)
+                static_out = mod.run_strategy(c.strategy, static_x, w, b, **c.kwargs)
             errs = []
             for p in probs:
                 static_x.copy_(p.x)
@@ -455,15 +459,66 @@ gcase("graph-ag")(_graph("ag"))
 gcase("graph-rs")(_graph("rs"))
 
 
-def timeout_case(rank, world, dev, strategy="decomposed"):
+# Experimental strategies (not in available_strategies yet): run by test_gpu_experimental in a
+# torchrun of their own.
+
+def _need_rs_fused(world, dev):
+    from flux.ops._common import _fused_kernels_built
+
+    if world != 2:
+        raise Skip(f"gemm_rs 'fused' runs at world size 2 (this run: {world})")
+    if not _fused_kernels_built() or torch.cuda.get_device_capability(dev) != (9, 0):
+        raise Skip("gemm_rs 'fused' needs sm_90a and a flux._C built for it")
+
+
+RS_FUSED_LABELS = ["fused", "fused(config=1)", "fused(segments=1)", "fused(segments=16,swizzle=8)"]
+
+
+@gcase("exp-fwd-rs-fused")
+def _rs_fused_fwd(rank, world, dev):
+    """gemm_rs 'fused' (each configuration, 1 to 16 segments) against the float64 reference,
+    on odd and tile-multiple shapes, with and without bias, N-D input and out=."""
+    _need_rs_fused(world, dev)
+    result = {}
+    for m_rows, k, n, bias in ((2048, 1024, 1536, True), (999, 4160, 1000, True), (128, 512, 264, False),
+                               (4096, 2048, 8192, True)):
+        prob = RsProblem(rank, world, dev, m_rows * world, k, n, BF16, bias=bias, seed=80)
+        for label in RS_FUSED_LABELS:
+            c = Candidate.parse(label)
+            out = rs_mod.run_strategy(c.strategy, prob.x, prob.w, prob.b, **prob.kwargs(), **c.kwargs)
+            result[f"{m_rows}x{k}x{n} {label}"] = prob.check(out, f"{label} on {m_rows}x{k}x{n}")[0]
+            del out
+    # N-D input [s, b, h] (rows scattered on dim 0), and the caller's out (aligned and not).
+    prob = RsProblem(rank, world, dev, 64 * world, 512, 264, BF16, bias=True, seed=81)
+    x3 = prob.x.view(64 * world // 4, 4, 512)
+    out3 = rs_mod.run_strategy("fused", x3, prob.w, prob.b, **prob.kwargs())
+    result["N-D"] = prob.check(out3.reshape(-1, 264), "fused, N-D input")[0]
+    buf = torch.empty(64 * 264 + 1, dtype=BF16, device=dev)
+    for name, dest in (("out aligned", buf[:64 * 264].view(64, 264)), ("out unaligned", buf[1:].view(64, 264))):
+        dest.fill_(float("nan"))
+        res = rs_mod._fused(prob.x, prob.w, prob.b, dist.group.WORLD, "nk", None, dest)
+        assert res.data_ptr() == dest.data_ptr(), f"fused did not return the caller's out ({name})"
+        result[name] = prob.check(dest, f"fused into {name}")[0]
+    return result
+
+
+gcase("exp-repeat50-rs-fused")(_repeat("rs", RS_FUSED_LABELS[:2]))
+gcase("exp-delayed1000-rs-fused")(_delayed("rs", ["fused", "fused(segments=4)"]))
+gcase("exp-graph-rs-fused")(_graph("rs", ["fused"]))
+
+
+def timeout_case(rank, world, dev, strategy="decomposed", op="ag"):
     """Run alone (it breaks the CUDA contexts): all ranks make one call, then rank 1 skips
     the next one; the others' bounded waits must fail, naming rank 1, within seconds."""
     import time
 
     from flux.runtime import symm
 
-    prob = AgProblem(rank, world, dev, 64, 256, 128, BF16, seed=50)
-    ag_mod.run_strategy(strategy, prob.x, prob.w)
+    if op == "ag":
+        prob, mod = AgProblem(rank, world, dev, 64, 256, 128, BF16, seed=50), ag_mod
+    else:
+        prob, mod = RsProblem(rank, world, dev, 64 * world, 256, 128, BF16, seed=50), rs_mod
+    mod.run_strategy(strategy, prob.x, prob.w)
     torch.cuda.synchronize()
     dist.barrier()
     if rank == 1:
@@ -472,7 +527,7 @@ def timeout_case(rank, world, dev, strategy="decomposed"):
         os._exit(0)
     start = time.time()
     try:
-        ag_mod.run_strategy(strategy, prob.x, prob.w)
+        mod.run_strategy(strategy, prob.x, prob.w)
         torch.cuda.synchronize()
     except Exception as e:  # noqa: BLE001
         print(f"FLUXTIMEOUT rank {rank} raised after {time.time() - start:.1f} s: {type(e).__name__}: {e}", flush=True)
@@ -493,9 +548,12 @@ def main():
     dist.init_process_group("nccl", device_id=dev)
     faulthandler.enable()
     which = sys.argv[1] if len(sys.argv) > 1 else "all"
-    if which.startswith("timeout"):  # timeout or timeout:<strategy>
+    if which.startswith("timeout"):  # timeout, timeout:<strategy> or timeout:<strategy>:<op>
         timeout_case(dist.get_rank(), dist.get_world_size(), dev, *which.split(":")[1:])
-    names = list(CASES) if which == "all" else which.split(",")
+    if which in ("all", "exp"):  # "exp-" cases (experimental strategies) run apart: a crash stays theirs
+        names = [n for n in CASES if n.startswith("exp-") == (which == "exp")]
+    else:
+        names = which.split(",")
     out_dir = os.environ.get("FLUX_GPU_RESULTS_DIR")
     results = open(os.path.join(out_dir, f"results.{rank}"), "w") if out_dir else None
     for name in names:

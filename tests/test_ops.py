@@ -35,6 +35,7 @@ import flux
 import _ref
 from _dist import CASES, TESTS_DIR, case, case_names, run_batch
 from _ref import rand, rel_err, w_nk  # noqa: F401
+from flux.autotune.space import Candidate
 
 F64, F32, BF16 = torch.float64, torch.float32, torch.bfloat16
 WORLDS = (2, 4)
@@ -181,6 +182,33 @@ def _out_case(op):
 
 for _op in ("ag", "rs"):
     case(f"fwd-out-{_op}")(_out_case(_op))
+
+
+def _every_strategy_case(op):
+    """Every strategy, experimental ones and parameters included, runs on CPU through its
+    fallback and gives exactly the sequential result; only 'sequential' is listed as available."""
+    def fn(rank, world):
+        mod = flux.ops.ag_gemm if op == "ag" else flux.ops.gemm_rs
+        rows = 4 if op == "ag" else 4 * world
+        x = rank_inputs(world, (rows, 24), F32, 1600)[rank]
+        w = rank_inputs(world, (16, 24), F32, 2600)[rank]
+        b = rand((16,), F32, 3600)
+        ref = mod.run_strategy("sequential", x, w, b)
+        labels = list(mod.STRATEGIES) + ["decomposed(wait_barrier=1)"]
+        if op == "rs":
+            labels.append("fused(segments=4,config=1)")
+        for label in labels:
+            c = Candidate.parse(label)
+            out = mod.run_strategy(c.strategy, x, w, b, **c.kwargs)
+            assert torch.equal(out, ref), f"{op} {label} on CPU differs from sequential"
+        assert mod.available_strategies(torch.device("cpu")) == ["sequential"]
+        return True
+
+    return fn
+
+
+for _op in ("ag", "rs"):
+    case(f"fwd-every-strategy-{_op}")(_every_strategy_case(_op))
 
 
 # --------------------------------------------------------------------------------------
@@ -748,14 +776,15 @@ def _gpu_world():
     return min(int(os.environ.get("FLUX_TEST_NGPUS", min(n, 8))), n)
 
 
-def _gpu_case_names():
+def _gpu_case_names(experimental=False):
+    """The worker's cases: the main run's, or ("exp-") those of experimental strategies, which
+    run in a torchrun of their own so that a crash there cannot take the main cases down."""
     import gpu_worker
 
-    return list(gpu_worker.CASES)
+    return [n for n in gpu_worker.CASES if n.startswith("exp-") == experimental]
 
 
-@pytest.fixture(scope="module")
-def gpu_results(tmp_path_factory):
+def _run_gpu_worker(tmp_path_factory, which):
     n = _gpu_world()
     if n < 2:
         pytest.skip(f"needs 2 CUDA devices, found {torch.cuda.device_count()}")
@@ -765,7 +794,7 @@ def gpu_results(tmp_path_factory):
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
                OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", FLUX_GPU_RESULTS_DIR=str(out_dir))
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", f"--master_port={free_port()}",
-           GPU_WORKER, "all"]
+           GPU_WORKER, which]
     log_path = out_dir / "output.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=os.path.dirname(TESTS_DIR),
@@ -786,8 +815,28 @@ def gpu_results(tmp_path_factory):
     return {"results": results, "rc": rc, "world": n, "output": log_path.read_text(errors="replace")[-6000:]}
 
 
+@pytest.fixture(scope="module")
+def gpu_results(tmp_path_factory):
+    return _run_gpu_worker(tmp_path_factory, "all")
+
+
+@pytest.fixture(scope="module")
+def gpu_exp_results(tmp_path_factory):
+    return _run_gpu_worker(tmp_path_factory, "exp")
+
+
 @pytest.mark.parametrize("name", _gpu_case_names())
 def test_gpu(gpu_results, name):
+    _check_gpu_case(gpu_results, name)
+
+
+@pytest.mark.parametrize("name", _gpu_case_names(experimental=True))
+def test_gpu_experimental(gpu_exp_results, name):
+    """Strategies not yet listed by available_strategies (e.g. gemm_rs 'fused')."""
+    _check_gpu_case(gpu_exp_results, name)
+
+
+def _check_gpu_case(gpu_results, name):
     recs = gpu_results["results"].get(name, {})
     ranks = list(range(gpu_results["world"]))
     if sorted(recs) != ranks:
@@ -802,7 +851,7 @@ def test_gpu(gpu_results, name):
         assert all(v == values[0] for v in values), f"FluxInputError messages differ between ranks: {values}"
 
 
-@pytest.mark.parametrize("strategy", ["decomposed", "fused"])
+@pytest.mark.parametrize("strategy", ["decomposed", "fused", "fused:rs"])
 def test_gpu_timeout(strategy):
     """A rank that skips a call: the peer's bounded device-side wait fails within seconds and
     names the missing rank (FLUX_TIMEOUT_MS=2000), instead of hanging. The signal kernels

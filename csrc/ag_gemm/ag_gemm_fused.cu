@@ -39,18 +39,12 @@ void ag_gemm_fused_(at::Tensor& out, const at::Tensor& a_full, const at::Tensor&
                op, "bias must be a contiguous bf16 CUDA tensor of N elements");
   }
   const c10::cuda::CUDAGuard guard(a_full.device());
-  AgFusedArgs a{out.data_ptr(),
-                a_full.data_ptr(),
-                weight.data_ptr(),
-                bias.has_value() ? bias->data_ptr() : nullptr,
-                reinterpret_cast<const uint32_t*>(flags.data_ptr()),
-                reinterpret_cast<uint32_t*>(error_record),
-                (int)M, (int)N, (int)K, (int)rank, (int)world, (int)rows_per_rank,
-                (int)raster, (int)swizzle,
-                (uint64_t)timeout_ms * 1000000ull,
-                a_full.get_device(),
-                at::cuda::getCurrentCUDAStream(),
-                a_full.options().dtype(at::kByte)};
+  AgFusedArgs a;
+  static_cast<FusedGemmLaunch&>(a) =
+      fused_gemm_launch(out, a_full, weight, bias, flags, error_record, raster, swizzle, timeout_ms);
+  a.rank = (int)rank;
+  a.world = (int)world;
+  a.rows_per_rank = (int)rows_per_rank;
   switch (config) {  // bounded dispatch: an unknown value failed above
     case 0: ag_gemm_fused_cfg0(a); break;
     case 1: ag_gemm_fused_cfg1(a); break;

@@ -12,12 +12,14 @@
 //     read with ld.acquire.sys. The flag is stored with st.release.sys by the copy stream
 //     after the copy-engine transfer of that shard completed (flux/ops/ag_gemm.py), so the
 //     TMA loads issued after the wait see the data. The wait is bounded: past timeout_ns the
-//     kernel records the rank it was waiting for in host-mapped memory and traps.
+//     kernel records the rank it was waiting for in host-mapped memory and traps
+//     (common/flag_wait.cuh).
 //
 // The kernels call initial_work_tile_info, both fetch_next_work overloads and (ping-pong)
 // get_current_work on this type, so all of them are overridden; everything else is CUTLASS's.
 #pragma once
 
+#include "common/flag_wait.cuh"
 #include "cutlass/gemm/kernel/sm90_tile_scheduler.hpp"
 #include "cutlass/gemm/kernel/tile_scheduler.hpp"
 
@@ -127,36 +129,12 @@ class AgTileScheduler : public cutlass::gemm::kernel::detail::PersistentTileSche
       }
     }
     // The rows are then read by TMA (the async proxy): order the acquire above before it.
-    if (waited) asm volatile("fence.proxy.async.global;" ::: "memory");
+    if (waited) fence_proxy_async_global();
     return w;
   }
 
   CUTLASS_DEVICE void wait_flag(int src) const {
-    const uint32_t* flag = ag_.flags + src;
-    uint32_t v;
-    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(flag) : "memory");
-    if (v != 0) return;
-    uint64_t start;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-    while (true) {
-      __nanosleep(64);
-      asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(flag) : "memory");
-      if (v != 0) return;
-      uint64_t now;
-      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-      if (ag_.timeout_ns != 0 && now - start > ag_.timeout_ns) {
-        // No printf here: a function call in this kernel would serialize its wgmma pipeline
-        // (ptxas C7510). The record goes to host-mapped memory, which the host can still read
-        // once the trap has failed the context (flux.runtime.symm.timeout_report()).
-        if (ag_.error != nullptr) {
-          ag_.error[1] = (uint32_t)src;
-          __threadfence_system();
-          ag_.error[0] = (uint32_t)ag_.rank + 1u;
-          __threadfence_system();
-        }
-        __trap();
-      }
-    }
+    wait_flag_bounded(ag_.flags + src, ag_.timeout_ns, ag_.error, ag_.rank, src);
   }
 };
 

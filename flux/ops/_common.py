@@ -166,12 +166,37 @@ def overlap_ineligible(op: str, strategy: str, input: torch.Tensor, group, out_d
     return None
 
 
-def log_fallback(op: str, strategy: str, reason: str) -> None:
+def fused_ineligible(op: str, input: torch.Tensor, weight: torch.Tensor, group, weight_layout: str,
+                     out_dtype) -> Optional[str]:
+    """Why a fused CUTLASS strategy (csrc/ag_gemm/, csrc/gemm_rs/) cannot run this call, or None."""
+    reason = overlap_ineligible(op, "fused", input, group, out_dtype)
+    if reason:
+        return reason
+    if not _fused_kernels_built():
+        return "flux._C was built without the sm_90a kernels"
+    if torch.cuda.get_device_capability(input.device) != (9, 0):
+        return "the fused kernels are built for sm_90a (Hopper)"
+    if input.dtype != torch.bfloat16:
+        return f"the fused kernels are bf16 only (got {input.dtype})"
+    if weight_layout != "nk":
+        return "the fused kernels take weight_layout 'nk' only"
+    n, k = weight_nk_shape(weight, weight_layout)
+    if k % 8 or n % 8:
+        return f"K={k} and N={n} must be multiples of 8 (16-byte rows for TMA)"
+    return None
+
+
+def aligned16(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``t``, or an aligned copy where it starts off a 16-byte boundary (TMA needs aligned bases)."""
+    return t if t is None or t.data_ptr() % 16 == 0 else t.clone()
+
+
+def log_fallback(op: str, strategy: str, reason: str, to: str = "sequential") -> None:
     import logging
 
     if (op, strategy, reason) not in _fallback_logged:
         _fallback_logged.add((op, strategy, reason))
-        logging.getLogger("flux").warning("%s: strategy %r falls back to 'sequential': %s", op, strategy, reason)
+        logging.getLogger("flux").warning("%s: strategy %r falls back to %r: %s", op, strategy, to, reason)
 
 
 def can_skip_dispatcher(*tensors, grad_matters: bool = True) -> bool:

@@ -56,9 +56,9 @@ from flux import autotune
 from flux.autotune.space import Candidate
 from flux.ops._checks import Signature, check_collectively
 from flux.ops._checks import FluxInputError
-from flux.ops._common import (can_skip_dispatcher, check_gemm_args, check_out_arg, check_same_device,
-                              choose_and_check, deliver, gemm_into, local_gemm, log_fallback, output,
-                              overlap_ineligible, weight_nk_shape)
+from flux.ops._common import (aligned16, can_skip_dispatcher, check_gemm_args, check_out_arg, check_same_device,
+                              choose_and_check, deliver, fused_ineligible, gemm_into, local_gemm, log_fallback,
+                              output, overlap_ineligible, weight_nk_shape)
 from flux.runtime import (all_gather_dim0, group_device, group_from_name, group_name, resolve_group, symm,
                           traceable_all_gather_dim0, traceable_reduce_scatter_dim0)
 
@@ -170,24 +170,6 @@ def _oneshot(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     return out.view(world * input.shape[0], *input.shape[1:-1], n), gathered
 
 
-def _fused_ineligible(input, weight, group, weight_layout, out_dtype) -> Optional[str]:
-    reason = overlap_ineligible(OP, "fused", input, group, out_dtype)
-    if reason:
-        return reason
-    if not torch.ops.flux.ag_gemm_fused_supported():
-        return "flux._C was built without the sm_90a kernels"
-    if torch.cuda.get_device_capability(input.device) != (9, 0):
-        return "the fused kernel is built for sm_90a (Hopper)"
-    if input.dtype != torch.bfloat16:
-        return f"the fused kernel is bf16 only (got {input.dtype})"
-    if weight_layout != "nk":
-        return "the fused kernel takes weight_layout 'nk' only"
-    n, k = weight_nk_shape(weight, weight_layout)
-    if k % 8 or n % 8:
-        return f"K={k} and N={n} must be multiples of 8 (16-byte rows for TMA)"
-    return None
-
-
 def _fused_swizzle(m: int, n: int) -> int:
     # Tile order of the fused kernel (N fastest inside bands of `swizzle` M tiles), from the
     # kernel alone on H200 (bench/results/bench_fused_gemm-h200-run1.json): bands of 8 pay when
@@ -202,9 +184,9 @@ def _fused(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
            need_gathered: bool, out: Optional[torch.Tensor] = None, swizzle: Optional[int] = None,
            config: int = 0):
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    reason = "world size 1" if world == 1 else _fused_ineligible(input, weight, group, weight_layout, out_dtype)
+    reason = "world size 1" if world == 1 else fused_ineligible(OP, input, weight, group, weight_layout, out_dtype)
     if reason:
-        log_fallback(OP, "fused", reason)
+        log_fallback(OP, "fused", reason, to="decomposed")
         return _decomposed(input, weight, bias, group, weight_layout, out_dtype, need_gathered, out)
     n, k = weight_nk_shape(weight, weight_layout)
     a = input.reshape(-1, k)
@@ -217,8 +199,7 @@ def _fused(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     # copies (a rank-local choice: the signals are the same either way).
     dest = out if out is None or out.data_ptr() % 16 == 0 else None
     res = output(dest, (world * rows, n), a.dtype, a.device)
-    w_ok = weight if weight.data_ptr() % 16 == 0 else weight.clone()
-    b_ok = bias if bias is None or bias.data_ptr() % 16 == 0 else bias.clone()
+    w_ok, b_ok = aligned16(weight), aligned16(bias)
     flags.zero_()  # after this rank's previous fused GEMM (the only reader) in stream order
     comm, barrier_done = _push_shard(ws, a, rank, world, level_flags=True)
     current.wait_event(barrier_done)  # before the own rows land: a peer may still read this region

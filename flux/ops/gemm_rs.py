@@ -31,6 +31,18 @@ GEMM for the weight's). Strategies, chosen per call by flux.autotune:
   decomposed_p2p  the same, but each peer block's GEMM writes its result straight into the
                owner's workspace over NVLink (no staging buffer, no copy engine); the put
                follows the GEMM on the current stream.
+  fused        (experimental: not yet run on a GPU, so neither listed by available_strategies
+               nor in the autotuner's space; run_strategy("fused", ...) runs it.) World size 2:
+               the peer's rows first (cuBLAS, into a staging buffer), pushed by the copy engine
+               into the peer's workspace in ``segments`` row segments, each followed by a
+               segment flag (a stream write, no SM); then one persistent CUTLASS GEMM of this
+               rank's rows whose epilogue adds the peer's partial of them and the bias
+               (csrc/gemm_rs/rs_fused.cuh), the epilogue of each tile waiting (bounded) for the
+               flags of the segments it reads. No reduction pass after the last GEMM::
+
+                 current:  [zero own flags][wait barrier started][GEMM peer rows] [fused GEMM own rows + C + bias ....]
+                 comm:     [barrier]                                  [copy seg 0][flag 0] [copy seg 1][flag 1] ...
+
   oneshot      for small M: one GEMM of the whole partial into this rank's workspace, a
                barrier, then each rank sums its rows of every rank's partial, read over NVLink
                by SM loads (flux::reduce_peers_), and adds the bias::
@@ -50,9 +62,9 @@ from flux import autotune
 from flux.autotune.space import Candidate
 from flux.ops._checks import Signature, check_collectively
 from flux.ops._checks import FluxInputError  # noqa: F401
-from flux.ops._common import (can_skip_dispatcher, check_gemm_args, check_out_arg, check_same_device,
-                              choose_and_check, deliver, gemm_into, local_gemm, log_fallback, output,
-                              overlap_ineligible, weight_nk_shape)
+from flux.ops._common import (aligned16, can_skip_dispatcher, check_gemm_args, check_out_arg, check_same_device,
+                              choose_and_check, deliver, fused_ineligible, gemm_into, local_gemm, log_fallback,
+                              output, overlap_ineligible, weight_nk_shape)
 from flux.runtime import group_device, group_from_name, group_name, reduce_scatter_dim0, resolve_group, symm
 
 OP = "flux.gemm_rs"
@@ -155,6 +167,58 @@ def _decomposed_p2p(input, weight, bias, group, weight_layout, out_dtype, out=No
                             name="decomposed_p2p", chunks=chunks)
 
 
+def _fused_ineligible(input, weight, group, weight_layout, out_dtype) -> Optional[str]:
+    world = dist.get_world_size(group)
+    if world != 2:  # the epilogue adds one source: the one peer's partial
+        return f"the fused kernel folds one peer's partial (world size 2), not {world}"
+    return fused_ineligible(OP, input, weight, group, weight_layout, out_dtype)
+
+
+def _fused(input, weight, bias, group, weight_layout, out_dtype, out=None, segments: int = 8, config: int = 0,
+           swizzle: int = 1):
+    reason = _fused_ineligible(input, weight, group, weight_layout, out_dtype)
+    if reason:
+        log_fallback(OP, "fused", reason, to="decomposed")
+        return _decomposed(input, weight, bias, group, weight_layout, out_dtype, out)
+    world, rank = 2, dist.get_rank(group)
+    n, k = weight_nk_shape(weight, weight_layout)
+    a = input.reshape(-1, k)
+    rows = a.shape[0] // world
+    peer = 1 - rank
+    seg_rows = -(-rows // max(1, min(segments, rows)))
+    nseg = -(-rows // seg_rows)
+    # Everything is allocated before the first signal (as in _decomposed_impl).
+    ws = symm.get_workspace(group, world * rows * n * a.element_size())
+    source = ws.view(rank, (world, rows, n), a.dtype)[peer]  # the peer's partial of this rank's rows
+    dest_on_peer = ws.view(peer, (world, rows, n), a.dtype)[rank]  # this rank's partial of the peer's rows
+    flags = ws.segment_flags(nseg)
+    dest = out if out is None or out.data_ptr() % 16 == 0 else None
+    res = output(dest, (rows, n), a.dtype, a.device)
+    w_ok, b_ok = aligned16(weight), aligned16(bias)
+    staging = torch.empty((rows, n), dtype=a.dtype, device=a.device)
+    current, comm = torch.cuda.current_stream(), symm.comm_stream()
+    # Zeroed after this rank's previous fused GEMM (the flags' only reader) and before the
+    # barrier, which the peer passes before it sets any of them for this call.
+    flags.zero_()
+    comm.wait_stream(current)
+    with torch.cuda.stream(comm):
+        ws.barrier(started=True)  # the peer's previous fused GEMM no longer reads dest_on_peer
+    ws.wait_started()
+    gemm_into(staging, a[peer * rows:(peer + 1) * rows], weight, None, weight_layout)
+    comm.wait_stream(current)
+    with torch.cuda.stream(comm):
+        for s in range(nseg):
+            r0, r1 = s * seg_rows, min(rows, (s + 1) * seg_rows)
+            dest_on_peer[r0:r1].copy_(staging[r0:r1])  # copy engine, over NVLink
+            ws.set_segment_flag(peer, s)  # a stream write: no SM, the fused GEMM holds them all
+    torch.ops.flux.gemm_rs_fused_(res, a[rank * rows:(rank + 1) * rows], w_ok, b_ok, source, flags, seg_rows, rank,
+                                  peer, symm.timeout_ms(), symm.error_record_ptr(), 1, swizzle, config)
+    current.wait_stream(comm)  # the staging buffer is freed after this, in stream order
+    del staging
+    out = res if out is None or dest is not None else deliver(res, out)
+    return out.view(input.shape[0] // world, *input.shape[1:-1], n)
+
+
 def _oneshot(input, weight, bias, group, weight_layout, out_dtype, out=None):
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     reason = "world size 1" if world == 1 else overlap_ineligible(OP, "oneshot", input, group, out_dtype)
@@ -179,7 +243,11 @@ STRATEGIES: Dict[str, Strategy] = {
     "oneshot": _oneshot,
     "decomposed": _decomposed,
     "decomposed_p2p": _decomposed_p2p,
+    "fused": _fused,
 }
+# Strategies that run only when named (run_strategy): not listed by available_strategies, not
+# in the autotuner's space, until they have passed the GPU tests (tests/gpu_worker.py, "exp-").
+EXPERIMENTAL = ("fused",)
 
 
 def available_strategies(device: torch.device):
@@ -187,7 +255,7 @@ def available_strategies(device: torch.device):
     from flux.runtime import cuda_kernels_available
 
     overlapped = device.type == "cuda" and cuda_kernels_available()
-    return [name for name in STRATEGIES if name == "sequential" or overlapped]
+    return [name for name in STRATEGIES if name == "sequential" or (overlapped and name not in EXPERIMENTAL)]
 
 
 def gemm_rs_ref(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,

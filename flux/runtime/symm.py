@@ -20,6 +20,9 @@ Signal pad channels (each channel holds one slot per source rank):
            kernel as soon as it runs when asked (``barrier(started=True)``), consumed by
            ``wait_started`` on another stream, so that work there can start once the
            barrier holds an SM instead of once every peer has arrived.
+  10 ..    segment flags (level flags, like channel 8, but indexed by segment rather than by
+           source rank: slot 10 * world + s): the fused GEMM+RS kernel waits on the flag of
+           each segment of the peer's partial (``segment_flags``, ``set_segment_flag``).
 """
 import os
 from typing import Dict, Tuple
@@ -31,6 +34,7 @@ BARRIER_CHANNEL = 0
 DATA_CHANNEL = 1
 FLAG_CHANNEL = 8
 STARTED_CHANNEL = 9
+SEGMENT_CHANNEL = 10
 MAX_DATA_CHANNELS = FLAG_CHANNEL - DATA_CHANNEL  # sub-block signals of one call: channels 1..7
 
 
@@ -151,7 +155,23 @@ class Workspace:
         """Set this rank's flag on ``peer``'s pad after this stream's earlier work, without an
         SM: cuStreamWriteValue32 (with its memory fence); during CUDA graph capture a memset
         node, as PyTorch's own async-TP does."""
-        offset = channel * self.world + self.rank
+        self._write_slot(peer, channel * self.world + self.rank, value)
+
+    def max_segments(self) -> int:
+        return len(self.pads[self.rank]) - SEGMENT_CHANNEL * self.world
+
+    def segment_flags(self, count: int) -> torch.Tensor:
+        """This rank's first ``count`` segment flags (int32), set by the peer that fills them."""
+        if not 1 <= count <= self.max_segments():
+            raise ValueError(f"flux workspace: {count} segment flags asked, 1..{self.max_segments()} available")
+        first = SEGMENT_CHANNEL * self.world
+        return self.pads[self.rank][first:first + count]
+
+    def set_segment_flag(self, peer: int, segment: int, value: int = 1) -> None:
+        """Set segment flag ``segment`` on ``peer``'s pad after this stream's earlier work (no SM)."""
+        self._write_slot(peer, SEGMENT_CHANNEL * self.world + segment, value)
+
+    def _write_slot(self, peer: int, offset: int, value: int) -> None:
         if torch.cuda.is_current_stream_capturing():
             torch.ops.symm_mem.memset32_(self._pads_u32[peer], offset, value, 1)
         else:

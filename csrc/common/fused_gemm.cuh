@@ -1,0 +1,134 @@
+// What the fused GEMMs (csrc/ag_gemm/, csrc/gemm_rs/) share: their launch arguments, checked
+// once by each op's dispatcher, and (with FLUX_WITH_SM90) the CUTLASS 3.x sm90 bf16 GEMM type
+// they are built from, which differ only in the source C, the epilogue wrapper and the tile
+// scheduler.
+#pragma once
+
+#include <optional>
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+
+namespace flux {
+
+// out[m, n] = a[m, k] @ weight[n, k]^T (+ bias[n]) and the kernel's signalling.
+struct FusedGemmLaunch {
+  void* out = nullptr;
+  const void* a = nullptr;
+  const void* weight = nullptr;
+  const void* bias = nullptr;  // or nullptr
+  const uint32_t* flags = nullptr;
+  uint32_t* error_record = nullptr;  // host-mapped [2], or nullptr
+  int m = 0, n = 0, k = 0;
+  int raster = 1, swizzle = 1;  // tile order: 0 CUTLASS's heuristic, 1 along N, 2 along M; band of M tiles
+  uint64_t timeout_ns = 0;
+  int device = 0;
+  cudaStream_t stream = nullptr;
+  at::TensorOptions byte_options;  // for a CUTLASS workspace, if one is needed
+};
+
+// The common part of the launch arguments, from tensors the dispatcher has checked.
+inline FusedGemmLaunch fused_gemm_launch(at::Tensor& out, const at::Tensor& a, const at::Tensor& weight,
+                                         const std::optional<at::Tensor>& bias, const at::Tensor& flags,
+                                         int64_t error_record, int64_t raster, int64_t swizzle, int64_t timeout_ms) {
+  FusedGemmLaunch l;
+  l.out = out.data_ptr();
+  l.a = a.data_ptr();
+  l.weight = weight.data_ptr();
+  l.bias = bias.has_value() ? bias->data_ptr() : nullptr;
+  l.flags = reinterpret_cast<const uint32_t*>(flags.data_ptr());
+  l.error_record = reinterpret_cast<uint32_t*>(error_record);
+  l.m = (int)a.size(0);
+  l.n = (int)weight.size(0);
+  l.k = (int)a.size(1);
+  l.raster = (int)raster;
+  l.swizzle = (int)swizzle;
+  l.timeout_ns = (uint64_t)timeout_ms * 1000000ull;
+  l.device = a.get_device();
+  l.stream = at::cuda::getCurrentCUDAStream();
+  l.byte_options = a.options().dtype(at::kByte);
+  return l;
+}
+
+}  // namespace flux
+
+#if defined(FLUX_WITH_SM90) && (defined(FLUX_AG_FUSED_IMPL) || defined(FLUX_RS_FUSED_IMPL))
+
+#include "common/cutlass_run.cuh"
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/util/packed_stride.hpp"
+
+namespace flux {
+
+template <class Epilogue>
+using PlainEpilogue = Epilogue;
+
+// bf16 A [M, K] row-major, weight [N, K] (nn.Linear, K contiguous), D [M, N] row-major, fp32
+// accumulation; D = acc (+ C, where ElementC is not void) + bias per column, rounded once.
+template <class TileShape_, class ClusterShape_, class KernelSchedule, class EpilogueSchedule, class ElementC_,
+          template <class> class EpilogueWrap, class Scheduler>
+struct Sm90Bf16Gemm {
+  using ElementA = cutlass::bfloat16_t;
+  using ElementB = cutlass::bfloat16_t;
+  using ElementC = ElementC_;  // void: no source
+  using ElementD = cutlass::bfloat16_t;
+  using ElementAcc = float;
+  using LayoutA = cutlass::layout::RowMajor;
+  using LayoutB = cutlass::layout::ColumnMajor;
+  using LayoutD = cutlass::layout::RowMajor;
+  static constexpr int kAlign = 8;  // 16 bytes of bf16
+  using TileShape = TileShape_;
+  using ClusterShape = ClusterShape_;
+  static constexpr int kTileM = cute::size<0>(TileShape{});
+
+  using Fusion = cutlass::epilogue::fusion::LinCombPerColBias<ElementD, float, ElementD, ElementD, float>;
+  using BaseEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, ElementAcc, float, ElementC, LayoutD, kAlign, ElementD, LayoutD,
+      kAlign, EpilogueSchedule, Fusion>::CollectiveOp;
+  using CollectiveEpilogue = EpilogueWrap<BaseEpilogue>;
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, LayoutA, kAlign, ElementB, LayoutB, kAlign,
+      ElementAcc, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      KernelSchedule>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, CollectiveMainloop,
+                                                      CollectiveEpilogue, Scheduler>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+};
+
+// The GEMM's arguments for a launch: operands, packed strides, bias, hardware and tile order
+// (the epilogue's source C, where there is one, and the scheduler's extra fields are the caller's).
+template <class G>
+typename G::Gemm::Arguments gemm_arguments(const FusedGemmLaunch& l) {
+  using Kernel = typename G::Gemm::GemmKernel;
+  auto sa = cutlass::make_cute_packed_stride(typename Kernel::StrideA{}, cute::make_shape(l.m, l.k, 1));
+  auto sb = cutlass::make_cute_packed_stride(typename Kernel::StrideB{}, cute::make_shape(l.n, l.k, 1));
+  auto sd = cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, cute::make_shape(l.m, l.n, 1));
+  typename G::Gemm::Arguments args{};
+  args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
+  args.problem_shape = {l.m, l.n, l.k, 1};
+  args.mainloop = {reinterpret_cast<const typename G::ElementA*>(l.a), sa,
+                   reinterpret_cast<const typename G::ElementB*>(l.weight), sb};
+  args.epilogue.dC = sd;
+  args.epilogue.ptr_D = reinterpret_cast<typename G::ElementD*>(l.out);
+  args.epilogue.dD = sd;
+  args.epilogue.thread.alpha = 1.0f;
+  args.epilogue.thread.beta = 0.0f;
+  args.epilogue.thread.bias_ptr = reinterpret_cast<const typename G::ElementD*>(l.bias);
+  args.hw_info = hardware_info(l.device);
+  using Raster = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90::RasterOrderOptions;
+  args.scheduler.raster_order = l.raster == 0 ? Raster::Heuristic : l.raster == 2 ? Raster::AlongM : Raster::AlongN;
+  args.scheduler.max_swizzle_size = l.swizzle;
+  return args;
+}
+
+}  // namespace flux
+
+#endif  // FLUX_WITH_SM90 && (FLUX_AG_FUSED_IMPL || FLUX_RS_FUSED_IMPL)

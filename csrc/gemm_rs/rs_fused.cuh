@@ -1,0 +1,147 @@
+// Fused GEMM+ReduceScatter, the own block's GEMM with the peer's partial folded into its
+// epilogue: a persistent CUTLASS sm90 warp-specialized GEMM
+//
+//   out[rows, N] = a[rows, K] @ weight[N, K]^T + source[rows, N] (+ bias[N])
+//
+// where `source` is this rank's symmetric workspace slot into which the peer pushes its
+// partial of these rows (its GEMM of them), segment by segment, each segment announced by
+// flags[s] = 1 (flux/ops/gemm_rs.py, strategy "fused"). The wait is in the epilogue's
+// producer load warp, right before it loads a tile's rows of `source` (SegmentWaitEpilogue
+// below): the mainloop of every tile runs at once, and only the epilogue of a tile whose
+// rows have not yet arrived waits. So the transfer hides behind the mainloops of the first
+// tiles, and the separate reduction pass of the decomposed strategy disappears.
+//
+// Configurations (rs_fused_cfg*.cu, one translation unit each): bf16, A row-major, weight
+// [N, K] (nn.Linear), fp32 accumulation, D = acc + C + bias rounded once to bf16.
+#pragma once
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "common/check.h"
+#include "common/fused_gemm.cuh"
+
+namespace flux {
+
+// Everything a launch needs, checked once by the dispatcher (rs_fused.cu): out = a @ weight^T
+// + source + bias; flags[s]: rows [s * rows_per_segment, ...) of `source` are in place.
+struct RsFusedArgs : FusedGemmLaunch {
+  const void* source = nullptr;  // [m, n], the peer's partial of these rows
+  int rows_per_segment = 1, rank = 0, peer = 0;
+};
+
+// Launchers, one per configuration (defined in rs_fused_cfg<N>.cu).
+void rs_fused_cfg0(const RsFusedArgs& a);  // 128x256x64 tile, cluster 2x1, cooperative
+void rs_fused_cfg1(const RsFusedArgs& a);  // 256x128x64 tile, cluster 2x1, cooperative
+constexpr int kRsFusedConfigs = 2;
+
+}  // namespace flux
+
+#if defined(FLUX_WITH_SM90) && defined(FLUX_RS_FUSED_IMPL)
+
+#include "common/flag_wait.cuh"
+
+namespace flux {
+
+// Where a tile's source rows come from and how long to wait for them.
+struct SegmentWait {
+  const uint32_t* flags = nullptr;  // [segments]: segment s of the source rows is in place
+  int rows = 0;                     // rows of the source (and of the output)
+  int rows_per_segment = 1;
+  int rank = 0;                     // this rank (recorded on timeout)
+  int peer = 0;                     // the rank that pushes the source (recorded on timeout)
+  uint64_t timeout_ns = 0;
+  uint32_t* error = nullptr;        // host-mapped [2]: (waiting rank + 1, missing rank)
+};
+
+// CUTLASS's sm90 TMA warp-specialized epilogue whose producer load warp, before it loads
+// a tile's rows of the source C, waits (bounded) for the flags of the segments holding them.
+// The GEMM kernel names this type as its CollectiveEpilogue, so its calls of load() and
+// to_underlying_arguments() resolve here; everything else is the base's.
+template <class Base>
+class SegmentWaitEpilogue : public Base {
+ public:
+  struct Arguments : Base::Arguments, SegmentWait {};
+  struct Params : Base::Params, SegmentWait {};
+
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape const& problem_shape, Arguments const& args, void* workspace) {
+    Params p;
+    static_cast<typename Base::Params&>(p) =
+        Base::to_underlying_arguments(problem_shape, static_cast<typename Base::Arguments const&>(args), workspace);
+    static_cast<SegmentWait&>(p) = static_cast<SegmentWait const&>(args);
+    return p;
+  }
+
+  CUTLASS_HOST_DEVICE
+  SegmentWaitEpilogue(Params const& params, typename Base::TensorStorage& shared)
+      : Base(params, shared), wait_(static_cast<SegmentWait const&>(params)) {}
+
+  template <class ProblemShapeMNKL, class TileShapeMNK, class TileCoordMNKL, class TiledMma>
+  CUTLASS_DEVICE auto load(typename Base::LoadPipeline load_pipeline,
+                           typename Base::LoadPipelineState load_pipe_producer_state,
+                           ProblemShapeMNKL problem_shape_mnkl, TileShapeMNK tile_shape_MNK,
+                           TileCoordMNKL tile_coord_mnkl, TiledMma tiled_mma, int thread_idx,
+                           typename Base::TensorStorage& shared_tensors, int subtile_idx = -1) {
+    constexpr int kTileM = cute::size<0>(typename Base::CtaTileMNK{});
+    const int row0 = static_cast<int>(cute::get<0>(tile_coord_mnkl)) * kTileM;
+    if (row0 < wait_.rows) {  // a padding tile has no rows to wait for
+      const int row1 = min(row0 + kTileM, wait_.rows) - 1;
+      for (int s = row0 / wait_.rows_per_segment; s <= row1 / wait_.rows_per_segment; ++s) {
+        wait_flag_bounded(wait_.flags + s, wait_.timeout_ns, wait_.error, wait_.rank, wait_.peer);
+      }
+      fence_proxy_async_global();  // the source rows are then read by TMA
+    }
+    return Base::load(load_pipeline, load_pipe_producer_state, problem_shape_mnkl, tile_shape_MNK, tile_coord_mnkl,
+                      tiled_mma, thread_idx, shared_tensors, subtile_idx);
+  }
+
+ private:
+  SegmentWait wait_;
+};
+
+template <class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule>
+using RsFoldGemmBf16 = Sm90Bf16Gemm<TileShape, ClusterShape, KernelSchedule, EpilogueSchedule, cutlass::bfloat16_t,
+                                    SegmentWaitEpilogue, cutlass::gemm::PersistentScheduler>;
+
+template <class G>
+void launch_rs_fused(const RsFusedArgs& a) {
+  constexpr const char* op = "gemm_rs_fused_";
+  typename G::Gemm::Arguments args = gemm_arguments<G>(a);
+  // D = acc + 1 * C + bias: C = the peer's partial of these rows, waited for segment by segment.
+  args.epilogue.ptr_C = reinterpret_cast<const typename G::ElementC*>(a.source);
+  args.epilogue.thread.beta = 1.0f;
+  args.epilogue.flags = a.flags;
+  args.epilogue.rows = a.m;
+  args.epilogue.rows_per_segment = a.rows_per_segment;
+  args.epilogue.rank = a.rank;
+  args.epilogue.peer = a.peer;
+  args.epilogue.timeout_ns = a.timeout_ns;
+  args.epilogue.error = a.error_record;
+  run_cutlass_gemm<typename G::Gemm>(op, args, a.byte_options, a.stream, a.m, a.n, a.k);
+}
+
+}  // namespace flux
+
+#endif  // FLUX_WITH_SM90 && FLUX_RS_FUSED_IMPL
+
+// The body of rs_fused_cfg<N>.cu: configuration N, a TILE_M x TILE_N x 64 tile, cluster 2x1,
+// cooperative (one translation unit per configuration, so that they compile in parallel).
+#if defined(FLUX_WITH_SM90)
+#define FLUX_RS_FUSED_CONFIG(N, TILE_M, TILE_N)                                                             \
+  namespace flux {                                                                                        \
+  void rs_fused_cfg##N(const RsFusedArgs& a) {                                                            \
+    launch_rs_fused<RsFoldGemmBf16<cute::Shape<cute::_##TILE_M, cute::_##TILE_N, cute::_64>,                 \
+                                   cute::Shape<cute::_2, cute::_1, cute::_1>,                             \
+                                   cutlass::gemm::KernelTmaWarpSpecializedCooperative,                    \
+                                   cutlass::epilogue::TmaWarpSpecializedCooperative>>(a);                 \
+  }                                                                                                       \
+  }
+#else
+#define FLUX_RS_FUSED_CONFIG(N, TILE_M, TILE_N)                                                             \
+  namespace flux {                                                                                        \
+  void rs_fused_cfg##N(const RsFusedArgs&) {                                                              \
+    TORCH_CHECK(false, "flux.gemm_rs_fused_: flux._C was built without an sm_90a target (FLUX_CUDA_ARCH)"); \
+  }                                                                                                       \
+  }
+#endif
