@@ -502,9 +502,19 @@ def _rs_fused_fwd(rank, world, dev):
     return result
 
 
-gcase("exp-repeat50-rs-fused")(_repeat("rs", RS_FUSED_LABELS[:2]))
-gcase("exp-delayed1000-rs-fused")(_delayed("rs", ["fused", "fused(segments=4)"]))
-gcase("exp-graph-rs-fused")(_graph("rs", ["fused"]))
+def _rs_fused_only(fn):
+    """A case of gemm_rs 'fused' that skips where the strategy would fall back (so that it
+    cannot pass by testing 'decomposed' instead)."""
+    def case_fn(rank, world, dev):
+        _need_rs_fused(world, dev)
+        return fn(rank, world, dev)
+
+    return case_fn
+
+
+gcase("exp-repeat50-rs-fused")(_rs_fused_only(_repeat("rs", RS_FUSED_LABELS[:2])))
+gcase("exp-delayed1000-rs-fused")(_rs_fused_only(_delayed("rs", ["fused", "fused(segments=4)"])))
+gcase("exp-graph-rs-fused")(_rs_fused_only(_graph("rs", ["fused"])))
 
 
 def timeout_case(rank, world, dev, strategy="decomposed", op="ag"):

@@ -7,9 +7,11 @@
 // partial of these rows (its GEMM of them), segment by segment, each segment announced by
 // flags[s] = 1 (flux/ops/gemm_rs.py, strategy "fused"). The wait is in the epilogue's
 // producer load warp, right before it loads a tile's rows of `source` (SegmentWaitEpilogue
-// below): the mainloop of every tile runs at once, and only the epilogue of a tile whose
-// rows have not yet arrived waits. So the transfer hides behind the mainloops of the first
-// tiles, and the separate reduction pass of the decomposed strategy disappears.
+// below), not in the tile scheduler: a CTA computes its first tile's mainloop before its
+// epilogue needs those rows, so the first segments' transfer hides behind the first wave's
+// mainloops (a missing segment does stall the CTA at that tile's epilogue, since the consumer
+// warps finish tile t before tile t+1's mainloop). The decomposed strategy's separate
+// reduction pass disappears.
 //
 // Configurations (rs_fused_cfg*.cu, one translation unit each): bf16, A row-major, weight
 // [N, K] (nn.Linear), fp32 accumulation, D = acc + C + bias rounded once to bf16.

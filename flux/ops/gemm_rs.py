@@ -171,6 +171,8 @@ def _fused_ineligible(input, weight, group, weight_layout, out_dtype) -> Optiona
     world = dist.get_world_size(group)
     if world != 2:  # the epilogue adds one source: the one peer's partial
         return f"the fused kernel folds one peer's partial (world size 2), not {world}"
+    if input.numel() == 0:
+        return "no rows"
     return fused_ineligible(OP, input, weight, group, weight_layout, out_dtype)
 
 
@@ -194,7 +196,9 @@ def _fused(input, weight, bias, group, weight_layout, out_dtype, out=None, segme
     flags = ws.segment_flags(nseg)
     dest = out if out is None or out.data_ptr() % 16 == 0 else None
     res = output(dest, (rows, n), a.dtype, a.device)
-    w_ok, b_ok = aligned16(weight), aligned16(bias)
+    # TMA needs 16-byte aligned bases: operands at odd offsets go through aligned copies, made
+    # here, before any signal, so that the kernel's checks cannot fail after the pushes began.
+    a_own, w_ok, b_ok = aligned16(a[rank * rows:(rank + 1) * rows]), aligned16(weight), aligned16(bias)
     staging = torch.empty((rows, n), dtype=a.dtype, device=a.device)
     current, comm = torch.cuda.current_stream(), symm.comm_stream()
     # Zeroed after this rank's previous fused GEMM (the flags' only reader) and before the
@@ -211,10 +215,12 @@ def _fused(input, weight, bias, group, weight_layout, out_dtype, out=None, segme
             r0, r1 = s * seg_rows, min(rows, (s + 1) * seg_rows)
             dest_on_peer[r0:r1].copy_(staging[r0:r1])  # copy engine, over NVLink
             ws.set_segment_flag(peer, s)  # a stream write: no SM, the fused GEMM holds them all
-    torch.ops.flux.gemm_rs_fused_(res, a[rank * rows:(rank + 1) * rows], w_ok, b_ok, source, flags, seg_rows, rank,
-                                  peer, symm.timeout_ms(), symm.error_record_ptr(), 1, swizzle, config)
-    current.wait_stream(comm)  # the staging buffer is freed after this, in stream order
-    del staging
+    try:
+        torch.ops.flux.gemm_rs_fused_(res, a_own, w_ok, b_ok, source, flags, seg_rows, rank, peer,
+                                      symm.timeout_ms(), symm.error_record_ptr(), 1, swizzle, config)
+    finally:
+        current.wait_stream(comm)  # the staging buffer is freed after this, in stream order, whatever happened
+        del staging
     out = res if out is None or dest is not None else deliver(res, out)
     return out.view(input.shape[0] // world, *input.shape[1:-1], n)
 
