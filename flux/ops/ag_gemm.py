@@ -87,12 +87,9 @@ def _push_shard(ws, a: torch.Tensor, rank: int, world: int, level_flags: bool = 
     (``ws.wait_started()``). Returns (the communication stream, an event recorded right after
     the barrier)."""
     rows, k = a.shape
-    current, comm = torch.cuda.current_stream(), symm.comm_stream()
-    comm.wait_stream(current)
+    comm = symm.comm_stream()
+    after_barrier = ws.barrier_on(comm, started=started)
     with torch.cuda.stream(comm):
-        ws.barrier(started=started)
-        after_barrier = torch.cuda.Event()
-        after_barrier.record()
         for step in range(1, world):
             peer = (rank + step) % world
             ws.view(peer, (world, rows, k), a.dtype)[rank].copy_(a)  # copy engine, over NVLink

@@ -123,11 +123,7 @@ def _decomposed_impl(input, weight, bias, group, weight_layout, out_dtype, out=N
     if p2p or wait_barrier:  # p2p: the first GEMM already writes into a peer's workspace
         ws.barrier()  # every peer has finished reading its slots in the previous call
     else:
-        comm.wait_stream(current)
-        with torch.cuda.stream(comm):
-            ws.barrier(started=True)
-            after_barrier = torch.cuda.Event()
-            after_barrier.record()
+        after_barrier = ws.barrier_on(comm, started=True)
         ws.wait_started()  # the first GEMM may not take every SM before the barrier kernel runs
     for step in range(1, world):
         peer = (rank + step) % world
@@ -204,9 +200,7 @@ def _fused(input, weight, bias, group, weight_layout, out_dtype, out=None, segme
     # Zeroed after this rank's previous fused GEMM (the flags' only reader) and before the
     # barrier, which the peer passes before it sets any of them for this call.
     flags.zero_()
-    comm.wait_stream(current)
-    with torch.cuda.stream(comm):
-        ws.barrier(started=True)  # the peer's previous fused GEMM no longer reads dest_on_peer
+    ws.barrier_on(comm, started=True)  # the peer's previous fused GEMM no longer reads dest_on_peer
     ws.wait_started()
     gemm_into(staging, a[peer * rows:(peer + 1) * rows], weight, None, weight_layout)
     comm.wait_stream(current)

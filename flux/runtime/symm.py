@@ -137,6 +137,17 @@ class Workspace:
         torch.ops.flux.signal_barrier_(self.pads[self.rank], self.pads_dev, channel, self.rank, self.world,
                                        timeout_ms(), STARTED_CHANNEL if started else -1)
 
+    def barrier_on(self, stream: torch.cuda.Stream, started: bool = False) -> torch.cuda.Event:
+        """Enqueue the barrier on ``stream`` (the communication stream), after the current
+        stream's work so far; return an event recorded right after it. ``started`` as in
+        ``barrier``: the current stream then calls ``wait_started``."""
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self.barrier(started=started)
+            passed = torch.cuda.Event()
+            passed.record()
+        return passed
+
     def wait_started(self) -> None:
         """Hold this stream until a ``barrier(started=True)`` enqueued on another stream is
         running (it holds an SM), not until it has passed. Work queued after this cannot
