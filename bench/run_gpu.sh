@@ -13,8 +13,8 @@
 #       --platform manylinux2014_x86_64 -d .whl nvidia-cutlass==4.2.0.0
 # and a previous build's flux_C.so + flux_C.hash in .ext/ to skip the build (~85 s on 32 cores).
 #
-# Writes (at most 8 files): build.log, flux_C.so + flux_C.hash (reusable: copy both into .ext/;
-# not written when the carried build was reused), env.txt, tests.log, bench.log, bench_ops.json,
+# Writes (at most 8 files): build.log (the machine and versions first), flux_C.so + flux_C.hash
+# (reusable: copy both into .ext/; not written when the carried build was reused), tests.log, bench.log, bench_ops.json,
 # with --tune autotune.log and cache/tune-<topology>.json.
 set -uo pipefail
 OUTDIR=${1:?usage: bench/run_gpu.sh OUTDIR [--quick] [--skip-tests] [--skip-bench] [-- bench args]}
@@ -48,16 +48,16 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
   date -u; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv
   nvidia-smi topo -m
   $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version(), 'gpus', torch.cuda.device_count())"
-} > "$OUTDIR/env.txt" 2>&1
+} > "$OUTDIR/build.log" 2>&1
 
 hash=$(cat setup.py $(find csrc -type f | LC_ALL=C sort) | sha256sum | cut -c1-16)  # C locale: the same order everywhere
 if [ -f .ext/flux_C.so ] && [ "$(cat .ext/flux_C.hash 2>/dev/null)" = "$hash" ]; then
-  echo "reusing carried build $hash" | tee "$OUTDIR/build.log"
+  echo "reusing carried build $hash" | tee -a "$OUTDIR/build.log"
   cp .ext/flux_C.so "flux/_C$($PY -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
   REUSED=1
 else
   start=$(date +%s)
-  FLUX_BUILD_CUDA=1 MAX_JOBS=${MAX_JOBS:-32} $PY setup.py build_ext --inplace > "$OUTDIR/build.log" 2>&1
+  FLUX_BUILD_CUDA=1 MAX_JOBS=${MAX_JOBS:-32} $PY setup.py build_ext --inplace >> "$OUTDIR/build.log" 2>&1
   rc=$?
   echo "build rc=$rc in $(( $(date +%s) - start )) s" | tee -a "$OUTDIR/build.log"
   grep -E "error|warning.*C7510" "$OUTDIR/build.log" | head -20
