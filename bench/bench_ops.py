@@ -43,7 +43,7 @@ Methods, all measured side by side in one process, on the same tensors:
               torch.ops.symm_mem.fused_matmul_reduce_scatter(A, W.t(), "sum", 0, group_name)
               If it cannot run, the JSON records "unavailable: <reason>".
     flux:<s>  every flux strategy s in flux.ops.<op>.available_strategies(device) (or those named
-              by --strategies, experimental ones included, e.g. gemm_rs 'fused'), called
+              by --strategies, with parameters, e.g. 'fused(config=1)'), called
               through flux.ops.<op>.run_strategy(s, ...) (argument check on the first,
               correctness call only; check=False while timing).
     flux:auto the public op (flux.ag_gemm / flux.gemm_rs): the autotuner's choice plus
@@ -519,8 +519,7 @@ def run_shape(bench, op, shape, strategies):
     for s in strategies:
         def mk(s=s):
             name = Candidate.parse(s).strategy
-            experimental = name in getattr(mod, "EXPERIMENTAL", ())
-            if name not in mod.available_strategies(dev) and not (experimental and dev.type == "cuda"):
+            if name not in mod.available_strategies(dev):
                 return None, f"not in flux.ops.{op}.available_strategies({dev})"
             return make_flux(s)
         _method(bench, f"flux:{s}", mk, ref, methods)

@@ -459,8 +459,8 @@ gcase("graph-ag")(_graph("ag"))
 gcase("graph-rs")(_graph("rs"))
 
 
-# Experimental strategies (not in available_strategies yet): run by test_gpu_experimental in a
-# torchrun of their own.
+# gemm_rs 'fused' beyond the generic cases: its configurations and segment counts, shapes,
+# out=, and cases that skip where it would fall back (so they cannot pass by testing 'decomposed').
 
 def _need_rs_fused(world, dev):
     from flux.ops._common import _fused_kernels_built
@@ -474,7 +474,7 @@ def _need_rs_fused(world, dev):
 RS_FUSED_LABELS = ["fused", "fused(config=1)", "fused(segments=1)", "fused(segments=16,swizzle=8)"]
 
 
-@gcase("exp-fwd-rs-fused")
+@gcase("fwd-rs-fused")
 def _rs_fused_fwd(rank, world, dev):
     """gemm_rs 'fused' (each configuration, 1 to 16 segments) against the float64 reference,
     on odd and tile-multiple shapes, with and without bias, N-D input and out=."""
@@ -512,9 +512,8 @@ def _rs_fused_only(fn):
     return case_fn
 
 
-gcase("exp-repeat50-rs-fused")(_rs_fused_only(_repeat("rs", RS_FUSED_LABELS[:2])))
-gcase("exp-delayed1000-rs-fused")(_rs_fused_only(_delayed("rs", ["fused", "fused(segments=4)"])))
-gcase("exp-graph-rs-fused")(_rs_fused_only(_graph("rs", ["fused"])))
+gcase("repeat50-rs-fused")(_rs_fused_only(_repeat("rs", RS_FUSED_LABELS[1:3])))
+gcase("delayed1000-rs-fused")(_rs_fused_only(_delayed("rs", ["fused(segments=4)"])))
 
 
 def timeout_case(rank, world, dev, strategy="decomposed", op="ag"):
@@ -560,8 +559,8 @@ def main():
     which = sys.argv[1] if len(sys.argv) > 1 else "all"
     if which.startswith("timeout"):  # timeout, timeout:<strategy> or timeout:<strategy>:<op>
         timeout_case(dist.get_rank(), dist.get_world_size(), dev, *which.split(":")[1:])
-    if which in ("all", "exp"):  # "exp-" cases (experimental strategies) run apart: a crash stays theirs
-        names = [n for n in CASES if n.startswith("exp-") == (which == "exp")]
+    if which == "all":
+        names = list(CASES)
     else:
         names = which.split(",")
     out_dir = os.environ.get("FLUX_GPU_RESULTS_DIR")

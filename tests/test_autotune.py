@@ -33,10 +33,14 @@ def test_pruning():
     labels = lambda p: [c.label for c in candidates(p)]  # noqa: E731
     assert labels(big("ag_gemm")) == ["sequential", "decomposed", "oneshot"] + [
         f"fused(config={c},swizzle={s})" for c in (0, 1, 2) for s in (1, 8)]
+    rs_fused = [f"fused(config={c},segments={s})" for c in (0, 1) for s in (8, 16)]
     assert labels(big("gemm_rs")) == ["sequential", "oneshot", "decomposed(chunks=1)", "decomposed(chunks=2)",
-                                      "decomposed_p2p(chunks=1)"]
-    from flux.ops import gemm_rs  # experimental strategies stay out of the space until GPU-tested
-    assert not set(gemm_rs.EXPERIMENTAL) & {c.strategy for c in candidates(big("gemm_rs"))}
+                                      "decomposed_p2p(chunks=1)"] + rs_fused
+    assert "fused" not in " ".join(labels(big("gemm_rs", world=4)))  # one peer's partial folded: world 2
+    assert "fused" not in " ".join(labels(big("gemm_rs", dtype=torch.float16)))
+    assert "fused" not in " ".join(labels(big("gemm_rs", n=14330)))
+    assert why_invalid(Candidate.of("fused", config=2), big("gemm_rs")) == "no fused configuration 2"
+    assert why_invalid(Candidate.of("fused", segments=0), big("gemm_rs")) == "segments must be positive"
     assert labels(big("ag_gemm", device_type="cpu")) == ["sequential"]
     assert labels(big("gemm_rs", world=1)) == ["sequential"]
     assert labels(big("ag_gemm", out_dtype_differs=True)) == ["sequential"]

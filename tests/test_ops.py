@@ -185,7 +185,7 @@ for _op in ("ag", "rs"):
 
 
 def _every_strategy_case(op):
-    """Every strategy, experimental ones and parameters included, runs on CPU through its
+    """Every strategy, with its parameters, runs on CPU through its
     fallback and gives exactly the sequential result; only 'sequential' is listed as available."""
     def fn(rank, world):
         mod = flux.ops.ag_gemm if op == "ag" else flux.ops.gemm_rs
@@ -776,12 +776,10 @@ def _gpu_world():
     return min(int(os.environ.get("FLUX_TEST_NGPUS", min(n, 8))), n)
 
 
-def _gpu_case_names(experimental=False):
-    """The worker's cases: the main run's, or ("exp-") those of experimental strategies, which
-    run in a torchrun of their own so that a crash there cannot take the main cases down."""
+def _gpu_case_names():
     import gpu_worker
 
-    return [n for n in gpu_worker.CASES if n.startswith("exp-") == experimental]
+    return list(gpu_worker.CASES)
 
 
 def _run_gpu_worker(tmp_path_factory, which):
@@ -820,20 +818,9 @@ def gpu_results(tmp_path_factory):
     return _run_gpu_worker(tmp_path_factory, "all")
 
 
-@pytest.fixture(scope="module")
-def gpu_exp_results(tmp_path_factory):
-    return _run_gpu_worker(tmp_path_factory, "exp")
-
-
 @pytest.mark.parametrize("name", _gpu_case_names())
 def test_gpu(gpu_results, name):
     _check_gpu_case(gpu_results, name)
-
-
-@pytest.mark.parametrize("name", _gpu_case_names(experimental=True))
-def test_gpu_experimental(gpu_exp_results, name):
-    """Strategies not yet listed by available_strategies (e.g. gemm_rs 'fused')."""
-    _check_gpu_case(gpu_exp_results, name)
 
 
 def _check_gpu_case(gpu_results, name):

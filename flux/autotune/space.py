@@ -66,15 +66,19 @@ class Problem:
 
 TILE_M = 128  # rows of one tile of the decomposed sub-blocks' minimum
 MAX_CHUNKS = 7  # = flux.runtime.symm.MAX_DATA_CHANNELS (this module stays free of CUDA imports)
-# Rows of one tile of each fused AG kernel configuration (csrc/ag_gemm/ag_gemm_fused_cfg*.cu).
+# Rows of one tile of each fused kernel configuration (csrc/ag_gemm/ag_gemm_fused_cfg*.cu,
+# csrc/gemm_rs/rs_fused_cfg*.cu).
 FUSED_AG_TILE_M = {0: 128, 1: 256, 2: 128}
+FUSED_RS_TILE_M = {0: 128, 1: 256}
+FUSED_TILE_M = {"ag_gemm": FUSED_AG_TILE_M, "gemm_rs": FUSED_RS_TILE_M}
 
 
 _SPACES = {
     "ag_gemm": [Candidate("sequential"), Candidate("decomposed"), Candidate("oneshot")] + [
         Candidate.of("fused", config=c, swizzle=s) for c in sorted(FUSED_AG_TILE_M) for s in (1, 8)],
     "gemm_rs": [Candidate("sequential"), Candidate("oneshot"), Candidate.of("decomposed", chunks=1),
-                Candidate.of("decomposed", chunks=2), Candidate.of("decomposed_p2p", chunks=1)],
+                Candidate.of("decomposed", chunks=2), Candidate.of("decomposed_p2p", chunks=1)] + [
+        Candidate.of("fused", config=c, segments=s) for c in sorted(FUSED_RS_TILE_M) for s in (8, 16)],
 }
 # op -> strategy -> the parameter names it takes
 _PARAMS = {op: {c.strategy: {k for x in space if x.strategy == c.strategy for k, _ in x.params} for c in space}
@@ -110,11 +114,16 @@ def why_invalid(c: Candidate, p: Problem) -> Optional[str]:
             return "the fused kernel is bf16, weight_layout 'nk'"
         if p.k % 8 or p.n % 8:
             return "K and N must be multiples of 8"
-        tile_m = FUSED_AG_TILE_M.get(c.kwargs.get("config", 0))
+        tile_m = FUSED_TILE_M[p.op].get(c.kwargs.get("config", 0))
         if tile_m is None:
             return f"no fused configuration {c.kwargs.get('config')}"
-        if c.kwargs.get("swizzle", 1) > 1 and p.m < 16 * tile_m:
+        if c.kwargs.get("swizzle", 1) > 1 and p.m < 16 * tile_m:  # (only AG's space varies swizzle)
             return "bands of M tiles larger than the problem pad the grid"
+        if p.op == "gemm_rs":
+            if p.world != 2:
+                return f"the fused RS kernel folds one peer's partial (world size 2, not {p.world})"
+            if c.kwargs.get("segments", 8) < 1:
+                return "segments must be positive"
     if not 1 <= c.kwargs.get("chunks", 1) <= MAX_CHUNKS:
         return f"chunks must be 1..{MAX_CHUNKS} (one signal channel each)"
     if c.kwargs.get("chunks", 1) > 1 and rows < c.kwargs["chunks"] * TILE_M:

@@ -31,8 +31,7 @@ GEMM for the weight's). Strategies, chosen per call by flux.autotune:
   decomposed_p2p  the same, but each peer block's GEMM writes its result straight into the
                owner's workspace over NVLink (no staging buffer, no copy engine); the put
                follows the GEMM on the current stream.
-  fused        (experimental: not yet run on a GPU, so neither listed by available_strategies
-               nor in the autotuner's space; run_strategy("fused", ...) runs it.) World size 2:
+  fused        World size 2 (other sizes fall back to ``decomposed``, logged once):
                the peer's rows first (cuBLAS, into a staging buffer), pushed by the copy engine
                into the peer's workspace in ``segments`` row segments, each followed by a
                segment flag (a stream write, no SM); then one persistent CUTLASS GEMM of this
@@ -245,17 +244,12 @@ STRATEGIES: Dict[str, Strategy] = {
     "decomposed_p2p": _decomposed_p2p,
     "fused": _fused,
 }
-# Strategies that run only when named (run_strategy): not listed by available_strategies, not
-# in the autotuner's space, until they have passed the GPU tests (tests/gpu_worker.py, "exp-").
-EXPERIMENTAL = ("fused",)
-
-
 def available_strategies(device: torch.device):
     """Names of the strategies that can run on ``device`` (always 'sequential' first)."""
     from flux.runtime import cuda_kernels_available
 
     overlapped = device.type == "cuda" and cuda_kernels_available()
-    return [name for name in STRATEGIES if name == "sequential" or (overlapped and name not in EXPERIMENTAL)]
+    return [name for name in STRATEGIES if name == "sequential" or overlapped]
 
 
 def gemm_rs_ref(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
