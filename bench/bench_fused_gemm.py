@@ -5,7 +5,7 @@
 
 --op ag (default): the fused AG+GEMM kernel over all M rows against torch.mm.
 --op rs: the fused GEMM+RS own-block kernel (world size 2) on one rank's block of a public RS
-shape, M/2 rows and K/2 columns, its epilogue adding the peer's partial (a random tensor here),
+shape (each rank's GEMM at two ranks): M/2 of its rows, all K, its epilogue adding the peer's partial (a random tensor here),
 against torch.mm alone and torch.mm followed by the addition (what `decomposed` does).
 
 For each shape: cuBLAS and the fused kernel's configurations under several rasters and swizzle
@@ -93,7 +93,7 @@ def main_rs(args):
     print(f"{'shape':>18} {'rows':>6} {'mm':>8} {'mm+add':>8} " + " ".join(f"{v[0]:>8}" for v in variants))
     for shape in shapes.split(","):
         m_all, k_all, n = map(int, shape.split("x"))
-        m, k = m_all // 2, k_all // 2  # one rank's own block at world size 2
+        m, k = m_all // 2, k_all  # one rank's own block at world size 2
         a = torch.randn(m, k, device=dev, dtype=torch.bfloat16) * 0.1
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.1
         src = torch.randn(m, n, device=dev, dtype=torch.bfloat16)

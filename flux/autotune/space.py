@@ -78,7 +78,8 @@ _SPACES = {
         Candidate.of("fused", config=c, swizzle=s) for c in sorted(FUSED_AG_TILE_M) for s in (1, 8)],
     "gemm_rs": [Candidate("sequential"), Candidate("oneshot"), Candidate.of("decomposed", chunks=1),
                 Candidate.of("decomposed", chunks=2), Candidate.of("decomposed_p2p", chunks=1)] + [
-        Candidate.of("fused", config=c, segments=s) for c in sorted(FUSED_RS_TILE_M) for s in (8, 16)],
+        Candidate.of("fused", config=c, segments=s, swizzle=z) for c in sorted(FUSED_RS_TILE_M) for s in (8, 16)
+        for z in (1, 8)],
 }
 # op -> strategy -> the parameter names it takes
 _PARAMS = {op: {c.strategy: {k for x in space if x.strategy == c.strategy for k, _ in x.params} for c in space}
@@ -117,7 +118,9 @@ def why_invalid(c: Candidate, p: Problem) -> Optional[str]:
         tile_m = FUSED_TILE_M[p.op].get(c.kwargs.get("config", 0))
         if tile_m is None:
             return f"no fused configuration {c.kwargs.get('config')}"
-        if c.kwargs.get("swizzle", 1) > 1 and p.m < 16 * tile_m:  # (only AG's space varies swizzle)
+        # The AG kernel runs all M rows; the RS kernel this rank's block of them.
+        kernel_rows = p.m if p.op == "ag_gemm" else rows
+        if c.kwargs.get("swizzle", 1) > 1 and kernel_rows < 16 * tile_m:
             return "bands of M tiles larger than the problem pad the grid"
         if p.op == "gemm_rs":
             if p.world != 2:
