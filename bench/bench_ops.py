@@ -580,6 +580,65 @@ def ablation(bench, op, m, k, n, weight):
 
         bench.sync()
         res["reduce"] = bench.time(reduce)
+    res.update(_fused_ablation(bench, op, m, k, n, weight, a, out))
+    return res
+
+
+def _fused_ablation(bench, op, m, k, n, weight, a, out):
+    """The fused strategies' compute alone, every flag already set (no communication, no
+    barrier): AG 'fused_kernel' = the fused kernel over all m rows, 'fused_copy_kernel' = the
+    own rows' copy into place, then the kernel (what the strategy runs on its stream);
+    RS (world size 2) 'fused_kernel' = the own-block kernel with the peer's partial (random)
+    folded in, 'fused_compute' = the peer rows' cuBLAS GEMM, then that kernel."""
+    torch, W, dev, dt = bench.torch, bench.world, bench.device, bench.dtype
+    from flux.ops._common import _fused_kernels_built, gemm_into
+
+    if dt != torch.bfloat16 or not _fused_kernels_built() or torch.cuda.get_device_capability(dev) != (9, 0):
+        return {}
+    rows = m // W
+    res = {}
+    if op == "ag_gemm":
+        from flux.ops.ag_gemm import _fused_swizzle
+
+        flags = torch.ones(W, dtype=torch.int32, device=dev)
+        full = torch.empty_like(a)
+        full.copy_(a)
+        swz = _fused_swizzle(m, n)
+
+        def kernel():
+            torch.ops.flux.ag_gemm_fused_(out, full, weight, None, flags, bench.rank, W, rows, 10000, 0, 1, swz, 0)
+            return out
+
+        def copy_kernel():
+            full[bench.rank * rows:(bench.rank + 1) * rows].copy_(a[:rows])
+            return kernel()
+
+        bench.sync()
+        res["fused_kernel"] = bench.time(kernel)
+        bench.sync()
+        res["fused_copy_kernel"] = bench.time(copy_kernel)
+    elif W == 2:
+        segments = 8
+        flags = torch.ones(segments, dtype=torch.int32, device=dev)
+        src = torch.randn((rows, n), device=dev, dtype=dt)
+        res_out = torch.empty((rows, n), device=dev, dtype=dt)
+        staging = torch.empty((rows, n), device=dev, dtype=dt)
+        swz = 8 if rows >= 16 * 128 else 1
+        own = a[:rows]
+
+        def kernel():
+            torch.ops.flux.gemm_rs_fused_(res_out, own, weight, None, src, flags, -(-rows // segments), 0, 1, 10000,
+                                          0, 1, swz, 0)
+            return res_out
+
+        def compute():
+            gemm_into(staging, a[rows:], weight, None, "nk")
+            return kernel()
+
+        bench.sync()
+        res["fused_kernel"] = bench.time(kernel)
+        bench.sync()
+        res["fused_compute"] = bench.time(compute)
     return res
 
 
