@@ -516,9 +516,11 @@ gcase("repeat50-rs-fused")(_rs_fused_only(_repeat("rs", RS_FUSED_LABELS[1:3])))
 gcase("delayed1000-rs-fused")(_rs_fused_only(_delayed("rs", ["fused(segments=4)"])))
 
 
-def timeout_case(rank, world, dev, strategy="decomposed", op="ag"):
+def timeout_case(rank, world, dev, strategy="decomposed", op="ag", mode="skip"):
     """Run alone (it breaks the CUDA contexts): all ranks make one call, then rank 1 skips
-    the next one; the others' bounded waits must fail, naming rank 1, within seconds."""
+    the next one (mode "skip": the entry barrier's wait expires first), or makes it but sends
+    nothing (mode "drop": the barrier passes and the waits for data expire, inside the fused
+    kernels for 'fused'); the others' bounded waits must fail, naming rank 1, within seconds."""
     import time
 
     from flux.runtime import symm
@@ -530,6 +532,13 @@ def timeout_case(rank, world, dev, strategy="decomposed", op="ag"):
     mod.run_strategy(strategy, prob.x, prob.w)
     torch.cuda.synchronize()
     dist.barrier()
+    if rank == 1 and mode == "drop":
+        symm.drop_transfers()
+        mod.run_strategy(strategy, prob.x, prob.w)  # the peers' data reach this rank: it finishes
+        torch.cuda.synchronize()
+        time.sleep(20)
+        print("FLUXTIMEOUT rank 1 made the call without sending", flush=True)
+        os._exit(0)
     if rank == 1:
         time.sleep(20)
         print("FLUXTIMEOUT rank 1 skipped the call", flush=True)
@@ -557,7 +566,7 @@ def main():
     dist.init_process_group("nccl", device_id=dev)
     faulthandler.enable()
     which = sys.argv[1] if len(sys.argv) > 1 else "all"
-    if which.startswith("timeout"):  # timeout, timeout:<strategy> or timeout:<strategy>:<op>
+    if which.startswith("timeout"):  # timeout[:<strategy>[:<op>[:<mode>]]]
         timeout_case(dist.get_rank(), dist.get_world_size(), dev, *which.split(":")[1:])
     if which == "all":
         names = list(CASES)

@@ -838,13 +838,13 @@ def _check_gpu_case(gpu_results, name):
         assert all(v == values[0] for v in values), f"FluxInputError messages differ between ranks: {values}"
 
 
-@pytest.mark.parametrize("strategy", ["decomposed", "fused", "fused:rs"])
+@pytest.mark.parametrize("strategy", ["decomposed", "fused", "fused:rs", "fused:ag:drop", "fused:rs:drop"])
 def test_gpu_timeout(strategy):
     """A rank that skips a call: the peer's bounded device-side wait fails within seconds and
     names the missing rank (FLUX_TIMEOUT_MS=2000), instead of hanging. The signal kernels
     print the message; a fused GEMM records it in host-mapped memory (timeout_report). With
-    the peer missing altogether, the entry barrier's wait is the first to expire, so these
-    cases show that path (the fused kernels' waits share common/flag_wait.cuh)."""
+    the peer missing altogether, the entry barrier's wait is the first to expire; ":drop": the
+    peer makes the call but sends nothing, so the fused kernels' own waits expire."""
     n = torch.cuda.device_count()
     if n < 2:
         pytest.skip(f"needs 2 CUDA devices, found {n}")

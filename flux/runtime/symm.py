@@ -43,6 +43,19 @@ def timeout_ms() -> int:
 
 
 _error_record = None
+# Fault injection for the GPU tests (tests/gpu_worker.py, timeout cases "...:drop"): while set,
+# this process passes the entry barriers but sends its peers neither data nor the flags that
+# announce it, so that their in-kernel waits (not the barrier's) are the ones that expire.
+_drop_transfers = False
+
+
+def drop_transfers(on: bool = True) -> None:
+    global _drop_transfers
+    _drop_transfers = on
+
+
+def transfers_dropped() -> bool:
+    return _drop_transfers
 
 
 def error_record_ptr() -> int:
