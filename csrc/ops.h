@@ -35,7 +35,4 @@ void signal_put_(at::Tensor& peer_pad, int64_t channel, int64_t rank, int64_t pe
 void signal_wait_(at::Tensor& own_pad, int64_t channel, int64_t rank, int64_t peer, int64_t world,
                   int64_t timeout_ms);
 
-// dst <- src on the current stream, preferably by a copy engine (csrc/runtime/copy_engine.cu).
-void copy_overlapped_(at::Tensor& dst, const at::Tensor& src);
-
 }  // namespace flux

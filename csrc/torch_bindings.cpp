@@ -30,8 +30,6 @@ TORCH_LIBRARY(flux, m) {
         "int started_channel=-1) -> ()");
   m.def("signal_put_(Tensor(a!) peer_pad, int channel, int rank, int peer, int world, int timeout_ms) -> ()");
   m.def("signal_wait_(Tensor(a!) own_pad, int channel, int rank, int peer, int world, int timeout_ms) -> ()");
-  // A device-to-device copy that prefers a copy engine (csrc/runtime/copy_engine.cu).
-  m.def("copy_overlapped_(Tensor(a!) dst, Tensor src) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(flux, CompositeExplicitAutograd, m) {
@@ -46,5 +44,4 @@ TORCH_LIBRARY_IMPL(flux, CUDA, m) {
   m.impl("gemm_rs_fused_", &flux::gemm_rs_fused_);
   m.impl("signal_put_", &flux::signal_put_);
   m.impl("signal_wait_", &flux::signal_wait_);
-  m.impl("copy_overlapped_", &flux::copy_overlapped_);
 }

@@ -461,45 +461,6 @@ def _graph(op, names=None):
 
 gcase("graph-ag")(_graph("ag"))
 gcase("graph-rs")(_graph("rs"))
-gcase("graph-ag-first")(_graph("ag", ["decomposed(first=64)"]))  # its own-slot copy, captured
-
-
-@gcase("copy-overlapped")
-def _copy_overlapped(rank, world, dev):
-    """flux::copy_overlapped_ (a copy the driver is asked to run on a copy engine): exact on
-    odd sizes and offsets, stream-ordered behind a long kernel, eager and captured."""
-    if not hasattr(torch.ops.flux, "copy_overlapped_"):
-        raise Skip("flux._C not built")
-    result = {}
-    src_all = torch.randn(1 << 20, device=dev).to(BF16)
-    for n, off in ((1, 0), (999, 3), ((1 << 20) - 7, 7)):
-        src = src_all[off:off + n]
-        dst = torch.full_like(src, float("nan"))
-        torch.cuda._sleep(100_000)  # the copy must wait for this, in stream order
-        src_before = src.clone()
-        torch.ops.flux.copy_overlapped_(dst, src)
-        torch.cuda.synchronize()
-        assert torch.equal(dst, src_before), f"copy of {src.numel()} elements differs"
-        result[f"eager {src.numel()}"] = 0.0
-    src = torch.randn(4097, device=dev).to(BF16)
-    dst = torch.full_like(src, float("nan"))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        torch.ops.flux.copy_overlapped_(dst, src)
-    for i in range(2):
-        src.copy_(torch.randn(4097, device=dev).to(BF16))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(dst, src), f"captured copy differs on replay {i}"
-    result["graph"] = 0.0
-    try:
-        torch.ops.flux.copy_overlapped_(dst[:10], src)
-    except RuntimeError as e:
-        assert "copy_overlapped_" in str(e), str(e)
-        result["size mismatch rejected"] = 0.0
-    else:
-        raise AssertionError("a size mismatch was not rejected")
-    return result
 
 
 # gemm_rs 'fused' beyond the generic cases: its configurations and segment counts, shapes,

@@ -99,9 +99,8 @@ def _push_shard(ws, a: torch.Tensor, rank: int, world: int, level_flags: bool = 
                 ws.set_flag(peer)
             else:
                 ws.put(peer)
-        if own_rows is not None:  # a copy engine, so that it runs beside the GEMM holding the SMs
-            torch.ops.flux.copy_overlapped_(ws.view(rank, (world, rows, k), a.dtype)[rank, own_rows[0]:own_rows[1]],
-                                            a[own_rows[0]:own_rows[1]])
+        if own_rows is not None:
+            ws.view(rank, (world, rows, k), a.dtype)[rank, own_rows[0]:own_rows[1]].copy_(a[own_rows[0]:own_rows[1]])
     return comm, after_barrier
 
 
