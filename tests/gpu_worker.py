@@ -171,8 +171,7 @@ for _op, _shapes in (("ag", AG_SHAPES), ("rs", RS_SHAPES)):
 
 
 def _options(op):
-    """Bias, "kn" layout, fp32 out_dtype and return_gathered on a small odd shape, every strategy
-    (and AG decomposed(first=c), whose gathered input is put together differently)."""
+    """Bias, "kn" layout, fp32 out_dtype and return_gathered on a small odd shape, every strategy."""
     def fn(rank, world, dev):
         result = {}
         mod = ag_mod if op == "ag" else rs_mod
@@ -182,15 +181,13 @@ def _options(op):
                     prob = AgProblem(rank, world, dev, 77, 264, 136, BF16, layout, True, out_dtype, seed=7)
                 else:
                     prob = RsProblem(rank, world, dev, 77 * world, 264, 136, BF16, layout, True, out_dtype, seed=7)
-                extra = ["decomposed(first=32)"] if op == "ag" and world == 2 else []
-                for name in mod.available_strategies(dev) + extra:
-                    c = Candidate.parse(name)
+                for name in mod.available_strategies(dev):
                     if op == "ag":
-                        out, gathered = mod.run_strategy(c.strategy, prob.x, prob.w, prob.b, return_gathered=True,
-                                                         **prob.kwargs(), **c.kwargs)
+                        out, gathered = mod.run_strategy(name, prob.x, prob.w, prob.b, return_gathered=True,
+                                                         **prob.kwargs())
                         assert torch.equal(gathered, prob.full), f"strategy {name}: gathered input differs"
                     else:
-                        out = mod.run_strategy(c.strategy, prob.x, prob.w, prob.b, **prob.kwargs(), **c.kwargs)
+                        out = mod.run_strategy(name, prob.x, prob.w, prob.b, **prob.kwargs())
                     result[f"{name}-{layout}-{out_dtype}"] = prob.check(out, f"strategy {name} {layout} {out_dtype}")
         return result
 
@@ -383,7 +380,7 @@ def _overlapped(mod, dev):
 
 def _delayed(op, names=None):
     """1,000 back-to-back calls of every overlapped strategy (and of decomposed with
-    wait_barrier=1, and AG decomposed(first=16)); before every 10th call one rank
+    wait_barrier=1); before every 10th call one rank
     (alternating) stalls its current stream and the communication stream with
     torch.cuda._sleep, so the peer's device-side waits really wait. Every output is kept
     and compared at the end (signals and buffers reused across 1,000 calls)."""
@@ -396,8 +393,7 @@ def _delayed(op, names=None):
             prob, mod = RsProblem(rank, world, dev, 48 * world, 320, 136, BF16, bias=True, seed=31), rs_mod
         result = {}
         # The decomposed strategies' former entry (wait for the barrier to pass) too.
-        extra = ["decomposed(wait_barrier=1)"] + (["decomposed(first=16)"] if op == "ag" and world == 2 else [])
-        for name in names or (_overlapped(mod, dev) + extra):
+        for name in names or (_overlapped(mod, dev) + ["decomposed(wait_barrier=1)"]):
             c = Candidate.parse(name)
             outs = []
             for i in range(1000):

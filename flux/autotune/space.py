@@ -71,13 +71,10 @@ MAX_CHUNKS = 7  # = flux.runtime.symm.MAX_DATA_CHANNELS (this module stays free 
 FUSED_AG_TILE_M = {0: 128, 1: 256, 2: 128}
 FUSED_RS_TILE_M = {0: 128, 1: 256}
 FUSED_TILE_M = {"ag_gemm": FUSED_AG_TILE_M, "gemm_rs": FUSED_RS_TILE_M}
-# AG decomposed(first=c): local rows in the first GEMM (the rest and the peer's in the second).
-AG_FIRST_ROWS = (512, 1024, 1536, 2048)
 
 
 _SPACES = {
     "ag_gemm": [Candidate("sequential"), Candidate("decomposed"), Candidate("oneshot")] + [
-        Candidate.of("decomposed", first=c) for c in AG_FIRST_ROWS] + [
         Candidate.of("fused", config=c, swizzle=s) for c in sorted(FUSED_AG_TILE_M) for s in (1, 8)],
     "gemm_rs": [Candidate("sequential"), Candidate("oneshot"), Candidate.of("decomposed", chunks=1),
                 Candidate.of("decomposed", chunks=2), Candidate.of("decomposed_p2p", chunks=1)] + [
@@ -130,8 +127,6 @@ def why_invalid(c: Candidate, p: Problem) -> Optional[str]:
                 return f"the fused RS kernel folds one peer's partial (world size 2, not {p.world})"
             if c.kwargs.get("segments", 8) < 1:
                 return "segments must be positive"
-    if "first" in c.kwargs and (p.world != 2 or not 0 < c.kwargs["first"] < rows):
-        return "first rows: world size 2, fewer than the rows of a rank"
     if not 1 <= c.kwargs.get("chunks", 1) <= MAX_CHUNKS:
         return f"chunks must be 1..{MAX_CHUNKS} (one signal channel each)"
     if c.kwargs.get("chunks", 1) > 1 and rows < c.kwargs["chunks"] * TILE_M:

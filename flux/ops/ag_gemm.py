@@ -78,16 +78,14 @@ def _sequential(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     return deliver(res.reshape(*gathered.shape[:-1], n), out), gathered
 
 
-def _push_shard(ws, a: torch.Tensor, rank: int, world: int, level_flags: bool = False, started: bool = False,
-                own_rows: Optional[Tuple[int, int]] = None):
+def _push_shard(ws, a: torch.Tensor, rank: int, world: int, level_flags: bool = False, started: bool = False):
     """Enqueue, on the communication stream after the current stream's work so far: the
     entry barrier, then copy-engine pushes of this rank's shard ``a`` ([rows, K]) into slot
     ``rank`` of every peer's workspace ([world, rows, K]), in rotated order (rank+1 first),
     each followed by a signal: a self-resetting put, or a level flag for the fused kernel.
     ``started``: the barrier raises its "started" slot, which the caller must consume
-    (``ws.wait_started()``). ``own_rows`` = (r0, r1): after the pushes, also copy those rows
-    of the shard into this rank's own slot (copy engine). Returns (the communication stream,
-    an event recorded right after the barrier)."""
+    (``ws.wait_started()``). Returns (the communication stream, an event recorded right after
+    the barrier)."""
     rows, k = a.shape
     comm = symm.comm_stream()
     after_barrier = ws.barrier_on(comm, started=started)
@@ -99,14 +97,12 @@ def _push_shard(ws, a: torch.Tensor, rank: int, world: int, level_flags: bool = 
                 ws.set_flag(peer)
             else:
                 ws.put(peer)
-        if own_rows is not None:
-            ws.view(rank, (world, rows, k), a.dtype)[rank, own_rows[0]:own_rows[1]].copy_(a[own_rows[0]:own_rows[1]])
     return comm, after_barrier
 
 
 def _decomposed(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                 group: dist.ProcessGroup, weight_layout: str, out_dtype: Optional[torch.dtype],
-                need_gathered: bool, out: Optional[torch.Tensor] = None, wait_barrier: int = 0, first: int = 0):
+                need_gathered: bool, out: Optional[torch.Tensor] = None, wait_barrier: int = 0):
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     reason = "world size 1" if world == 1 else overlap_ineligible(OP, "decomposed", input, group, out_dtype)
     if reason:
@@ -115,15 +111,9 @@ def _decomposed(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     n, k = weight_nk_shape(weight, weight_layout)
     a = input.reshape(-1, k)
     rows = a.shape[0]
-    if first and (world != 2 or not 0 < first < rows):
-        log_fallback(OP, f"decomposed(first={first})", f"needs world size 2 and 0 < first < {rows} rows",
-                     to="decomposed")
-        first = 0
     ws = symm.get_workspace(group, world * rows * k * a.element_size())
     slots = ws.view(rank, (world, rows, k), a.dtype)  # slot p: rank p's shard, pushed by p
     out = output(out, (world * rows, n), a.dtype, a.device)
-    if first:
-        return _decomposed_first(ws, a, weight, bias, weight_layout, input, out, need_gathered, first, wait_barrier)
     comm, after_barrier = _push_shard(ws, a, rank, world, started=not wait_barrier)
     # The local GEMM must not start before the barrier kernel holds an SM. Else it races the
     # barrier kernel for the SMs: where the GEMM wins on one rank, that rank's barrier, and so
@@ -146,44 +136,6 @@ def _decomposed(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
         gathered[rank].copy_(a)
         gathered = gathered.view(world * input.shape[0], *input.shape[1:])
     torch.cuda.current_stream().wait_stream(comm)  # later barriers and frees come after the copies
-    return out.view(world * input.shape[0], *input.shape[1:-1], n), gathered
-
-
-def _decomposed_first(ws, a, weight, bias, weight_layout, input, out, need_gathered, first, wait_barrier):
-    """``decomposed(first=c)`` at world size 2: a GEMM of only ``c`` local rows first (long
-    enough to hide the transfer), then one GEMM over every other row, local and the peer's,
-    which lie next to each other in the workspace once the copy engine has also copied the
-    rest of the local rows into this rank's own slot. Rank 0 takes its first ``c`` rows
-    first, rank 1 its last ``c``, so the remainder is one contiguous range on both::
-
-      comm:     [barrier] [copy shard -> peer][put] [copy own rest -> own slot][event]
-      current:  [wait barrier started][GEMM c local rows] [wait peer, event][GEMM 2 * rows - c rows]
-    """
-    rank, world = ws.rank, 2
-    rows, k = a.shape
-    n = out.shape[1]
-    flat = ws.view(rank, (world * rows, k), a.dtype)
-    lo, hi = (0, first) if rank == 0 else (rows - first, rows)  # this rank's first GEMM, in its rows
-    rest = (first, rows) if rank == 0 else (0, rows - first)  # its local rows in the second GEMM
-    comm, after_barrier = _push_shard(ws, a, rank, world, started=not wait_barrier, own_rows=rest)
-    own_copied = torch.cuda.Event()
-    own_copied.record(comm)
-    current = torch.cuda.current_stream()
-    if not wait_barrier:
-        ws.wait_started()
-    else:
-        current.wait_event(after_barrier)
-    gemm_into(out[rank * rows + lo:rank * rows + hi], a[lo:hi], weight, bias, weight_layout)
-    ws.wait(1 - rank)
-    current.wait_event(own_copied)
-    r0, r1 = (first, world * rows) if rank == 0 else (0, world * rows - first)  # the second GEMM's rows
-    gemm_into(out[r0:r1], flat[r0:r1], weight, bias, weight_layout)
-    gathered = None
-    if need_gathered:
-        gathered = flat.clone()  # the peer's slot and this rank's rest are in; its first rows are not
-        gathered[rank * rows + lo:rank * rows + hi].copy_(a[lo:hi])
-        gathered = gathered.view(world * input.shape[0], *input.shape[1:])
-    current.wait_stream(comm)
     return out.view(world * input.shape[0], *input.shape[1:-1], n), gathered
 
 
