@@ -204,7 +204,7 @@ def _fused(input, weight, bias, group, weight_layout, out_dtype, out=None, segme
     gemm_into(staging, a[peer * rows:(peer + 1) * rows], weight, None, weight_layout)
     comm.wait_stream(current)
     with torch.cuda.stream(comm):
-        for s in range(nseg if not symm.transfers_dropped() else 0):
+        for s in range(0 if symm.transfers_dropped() else nseg):  # (a test hook can send nothing)
             r0, r1 = s * seg_rows, min(rows, (s + 1) * seg_rows)
             dest_on_peer[r0:r1].copy_(staging[r0:r1])  # copy engine, over NVLink
             ws.set_segment_flag(peer, s)  # a stream write: no SM, the fused GEMM holds them all
@@ -244,6 +244,8 @@ STRATEGIES: Dict[str, Strategy] = {
     "decomposed_p2p": _decomposed_p2p,
     "fused": _fused,
 }
+
+
 def available_strategies(device: torch.device):
     """Names of the strategies that can run on ``device`` (always 'sequential' first)."""
     from flux.runtime import cuda_kernels_available
