@@ -55,7 +55,7 @@ def main():
     flags = torch.ones(args.world, dtype=torch.int32, device=dev)
     # (name, raster, swizzle, configuration): 1 = along N, 0 = CUTLASS's heuristic, 2 = along M.
     variants = [("c0N8", 1, 8, 0), ("c0N1", 1, 1, 0), ("c1N8", 1, 8, 1), ("c1N1", 1, 1, 1),
-                ("c2N8", 1, 8, 2), ("c2N1", 1, 1, 2), ("c0heur1", 0, 1, 0)]
+                ("c2N8", 1, 8, 2), ("c2N1", 1, 1, 2), ("c3N8", 1, 8, 3), ("c3N4", 1, 4, 3), ("c3N1", 1, 1, 3)]
     rows_out = []
     print(f"{'shape':>18} {'cuBLAS':>8} " + " ".join(f"{v[0]:>8}" for v in variants))
     for shape in args.shapes.split(","):
@@ -88,7 +88,7 @@ def main_rs(args):
     dev = torch.device("cuda", 0)
     flags = torch.ones(args.segments, dtype=torch.int32, device=dev)
     # (name, swizzle, configuration), raster along N as the strategy launches it.
-    variants = [("c0s1", 1, 0), ("c0s8", 8, 0), ("c1s1", 1, 1), ("c1s8", 8, 1)]
+    variants = [("c0s1", 1, 0), ("c0s8", 8, 0), ("c1s1", 1, 1), ("c1s8", 8, 1), ("c2s1", 1, 2), ("c2s8", 8, 2)]
     rows_out = []
     print(f"{'shape':>18} {'rows':>6} {'mm':>8} {'mm+add':>8} " + " ".join(f"{v[0]:>8}" for v in variants))
     for shape in shapes.split(","):

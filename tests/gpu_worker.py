@@ -380,7 +380,7 @@ def _overlapped(mod, dev):
 
 def _delayed(op, names=None):
     """1,000 back-to-back calls of every overlapped strategy (and of decomposed with
-    wait_barrier=1); before every 10th call one rank
+    wait_barrier=1, kernel_put=1 and side_wait=0); before every 10th call one rank
     (alternating) stalls its current stream and the communication stream with
     torch.cuda._sleep, so the peer's device-side waits really wait. Every output is kept
     and compared at the end (signals and buffers reused across 1,000 calls)."""
@@ -392,8 +392,9 @@ def _delayed(op, names=None):
         else:
             prob, mod = RsProblem(rank, world, dev, 48 * world, 320, 136, BF16, bias=True, seed=31), rs_mod
         result = {}
-        # The decomposed strategies' former entry (wait for the barrier to pass) too.
-        for name in names or (_overlapped(mod, dev) + ["decomposed(wait_barrier=1)"]):
+        # The decomposed strategies' former entry, put and waits too.
+        for name in names or (_overlapped(mod, dev) + ["decomposed(wait_barrier=1)", "decomposed(kernel_put=1)",
+                                                        "decomposed(side_wait=0)"]):
             c = Candidate.parse(name)
             outs = []
             for i in range(1000):

@@ -32,14 +32,14 @@ def test_candidate_label_round_trip():
 def test_pruning():
     labels = lambda p: [c.label for c in candidates(p)]  # noqa: E731
     assert labels(big("ag_gemm")) == ["sequential", "decomposed", "oneshot"] + [
-        f"fused(config={c},swizzle={s})" for c in (0, 1, 2) for s in (1, 8)]
-    rs_fused = [f"fused(config={c},segments={s},swizzle={z})" for c in (0, 1) for s in (8, 16) for z in (1, 8)]
+        f"fused(config={c},swizzle={s})" for c in (0, 1, 2, 3) for s in (1, 8)]
+    rs_fused = [f"fused(config={c},segments={s},swizzle={z})" for c in (0, 1, 2) for s in (8, 16) for z in (1, 8)]
     assert labels(big("gemm_rs")) == ["sequential", "oneshot", "decomposed(chunks=1)", "decomposed(chunks=2)",
                                       "decomposed_p2p(chunks=1)"] + rs_fused
     assert "fused" not in " ".join(labels(big("gemm_rs", world=4)))  # one peer's partial folded: world 2
     assert "fused" not in " ".join(labels(big("gemm_rs", dtype=torch.float16)))
     assert "fused" not in " ".join(labels(big("gemm_rs", n=14330)))
-    assert why_invalid(Candidate.of("fused", config=2), big("gemm_rs")) == "no fused configuration 2"
+    assert why_invalid(Candidate.of("fused", config=3), big("gemm_rs")) == "no fused configuration 3"
     assert why_invalid(Candidate.of("fused", segments=0), big("gemm_rs")) == "segments must be positive"
     # Bands of 8 tiles: RS counts this rank's rows (M / world), AG all M rows.
     rs_band = Candidate.of("fused", config=0, segments=8, swizzle=8)
@@ -47,6 +47,11 @@ def test_pruning():
     assert why_invalid(rs_band, big("gemm_rs", m=2048)) == "bands of M tiles larger than the problem pad the grid"
     assert why_invalid(Candidate.of("fused", config=1, segments=8, swizzle=8), big("gemm_rs", m=4096)) is not None
     assert why_invalid(Candidate.of("fused", config=0, swizzle=8), big("ag_gemm", m=2048)) is None
+    # Configurations with one CTA per cluster along M: bands of 8 tiles of 256 rows.
+    assert why_invalid(Candidate.of("fused", config=2, segments=8, swizzle=8), big("gemm_rs", m=4096)) is None
+    assert why_invalid(Candidate.of("fused", config=2, segments=8, swizzle=8), big("gemm_rs", m=2048)) is not None
+    assert why_invalid(Candidate.of("fused", config=3, swizzle=8), big("ag_gemm", m=2048)) is None
+    assert why_invalid(Candidate.of("fused", config=3, swizzle=8), big("ag_gemm", m=1024)) is not None
     assert labels(big("ag_gemm", device_type="cpu")) == ["sequential"]
     assert labels(big("gemm_rs", world=1)) == ["sequential"]
     assert labels(big("ag_gemm", out_dtype_differs=True)) == ["sequential"]

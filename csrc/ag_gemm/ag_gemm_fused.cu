@@ -48,7 +48,8 @@ void ag_gemm_fused_(at::Tensor& out, const at::Tensor& a_full, const at::Tensor&
   switch (config) {  // bounded dispatch: an unknown value failed above
     case 0: ag_gemm_fused_cfg0(a); break;
     case 1: ag_gemm_fused_cfg1(a); break;
-    default: ag_gemm_fused_cfg2(a); break;
+    case 2: ag_gemm_fused_cfg2(a); break;
+    default: ag_gemm_fused_cfg3(a); break;
   }
 }
 

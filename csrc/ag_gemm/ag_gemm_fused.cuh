@@ -30,7 +30,8 @@ struct AgFusedArgs : FusedGemmLaunch {
 void ag_gemm_fused_cfg0(const AgFusedArgs& a);  // 128x256x64 tile, cluster 2x1, cooperative
 void ag_gemm_fused_cfg1(const AgFusedArgs& a);  // 256x128x64 tile, cluster 2x1, cooperative
 void ag_gemm_fused_cfg2(const AgFusedArgs& a);  // 128x128x64 tile, cluster 2x1, ping-pong
-constexpr int kAgFusedConfigs = 3;
+void ag_gemm_fused_cfg3(const AgFusedArgs& a);  // 256x128x64 tile, cluster 1x2, cooperative (cuBLAS's choice)
+constexpr int kAgFusedConfigs = 4;
 
 }  // namespace flux
 

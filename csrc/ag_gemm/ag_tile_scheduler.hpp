@@ -4,7 +4,7 @@
 //
 //  1. Order. The M tile index is rotated so that this rank's own rows come first: tile m is
 //     served as (m + offset) mod tiles_m, offset = the first tile of this rank's block
-//     (rounded down to a multiple of 2 * cluster_m * swizzle so that clusters and swizzle
+//     (rounded down to a whole band of cluster_m * swizzle tiles so that clusters and swizzle
 //     bands stay aligned). The first waves read only local rows while the peers' shards
 //     are still arriving.
 //  2. Readiness. Before a tile is returned, every warp that asks for it waits until the
@@ -46,7 +46,7 @@ class AgTileScheduler : public cutlass::gemm::kernel::detail::PersistentTileSche
   struct Params : BaseParams {
     const uint32_t* flags = nullptr;
     int rank = 0, world = 1, rows_per_rank = 1, tile_m = 128, rows_total = 0;
-    int tiles_m = 1;      // tile rows, padded to the cluster
+    int tiles_m = 1;      // tile rows, padded to whole bands of the raster (cluster_m << log_swizzle)
     int offset_tiles = 0;
     uint64_t timeout_ns = 0;
     uint32_t* error = nullptr;
@@ -66,10 +66,15 @@ class AgTileScheduler : public cutlass::gemm::kernel::detail::PersistentTileSche
     const int cluster_m = cute::size<0>(cluster_shape);
     const int rows_total = static_cast<int>(cute::get<0>(problem_shape_mnkl));
     const int tiles = (rows_total + args.tile_m - 1) / args.tile_m;
-    p.tiles_m = (tiles + cluster_m - 1) / cluster_m * cluster_m;
-    const int align = 2 * cluster_m * (1 << p.log_swizzle_size_);
+    // Along N, the base scheduler serves M tiles in bands of (cluster_m << log_swizzle) and pads
+    // its M extent to whole bands: rotate over that same extent (a bijection on the indices it
+    // hands out; padding tiles are recognised by their rows below) and by whole bands, so that
+    // bands stay intact. (Rounding the offset to two bands, as before, left it at 0 on rank 1
+    // whenever a rank's rows were one band: that rank then started on its peer's rows.)
+    const int band = cluster_m << p.log_swizzle_size_;
+    p.tiles_m = (tiles + band - 1) / band * band;
     int first = args.rank * args.rows_per_rank / args.tile_m;
-    first = first / align * align;
+    first = first / band * band;
     p.offset_tiles = first % p.tiles_m;
     p.flags = args.flags;
     p.rank = args.rank;

@@ -53,7 +53,8 @@ void gemm_rs_fused_(at::Tensor& out, const at::Tensor& a, const at::Tensor& weig
   args.peer = (int)peer;
   switch (config) {  // bounded dispatch: an unknown value failed above
     case 0: rs_fused_cfg0(args); break;
-    default: rs_fused_cfg1(args); break;
+    case 1: rs_fused_cfg1(args); break;
+    default: rs_fused_cfg2(args); break;
   }
 }
 

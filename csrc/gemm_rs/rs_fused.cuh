@@ -35,7 +35,8 @@ struct RsFusedArgs : FusedGemmLaunch {
 // Launchers, one per configuration (defined in rs_fused_cfg<N>.cu).
 void rs_fused_cfg0(const RsFusedArgs& a);  // 128x256x64 tile, cluster 2x1, cooperative
 void rs_fused_cfg1(const RsFusedArgs& a);  // 256x128x64 tile, cluster 2x1, cooperative
-constexpr int kRsFusedConfigs = 2;
+void rs_fused_cfg2(const RsFusedArgs& a);  // 256x128x64 tile, cluster 1x2, cooperative (cuBLAS's choice, below)
+constexpr int kRsFusedConfigs = 3;
 
 }  // namespace flux
 
@@ -127,20 +128,21 @@ void launch_rs_fused(const RsFusedArgs& a) {
 
 #endif  // FLUX_WITH_SM90 && FLUX_RS_FUSED_IMPL
 
-// The body of rs_fused_cfg<N>.cu: configuration N, a TILE_M x TILE_N x 64 tile, cluster 2x1,
-// cooperative (one translation unit per configuration, so that they compile in parallel).
+// The body of rs_fused_cfg<N>.cu: configuration N, a TILE_M x TILE_N x 64 tile, a cluster of
+// CLUSTER_M x CLUSTER_N CTAs, cooperative (one translation unit per configuration, so that they
+// compile in parallel).
 #if defined(FLUX_WITH_SM90)
-#define FLUX_RS_FUSED_CONFIG(N, TILE_M, TILE_N)                                                             \
+#define FLUX_RS_FUSED_CONFIG(N, TILE_M, TILE_N, CLUSTER_M, CLUSTER_N)                                       \
   namespace flux {                                                                                        \
   void rs_fused_cfg##N(const RsFusedArgs& a) {                                                            \
     launch_rs_fused<RsFoldGemmBf16<cute::Shape<cute::_##TILE_M, cute::_##TILE_N, cute::_64>,                 \
-                                   cute::Shape<cute::_2, cute::_1, cute::_1>,                             \
+                                   cute::Shape<cute::_##CLUSTER_M, cute::_##CLUSTER_N, cute::_1>,         \
                                    cutlass::gemm::KernelTmaWarpSpecializedCooperative,                    \
                                    cutlass::epilogue::TmaWarpSpecializedCooperative>>(a);                 \
   }                                                                                                       \
   }
 #else
-#define FLUX_RS_FUSED_CONFIG(N, TILE_M, TILE_N)                                                             \
+#define FLUX_RS_FUSED_CONFIG(N, TILE_M, TILE_N, CLUSTER_M, CLUSTER_N)                                       \
   namespace flux {                                                                                        \
   void rs_fused_cfg##N(const RsFusedArgs&) {                                                              \
     TORCH_CHECK(false, "flux.gemm_rs_fused_: flux._C was built without an sm_90a target (FLUX_CUDA_ARCH)"); \

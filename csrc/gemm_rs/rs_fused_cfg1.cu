@@ -2,4 +2,4 @@
 #define FLUX_RS_FUSED_IMPL
 #include "gemm_rs/rs_fused.cuh"
 
-FLUX_RS_FUSED_CONFIG(1, 256, 128)
+FLUX_RS_FUSED_CONFIG(1, 256, 128, 2, 1)

@@ -6,15 +6,20 @@
 // Each pad is a [channel][source rank] matrix of uint32 slots. A slot is a one-shot,
 // self-resetting flag:
 //
-//   put  (on the source):      wait until slot == 0 (the previous signal was consumed), then
-//                              store 1 with release semantics at system scope;
+//   put  (on the source):      store 1. The strategies put with a stream write
+//                              (cuStreamWriteValue32, whose memory fence orders the stream's
+//                              earlier writes first; flux/runtime/symm.py), which needs no SM;
+//                              put_kernel below is the former put, kept for the ablation: it
+//                              first waits until slot == 0 (the previous signal was consumed),
+//                              then stores 1 with release semantics at system scope;
 //   wait (on the destination): wait until slot == 1 with acquire semantics, then store 0.
 //
 // Nothing has to be reset between calls, so signals are race-free across back-to-back
-// calls, changes of shape and CUDA-graph replays. The release store in put pairs with the
-// acquire load in wait: everything the source's stream wrote before the put (a copy-engine
-// transfer finished earlier in stream order, a kernel's stores) is visible to whatever the
-// destination's stream runs after the wait.
+// calls, changes of shape and CUDA-graph replays: every put of a call follows the call's
+// entry barrier, which the destination reaches only after the wait that consumed the previous
+// call's signal. The put's release (fence) pairs with the acquire load in wait: everything the
+// source's stream wrote before the put (a copy-engine transfer finished earlier in stream
+// order, a kernel's stores) is visible to whatever the destination's stream runs after the wait.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 

@@ -66,10 +66,11 @@ class Problem:
 
 TILE_M = 128  # rows of one tile of the decomposed sub-blocks' minimum
 MAX_CHUNKS = 7  # = flux.runtime.symm.MAX_DATA_CHANNELS (this module stays free of CUDA imports)
-# Rows of one tile of each fused kernel configuration (csrc/ag_gemm/ag_gemm_fused_cfg*.cu,
-# csrc/gemm_rs/rs_fused_cfg*.cu).
-FUSED_AG_TILE_M = {0: 128, 1: 256, 2: 128}
-FUSED_RS_TILE_M = {0: 128, 1: 256}
+# Rows of one tile and CTAs of one cluster along M of each fused kernel configuration
+# (csrc/ag_gemm/ag_gemm_fused_cfg*.cu, csrc/gemm_rs/rs_fused_cfg*.cu). Along N, the kernels serve
+# M tiles in bands of cluster_m * swizzle tiles.
+FUSED_AG_TILE_M = {0: (128, 2), 1: (256, 2), 2: (128, 2), 3: (256, 1)}
+FUSED_RS_TILE_M = {0: (128, 2), 1: (256, 2), 2: (256, 1)}
 FUSED_TILE_M = {"ag_gemm": FUSED_AG_TILE_M, "gemm_rs": FUSED_RS_TILE_M}
 
 
@@ -115,12 +116,14 @@ def why_invalid(c: Candidate, p: Problem) -> Optional[str]:
             return "the fused kernel is bf16, weight_layout 'nk'"
         if p.k % 8 or p.n % 8:
             return "K and N must be multiples of 8"
-        tile_m = FUSED_TILE_M[p.op].get(c.kwargs.get("config", 0))
-        if tile_m is None:
+        tile = FUSED_TILE_M[p.op].get(c.kwargs.get("config", 0))
+        if tile is None:
             return f"no fused configuration {c.kwargs.get('config')}"
+        tile_m, cluster_m = tile
         # The AG kernel runs all M rows; the RS kernel this rank's block of them.
         kernel_rows = p.m if p.op == "ag_gemm" else rows
-        if c.kwargs.get("swizzle", 1) > 1 and kernel_rows < 16 * tile_m:
+        swizzle = c.kwargs.get("swizzle", 1)
+        if swizzle > 1 and kernel_rows < cluster_m * swizzle * tile_m:
             return "bands of M tiles larger than the problem pad the grid"
         if p.op == "gemm_rs":
             if p.world != 2:

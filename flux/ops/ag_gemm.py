@@ -16,11 +16,13 @@ local GEMM for the weight's). Strategies, chosen per call by flux.autotune:
                on rank r of W (blocks named by the rank whose rows they are)::
 
                  comm:     [barrier] [copy shard -> r+1][put r+1] [copy -> r+2][put r+2] ...
-                 current:  [wait barrier started][GEMM r (from input)] [wait r-1][GEMM r-1] ...
+                 signal:                              [wait r-1] [wait r-2] ...
+                 current:  [wait barrier started][GEMM r (from input)] [GEMM r-1] [GEMM r-2] ...
 
                The barrier proves that every peer's earlier GEMMs on its workspace are done
                before this rank overwrites it; each put follows its copy in stream order, and
-               each wait precedes the GEMM that reads that block. The first GEMM reads only the
+               each wait (on a third stream, from the end of the first push; the current stream
+               passes an event) precedes the GEMM that reads that block. The first GEMM reads only the
                input, so it need not wait for the barrier to pass, only for the barrier kernel
                to hold an SM (the default): otherwise, where the GEMM gets the SMs
                first, the barrier kernel, and with it every push of this rank, waits for the
@@ -78,17 +80,20 @@ def _sequential(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     return deliver(res.reshape(*gathered.shape[:-1], n), out), gathered
 
 
-def _push_shard(ws, a: torch.Tensor, rank: int, world: int, level_flags: bool = False, started: bool = False):
+def _push_shard(ws, a: torch.Tensor, rank: int, world: int, level_flags: bool = False, started: bool = False,
+                kernel_put: bool = False):
     """Enqueue, on the communication stream after the current stream's work so far: the
     entry barrier, then copy-engine pushes of this rank's shard ``a`` ([rows, K]) into slot
     ``rank`` of every peer's workspace ([world, rows, K]), in rotated order (rank+1 first),
-    each followed by a signal: a self-resetting put, or a level flag for the fused kernel.
+    each followed by a signal: a self-resetting put, or a level flag for the fused kernel
+    (both stream writes, which need no SM; ``kernel_put``: the put as a kernel, for the ablation).
     ``started``: the barrier raises its "started" slot, which the caller must consume
     (``ws.wait_started()``). Returns (the communication stream, an event recorded right after
-    the barrier)."""
+    the barrier, an event recorded right after the first push)."""
     rows, k = a.shape
     comm = symm.comm_stream()
     after_barrier = ws.barrier_on(comm, started=started)
+    first_pushed = torch.cuda.Event()
     with torch.cuda.stream(comm):
         for step in range(1, 1 if symm.transfers_dropped() else world):  # (a test hook can send nothing)
             peer = (rank + step) % world
@@ -96,13 +101,18 @@ def _push_shard(ws, a: torch.Tensor, rank: int, world: int, level_flags: bool = 
             if level_flags:
                 ws.set_flag(peer)
             else:
-                ws.put(peer)
-    return comm, after_barrier
+                ws.put(peer, kernel=kernel_put)
+            if step == 1:
+                first_pushed.record()
+        if symm.transfers_dropped() or world == 1:
+            first_pushed.record()
+    return comm, after_barrier, first_pushed
 
 
 def _decomposed(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                 group: dist.ProcessGroup, weight_layout: str, out_dtype: Optional[torch.dtype],
-                need_gathered: bool, out: Optional[torch.Tensor] = None, wait_barrier: int = 0):
+                need_gathered: bool, out: Optional[torch.Tensor] = None, wait_barrier: int = 0,
+                kernel_put: int = 0, side_wait: int = 1):
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     reason = "world size 1" if world == 1 else overlap_ineligible(OP, "decomposed", input, group, out_dtype)
     if reason:
@@ -114,7 +124,15 @@ def _decomposed(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     ws = symm.get_workspace(group, world * rows * k * a.element_size())
     slots = ws.view(rank, (world, rows, k), a.dtype)  # slot p: rank p's shard, pushed by p
     out = output(out, (world * rows, n), a.dtype, a.device)
-    comm, after_barrier = _push_shard(ws, a, rank, world, started=not wait_barrier)
+    comm, after_barrier, first_pushed = _push_shard(ws, a, rank, world, started=not wait_barrier,
+                                                    kernel_put=bool(kernel_put))
+    sources = [(rank - step) % world for step in range(1, world)]  # the peer whose step-th push comes here
+    # The waits for the peers' shards run on the signal stream, from when this rank's first push
+    # is done (the local GEMM's CTAs are all placed by then, so a wait kernel cannot take an SM
+    # from it): a one-warp kernel beside the GEMM's CTAs sees each signal while the GEMM runs, and
+    # the current stream passes an event instead of launching a wait kernel between two GEMMs
+    # (~3 us each on 2xH200, bench/profile_ops.py). side_wait=0: the waits on the current stream.
+    arrived = symm.waits_on_side(ws, sources, first_pushed) if side_wait else None
     # The local GEMM must not start before the barrier kernel holds an SM. Else it races the
     # barrier kernel for the SMs: where the GEMM wins on one rank, that rank's barrier, and so
     # its pushes, wait for the whole local GEMM, and the peers' second GEMMs wait for those
@@ -125,9 +143,11 @@ def _decomposed(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     else:
         torch.cuda.current_stream().wait_event(after_barrier)
     gemm_into(out[rank * rows:(rank + 1) * rows], a, weight, bias, weight_layout)
-    for step in range(1, world):
-        src = (rank - step) % world  # the peer whose step-th push comes to this rank
-        ws.wait(src)
+    for i, src in enumerate(sources):
+        if arrived is not None:
+            torch.cuda.current_stream().wait_event(arrived[i])
+        else:
+            ws.wait(src)
         gemm_into(out[src * rows:(src + 1) * rows], slots[src], weight, bias, weight_layout)
     gathered = None
     if need_gathered:
@@ -153,7 +173,7 @@ def _oneshot(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     ws = symm.get_workspace(group, world * rows * k * a.element_size())
     slots = ws.view(rank, (world, rows, k), a.dtype)
     out = output(out, (world * rows, n), a.dtype, a.device)
-    comm, after_barrier = _push_shard(ws, a, rank, world)
+    comm, after_barrier, _ = _push_shard(ws, a, rank, world)
     # This rank's own slot is written only after the barrier: a peer may still be reading this
     # region of the workspace for an earlier call of another op (gemm_rs oneshot pulls from it).
     torch.cuda.current_stream().wait_event(after_barrier)
@@ -198,7 +218,7 @@ def _fused(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     res = output(dest, (world * rows, n), a.dtype, a.device)
     w_ok, b_ok = aligned16(weight), aligned16(bias)
     flags.zero_()  # after this rank's previous fused GEMM (the only reader) in stream order
-    comm, barrier_done = _push_shard(ws, a, rank, world, level_flags=True)
+    comm, barrier_done, _ = _push_shard(ws, a, rank, world, level_flags=True)
     current.wait_event(barrier_done)  # before the own rows land: a peer may still read this region
     full[rank * rows:(rank + 1) * rows].copy_(a)
     torch.ops.flux.ag_gemm_fused_(res, full, w_ok, b_ok, flags, rank, world, rows, symm.timeout_ms(),

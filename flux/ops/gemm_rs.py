@@ -17,8 +17,9 @@ GEMM for the weight's). Strategies, chosen per call by flux.autotune:
                into its own slot; then one pass sums the W slots in rank order, in fp32, and
                adds the bias (flux::reduce_chunks_). Stream timeline on rank r of W::
 
-                 current:  [wait barrier started][GEMM r+1][GEMM r+2] ... [GEMM r] [wait all][reduce + bias]
+                 current:  [wait barrier started][GEMM r+1][GEMM r+2] ... [GEMM r] [reduce + bias]
                  comm:     [barrier]           [copy -> r+1, put] [copy -> r+2, put] ...
+                 signal:                                       [wait r-1][wait r-2] ...
 
                The peer blocks' GEMMs write local staging buffers, so only the copies and the
                own block's GEMM (into this rank's workspace) wait for the barrier to pass; the
@@ -96,7 +97,8 @@ def default_chunks(world: int) -> int:
 
 
 def _decomposed_impl(input, weight, bias, group, weight_layout, out_dtype, out=None, *, p2p: bool, name: str,
-                     chunks: Optional[int] = None, wait_barrier: int = 0):
+                     chunks: Optional[int] = None, wait_barrier: int = 0, kernel_put: int = 0,
+                     side_wait: int = 1):
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     reason = "world size 1" if world == 1 else overlap_ineligible(OP, name, input, group, out_dtype)
     if reason:
@@ -119,6 +121,7 @@ def _decomposed_impl(input, weight, bias, group, weight_layout, out_dtype, out=N
                               for _ in range(1, world)]
     current, comm = torch.cuda.current_stream(), symm.comm_stream()
     after_barrier = None
+    first_pushed = None if p2p else torch.cuda.Event()
     if p2p or wait_barrier:  # p2p: the first GEMM already writes into a peer's workspace
         ws.barrier()  # every peer has finished reading its slots in the previous call
     else:
@@ -131,19 +134,31 @@ def _decomposed_impl(input, weight, bias, group, weight_layout, out_dtype, out=N
             block = a[peer * rows + r0:peer * rows + r1]
             if p2p:
                 gemm_into(dest_slot[r0:r1], block, weight, None, weight_layout)  # stores go over NVLink
-                ws.put(peer, symm.DATA_CHANNEL + c)
+                ws.put(peer, symm.DATA_CHANNEL + c, kernel=bool(kernel_put))
             else:
                 staged = gemm_into(staging[step - 1][c], block, weight, None, weight_layout)
                 comm.wait_stream(current)
                 with torch.cuda.stream(comm):
                     dest_slot[r0:r1].copy_(staged)  # copy engine, over NVLink
-                    ws.put(peer, symm.DATA_CHANNEL + c)
+                    ws.put(peer, symm.DATA_CHANNEL + c, kernel=bool(kernel_put))
+                    if step == 1 and c == 0:
+                        first_pushed.record()
+    sources = [(rank - step) % world for step in range(1, world)]
+    channels = [symm.DATA_CHANNEL + c for c in range(len(splits))]
+    # As in ag_gemm's decomposed: the waits on the signal stream, from the end of the first push
+    # (the own block's GEMM is placed by then), so the reduction follows the last GEMM through an
+    # event, without a wait kernel in between. p2p (no pushes on the communication stream) and
+    # side_wait=0: the waits on the current stream.
+    arrived = symm.waits_on_side(ws, sources, first_pushed, channels) if side_wait and not p2p else None
     if after_barrier is not None:
         current.wait_event(after_barrier)  # long passed: a peer may read this workspace until then
     gemm_into(slots[rank], a[rank * rows:(rank + 1) * rows], weight, None, weight_layout)
-    for c in range(len(splits)):
-        for step in range(1, world):
-            ws.wait((rank - step) % world, symm.DATA_CHANNEL + c)
+    if arrived is not None:
+        current.wait_event(arrived[-1])  # the signal stream runs its waits in order
+    else:
+        for ch in channels:
+            for src in sources:
+                ws.wait(src, ch)
     torch.ops.flux.reduce_chunks_(out, slots, bias)  # fp32, rank order, bias once, one rounding
     if not p2p:
         current.wait_stream(comm)  # the staging blocks are freed after this, in stream order
@@ -152,14 +167,16 @@ def _decomposed_impl(input, weight, bias, group, weight_layout, out_dtype, out=N
 
 
 def _decomposed(input, weight, bias, group, weight_layout, out_dtype, out=None, chunks: Optional[int] = None,
-                wait_barrier: int = 0):
+                wait_barrier: int = 0, kernel_put: int = 0, side_wait: int = 1):
     return _decomposed_impl(input, weight, bias, group, weight_layout, out_dtype, out, p2p=False,
-                            name="decomposed", chunks=chunks, wait_barrier=wait_barrier)
+                            name="decomposed", chunks=chunks, wait_barrier=wait_barrier, kernel_put=kernel_put,
+                            side_wait=side_wait)
 
 
-def _decomposed_p2p(input, weight, bias, group, weight_layout, out_dtype, out=None, chunks: Optional[int] = None):
+def _decomposed_p2p(input, weight, bias, group, weight_layout, out_dtype, out=None, chunks: Optional[int] = None,
+                    kernel_put: int = 0):
     return _decomposed_impl(input, weight, bias, group, weight_layout, out_dtype, out, p2p=True,
-                            name="decomposed_p2p", chunks=chunks)
+                            name="decomposed_p2p", chunks=chunks, kernel_put=kernel_put)
 
 
 def _fused_ineligible(input, weight, group, weight_layout, out_dtype) -> Optional[str]:

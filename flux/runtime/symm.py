@@ -11,7 +11,8 @@ waiting for and the CUDA context fails, instead of hanging.
 
 Signal pad channels (each channel holds one slot per source rank):
   0        call-entry barrier: every peer has finished its earlier work on the workspace
-  1 .. 7   self-resetting data-ready signals (put / wait)
+  1 .. 7   self-resetting data-ready signals (put: a stream write of 1; wait: a bounded
+           kernel that consumes it, resetting it to 0)
   8        level flags read by fused kernels (many readers, so not self-resetting): the
            owner zeroes its own before the call's barrier, peers set them with
            ``set_flag`` (a stream memory operation: no SM, so it can run while a persistent
@@ -167,9 +168,20 @@ class Workspace:
         take every SM before the barrier kernel got one."""
         self.wait(self.rank, STARTED_CHANNEL)
 
-    def put(self, peer: int, channel: int = DATA_CHANNEL) -> None:
-        """Tell ``peer`` that this rank's data for it is in place (after this stream's earlier work)."""
-        torch.ops.flux.signal_put_(self.pads[peer], channel, self.rank, peer, self.world, timeout_ms())
+    def put(self, peer: int, channel: int = DATA_CHANNEL, kernel: bool = False) -> None:
+        """Tell ``peer`` that this rank's data for it is in place (after this stream's earlier work).
+
+        A stream write of 1 into our slot on the peer's pad (``set_flag``'s mechanism: no SM,
+        so it is not held back while a GEMM occupies every SM); the peer's ``wait`` consumes
+        it (resets it to 0). No put waits for the slot to be 0 first: every put of a call
+        follows that call's entry barrier, which the peer reaches only after its stream ran
+        the ``wait`` that consumed the previous call's signal. ``kernel``: the former put, a
+        one-thread kernel that first checks the slot is 0 (kept for the ablation,
+        ``decomposed(kernel_put=1)``)."""
+        if kernel:
+            torch.ops.flux.signal_put_(self.pads[peer], channel, self.rank, peer, self.world, timeout_ms())
+        else:
+            self._write_slot(peer, channel * self.world + self.rank, 1)
 
     def flags(self, channel: int = FLAG_CHANNEL) -> torch.Tensor:
         """This rank's level flags of ``channel``, one int32 per source rank."""
@@ -211,6 +223,7 @@ _workspaces: Dict[Tuple[str, int], Workspace] = {}
 # holds their addresses (buffers, signal pads) and may be replayed.
 _retired = []
 _comm_streams: Dict[int, torch.cuda.Stream] = {}
+_signal_streams: Dict[int, torch.cuda.Stream] = {}
 
 
 def _round_up_pow2(n: int) -> int:
@@ -236,6 +249,37 @@ def get_workspace(group: dist.ProcessGroup, nbytes: int) -> Workspace:
         ws = Workspace(group, _round_up_pow2(nbytes), device)
         _workspaces[key] = ws
     return ws
+
+
+def signal_stream() -> torch.cuda.Stream:
+    """The stream on which the decomposed strategies wait for their peers' data (one per
+    device): a wait kernel there is one warp, which fits on an SM beside a GEMM's CTA (where the
+    GEMM leaves the registers), so it sees the signal while the GEMM runs, and the current
+    stream moves on through an event instead of launching a wait kernel after its GEMM."""
+    idx = torch.cuda.current_device()
+    s = _signal_streams.get(idx)
+    if s is None:
+        s = torch.cuda.Stream(device=idx, priority=-1)
+        _signal_streams[idx] = s
+    return s
+
+
+def waits_on_side(ws: "Workspace", sources, after: torch.cuda.Event, channels=(DATA_CHANNEL,)):
+    """Enqueue on the signal stream, once ``after`` (recorded on the communication stream) has
+    passed, one bounded wait per (source, channel), in order; return an event per source,
+    recorded once all of its channels were waited for. The current stream waits for those
+    events before it reads a source's data (``torch.cuda.current_stream().wait_event``)."""
+    side = signal_stream()
+    side.wait_event(after)
+    events = []
+    with torch.cuda.stream(side):
+        for src in sources:
+            for ch in channels:
+                ws.wait(src, ch)
+            ev = torch.cuda.Event()
+            ev.record()
+            events.append(ev)
+    return events
 
 
 def comm_stream() -> torch.cuda.Stream:
