@@ -86,7 +86,9 @@ def _split_calls(acts, calls: int):
     for j, i in enumerate(marks):
         end = marks[j + 1] if j + 1 < len(marks) else len(acts)
         t0 = acts[i]["ts"] + acts[i]["dur"]
-        body = [dict(r, start_us=round(r["ts"] - t0, 2), dur_us=round(r["dur"], 2)) for r in acts[i + 1:end]]
+        # (the next round's head-start spin, torch.cuda._sleep, is not part of this call)
+        body = [dict(r, start_us=round(r["ts"] - t0, 2), dur_us=round(r["dur"], 2)) for r in acts[i + 1:end]
+                if "spin_kernel" not in r["name"]]
         for r in body:
             del r["ts"], r["dur"]
         span = max((r["start_us"] + r["dur_us"] for r in body), default=0.0)
