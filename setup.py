@@ -69,17 +69,6 @@ def _site_include_dirs(cuda_home):
     return out, bool(have_cutlass)
 
 
-def _find_cublaslt(cuda_home):
-    """The cuBLASLt library to link against: the one of torch's pip CUDA packages (loaded by
-    torch at run time), else the toolkit's; None if neither exists."""
-    candidates = []
-    for path in sys.path:
-        for pattern in ("nvidia/cu13/lib/libcublasLt.so*", "nvidia/cublas/lib/libcublasLt.so*"):
-            candidates += sorted(glob.glob(os.path.join(path, pattern)))
-    candidates += sorted(glob.glob(os.path.join(cuda_home, "lib64", "libcublasLt.so*")))
-    return candidates[0] if candidates else None
-
-
 def _cuda_extension():
     mode = os.environ.get("FLUX_BUILD_CUDA", "auto").lower()
     if mode in ("0", "no", "false", "off"):
@@ -119,22 +108,13 @@ def _cuda_extension():
     ]
     if "90a" in archs:  # the CUTLASS sm90 kernels (wgmma, TMA) need the sm_90a target
         nvcc_flags.append("-DFLUX_WITH_SM90")
-    link_args = []
-    lt = _find_cublaslt(cuda_home)
-    if lt:  # csrc/gemm/lt_gemm.cpp; the library itself is already loaded by torch at run time
-        nvcc_flags.append("-DFLUX_WITH_CUBLASLT")
-        link_args = [f"-L{os.path.dirname(lt)}", f"-l:{os.path.basename(lt)}"]
-    else:
-        print("flux: libcublasLt not found: torch.ops.flux.lt_gemm_ will be unavailable", file=sys.stderr)
-    cxx_flags = ["-O3", "-std=c++20", "-DNDEBUG"] + (["-DFLUX_WITH_CUBLASLT"] if lt else [])
     sources = sorted(glob.glob(os.path.join("csrc", "**", "*.cu"), recursive=True))
     sources += sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True))
     ext = cpp_extension.CUDAExtension(
         name="flux._C",
         sources=sources,
         include_dirs=[os.path.join(ROOT, "csrc"), *include_dirs],
-        extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
-        extra_link_args=link_args,
+        extra_compile_args={"cxx": ["-O3", "-std=c++20", "-DNDEBUG"], "nvcc": nvcc_flags},
         py_limited_api=False,
     )
     cmdclass = {"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)}

@@ -27,13 +27,6 @@ void gemm_rs_fused_(at::Tensor& out, const at::Tensor& a, const at::Tensor& weig
                     int64_t rows_per_segment, int64_t rank, int64_t peer, int64_t timeout_ms, int64_t error_record,
                     int64_t raster, int64_t swizzle, int64_t config);
 
-// out = a @ weight^T (+ bias) with algorithm `algo` of cuBLASLt's heuristic list (csrc/gemm/lt_gemm.cpp),
-// and the length of that list for this problem (0 where flux._C was built without cuBLASLt).
-void lt_gemm_(at::Tensor& out, const at::Tensor& a, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-              int64_t algo);
-int64_t lt_gemm_algos(const at::Tensor& out, const at::Tensor& a, const at::Tensor& weight,
-                      const std::optional<at::Tensor>& bias);
-
 // Bounded, self-resetting signals between ranks (csrc/runtime/signals.cu).
 void signal_barrier_(at::Tensor& own_pad, int64_t pads_dev, int64_t channel, int64_t rank, int64_t world,
                      int64_t timeout_ms, int64_t started_channel);

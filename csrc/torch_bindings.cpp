@@ -23,10 +23,6 @@ TORCH_LIBRARY(flux, m) {
   m.def("gemm_rs_fused_(Tensor(a!) out, Tensor a, Tensor weight, Tensor? bias, Tensor source, Tensor flags, "
         "int rows_per_segment, int rank, int peer, int timeout_ms, int error_record, int raster=1, int swizzle=1, "
         "int config=0) -> ()");
-  // out = a @ weight^T (+ bias), [M, K] x [N, K], bf16/fp16, with algorithm `algo` of cuBLASLt's
-  // heuristic list for this problem (csrc/gemm/lt_gemm.cpp); lt_gemm_algos: the list's length.
-  m.def("lt_gemm_(Tensor(a!) out, Tensor a, Tensor weight, Tensor? bias, int algo) -> ()");
-  m.def("lt_gemm_algos(Tensor out, Tensor a, Tensor weight, Tensor? bias) -> int");
   // Signals on symmetric-workspace signal pads (csrc/runtime/signals.cu). The pads are
   // written by peers, so they are marked as mutated.
   // started_channel >= 0: the kernel sets this rank's own slot of that channel when it starts.
@@ -48,6 +44,4 @@ TORCH_LIBRARY_IMPL(flux, CUDA, m) {
   m.impl("gemm_rs_fused_", &flux::gemm_rs_fused_);
   m.impl("signal_put_", &flux::signal_put_);
   m.impl("signal_wait_", &flux::signal_wait_);
-  m.impl("lt_gemm_", &flux::lt_gemm_);
-  m.impl("lt_gemm_algos", &flux::lt_gemm_algos);
 }

@@ -340,41 +340,6 @@ def _strategy_differs(rank, world, dev):
     return msg
 
 
-@gcase("lt_gemm")
-def _lt_gemm(rank, world, dev):
-    """torch.ops.flux.lt_gemm_ (cuBLASLt, a chosen algorithm of its list): every listed algorithm
-    against the float64 reference, bf16 and fp16, with and without bias, odd and tile-multiple
-    shapes, a row block of a larger output; an index past the list is a clear error."""
-    if not flux.cuda_kernels_available():
-        raise Skip(f"flux._C is not loaded: {flux.runtime.extension_error()}")
-    checked = 0
-    for dt in (BF16, F16):
-        for m, k, n in ((2 * 999, 320, 136), (256, 512, 384), (1, 64, 8)):
-            for bias_on in (False, True):
-                a = rand((m, k), dt, 100 + checked, dev)
-                w = rand((n, k), dt, 200 + checked, dev)
-                bias = rand((n,), dt, 300 + checked, dev) if bias_on else None
-                ref = a.double() @ w.double().t() + (bias.double() if bias_on else 0)
-                base = torch.mm(a, w.t()) + (bias if bias_on else 0)
-                full = torch.full((m + 3, n), float("nan"), dtype=dt, device=dev)
-                out = full[2:2 + m]  # a row block inside a larger output, as the strategies write
-                count = torch.ops.flux.lt_gemm_algos(out, a, w, bias)
-                assert count >= 1, f"cuBLASLt lists no algorithm for {m}x{k}x{n} {dt}"
-                for i in range(count):
-                    out.fill_(float("nan"))
-                    torch.ops.flux.lt_gemm_(out, a, w, bias, i)
-                    check_against(out, ref, base, f"lt_gemm {dt} {m}x{k}x{n} bias={bias_on} algo {i}/{count}")
-                    checked += 1
-                assert torch.isnan(full[:2]).all() and torch.isnan(full[2 + m:]).all(), "wrote outside out"
-                try:
-                    torch.ops.flux.lt_gemm_(out, a, w, bias, count)
-                except RuntimeError as e:
-                    assert "flux.lt_gemm_" in str(e) and "does not exist" in str(e), str(e)
-                else:
-                    raise AssertionError("lt_gemm_ accepted an algorithm past the end of the list")
-    return checked
-
-
 @gcase("reduce_chunks")
 def _reduce_chunks(rank, world, dev):
     if not flux.cuda_kernels_available():

@@ -139,20 +139,8 @@ def deliver(result: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
 
 
 def gemm_into(out: torch.Tensor, a2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-              weight_layout: str, algo: Optional[int] = None, op: str = "flux") -> torch.Tensor:
-    """out = a2d @ W (+ bias), written into ``out`` (a contiguous row block; same dtype as a2d).
-
-    ``algo``: run algorithm ``algo`` of cuBLASLt's heuristic list for this problem
-    (torch.ops.flux.lt_gemm_) instead of cuBLAS's own choice; bf16/fp16, weight_layout "nk",
-    contiguous operands. Where that algorithm does not exist (a shorter list, a build without
-    cuBLASLt) or the operands do not qualify, cuBLAS's choice runs, logged once: a rank-local
-    decision that changes no signal."""
-    if algo is not None:
-        why = _lt_ineligible(out, a2d, weight, bias, weight_layout, algo)
-        if why is None:
-            torch.ops.flux.lt_gemm_(out, a2d, weight, bias, algo)
-            return out
-        log_fallback(op, f"cuBLASLt algorithm {algo}", why, to="cuBLAS's choice")
+              weight_layout: str) -> torch.Tensor:
+    """out = a2d @ W (+ bias), written into ``out`` (a contiguous row block; same dtype as a2d)."""
     w_kn = weight.t() if weight_layout == "nk" else weight
     if bias is None:
         return torch.mm(a2d, w_kn, out=out)
@@ -160,19 +148,6 @@ def gemm_into(out: torch.Tensor, a2d: torch.Tensor, weight: torch.Tensor, bias: 
 
 
 _fallback_logged = set()
-
-
-def _lt_ineligible(out, a2d, weight, bias, weight_layout, algo) -> Optional[str]:
-    if weight_layout != "nk" or a2d.dtype not in (torch.bfloat16, torch.float16):
-        return "cuBLASLt algorithms are chosen for bf16/fp16 with weight_layout 'nk'"
-    if not (out.is_contiguous() and a2d.is_contiguous() and weight.is_contiguous()):
-        return "non-contiguous operands"
-    if not hasattr(torch.ops.flux, "lt_gemm_"):
-        return "flux._C is not built"
-    count = torch.ops.flux.lt_gemm_algos(out, a2d, weight, bias)
-    if algo >= count:
-        return f"cuBLASLt lists {count} algorithms for this problem"
-    return None
 
 
 def overlap_ineligible(op: str, strategy: str, input: torch.Tensor, group, out_dtype) -> Optional[str]:

@@ -27,8 +27,6 @@ local GEMM for the weight's). Strategies, chosen per call by flux.autotune:
                to hold an SM (the default): otherwise, where the GEMM gets the SMs
                first, the barrier kernel, and with it every push of this rank, waits for the
                whole GEMM. ``wait_barrier=1`` waits for the barrier to pass (the former way).
-               ``algo=i``: the block GEMMs run algorithm i of cuBLASLt's heuristic list for the
-               block's problem instead of cuBLAS's choice (the autotuner tries a few).
   oneshot      for small M, where splitting the GEMM would read the weight W times: the
                copy engine pushes the shard to every peer, then one GEMM over the gathered
                workspace once every peer's shard is in::
@@ -114,7 +112,7 @@ def _push_shard(ws, a: torch.Tensor, rank: int, world: int, level_flags: bool = 
 def _decomposed(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                 group: dist.ProcessGroup, weight_layout: str, out_dtype: Optional[torch.dtype],
                 need_gathered: bool, out: Optional[torch.Tensor] = None, wait_barrier: int = 0,
-                kernel_put: int = 0, side_wait: int = 1, algo: Optional[int] = None):
+                kernel_put: int = 0, side_wait: int = 1):
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     reason = "world size 1" if world == 1 else overlap_ineligible(OP, "decomposed", input, group, out_dtype)
     if reason:
@@ -144,13 +142,13 @@ def _decomposed(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
         ws.wait_started()
     else:
         torch.cuda.current_stream().wait_event(after_barrier)
-    gemm_into(out[rank * rows:(rank + 1) * rows], a, weight, bias, weight_layout, algo, OP)
+    gemm_into(out[rank * rows:(rank + 1) * rows], a, weight, bias, weight_layout)
     for i, src in enumerate(sources):
         if arrived is not None:
             torch.cuda.current_stream().wait_event(arrived[i])
         else:
             ws.wait(src)
-        gemm_into(out[src * rows:(src + 1) * rows], slots[src], weight, bias, weight_layout, algo, OP)
+        gemm_into(out[src * rows:(src + 1) * rows], slots[src], weight, bias, weight_layout)
     gathered = None
     if need_gathered:
         gathered = torch.empty((world, rows, k), dtype=a.dtype, device=a.device)

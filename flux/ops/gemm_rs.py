@@ -27,8 +27,7 @@ GEMM for the weight's). Strategies, chosen per call by flux.autotune:
                ``wait_barrier=1``: the barrier on the current stream, the former way).
 
                ``chunks`` > 1 splits each block into sub-blocks, each pushed and signalled on
-               its own channel (a shorter last transfer, more GEMM launches). ``algo=i``: the
-               block GEMMs run algorithm i of cuBLASLt's heuristic list (the autotuner tries a few).
+               its own channel (a shorter last transfer, more GEMM launches).
 
   decomposed_p2p  the same, but each peer block's GEMM writes its result straight into the
                owner's workspace over NVLink (no staging buffer, no copy engine); the put
@@ -99,7 +98,7 @@ def default_chunks(world: int) -> int:
 
 def _decomposed_impl(input, weight, bias, group, weight_layout, out_dtype, out=None, *, p2p: bool, name: str,
                      chunks: Optional[int] = None, wait_barrier: int = 0, kernel_put: int = 0,
-                     side_wait: int = 1, algo: Optional[int] = None):
+                     side_wait: int = 1):
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     reason = "world size 1" if world == 1 else overlap_ineligible(OP, name, input, group, out_dtype)
     if reason:
@@ -134,10 +133,10 @@ def _decomposed_impl(input, weight, bias, group, weight_layout, out_dtype, out=N
         for c, (r0, r1) in enumerate(splits):
             block = a[peer * rows + r0:peer * rows + r1]
             if p2p:
-                gemm_into(dest_slot[r0:r1], block, weight, None, weight_layout, algo, OP)  # stores go over NVLink
+                gemm_into(dest_slot[r0:r1], block, weight, None, weight_layout)  # stores go over NVLink
                 ws.put(peer, symm.DATA_CHANNEL + c, kernel=bool(kernel_put))
             else:
-                staged = gemm_into(staging[step - 1][c], block, weight, None, weight_layout, algo, OP)
+                staged = gemm_into(staging[step - 1][c], block, weight, None, weight_layout)
                 comm.wait_stream(current)
                 with torch.cuda.stream(comm):
                     dest_slot[r0:r1].copy_(staged)  # copy engine, over NVLink
@@ -153,7 +152,7 @@ def _decomposed_impl(input, weight, bias, group, weight_layout, out_dtype, out=N
     arrived = symm.waits_on_side(ws, sources, first_pushed, channels) if side_wait and not p2p else None
     if after_barrier is not None:
         current.wait_event(after_barrier)  # long passed: a peer may read this workspace until then
-    gemm_into(slots[rank], a[rank * rows:(rank + 1) * rows], weight, None, weight_layout, algo, OP)
+    gemm_into(slots[rank], a[rank * rows:(rank + 1) * rows], weight, None, weight_layout)
     if arrived is not None:
         current.wait_event(arrived[-1])  # the signal stream runs its waits in order
     else:
@@ -168,10 +167,10 @@ def _decomposed_impl(input, weight, bias, group, weight_layout, out_dtype, out=N
 
 
 def _decomposed(input, weight, bias, group, weight_layout, out_dtype, out=None, chunks: Optional[int] = None,
-                wait_barrier: int = 0, kernel_put: int = 0, side_wait: int = 1, algo: Optional[int] = None):
+                wait_barrier: int = 0, kernel_put: int = 0, side_wait: int = 1):
     return _decomposed_impl(input, weight, bias, group, weight_layout, out_dtype, out, p2p=False,
                             name="decomposed", chunks=chunks, wait_barrier=wait_barrier, kernel_put=kernel_put,
-                            side_wait=side_wait, algo=algo)
+                            side_wait=side_wait)
 
 
 def _decomposed_p2p(input, weight, bias, group, weight_layout, out_dtype, out=None, chunks: Optional[int] = None,
@@ -190,7 +189,7 @@ def _fused_ineligible(input, weight, group, weight_layout, out_dtype) -> Optiona
 
 
 def _fused(input, weight, bias, group, weight_layout, out_dtype, out=None, segments: int = 8, config: int = 0,
-           swizzle: int = 1, algo: Optional[int] = None):
+           swizzle: int = 1):
     reason = _fused_ineligible(input, weight, group, weight_layout, out_dtype)
     if reason:
         log_fallback(OP, "fused", reason, to="decomposed")
@@ -219,7 +218,7 @@ def _fused(input, weight, bias, group, weight_layout, out_dtype, out=None, segme
     flags.zero_()
     ws.barrier_on(comm, started=True)  # the peer's previous fused GEMM no longer reads dest_on_peer
     ws.wait_started()
-    gemm_into(staging, a[peer * rows:(peer + 1) * rows], weight, None, weight_layout, algo, OP)
+    gemm_into(staging, a[peer * rows:(peer + 1) * rows], weight, None, weight_layout)
     comm.wait_stream(current)
     with torch.cuda.stream(comm):
         for s in range(0 if symm.transfers_dropped() else nseg):  # (a test hook can send nothing)
