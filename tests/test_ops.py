@@ -754,6 +754,39 @@ def test_subgroups(cpu_batch, world, name):
         assert all(v == values[0] for v in values), values
 
 
+@pytest.mark.parametrize("world", [2, 3, 4, 5, 8])
+def test_rs_fused_ring_schedule(world):
+    """gemm_rs 'fused' moves partial sums around a ring (flux.ops.gemm_rs.ring_steps): run its
+    schedule on W simulated ranks, each step reading only what rank - 1 sent one step earlier,
+    and check that every rank ends with the sum of its own block over all ranks (the GPU cases
+    run it at the world size of the machine; this covers the indices at any world size)."""
+    from flux.ops.gemm_rs import ring_steps
+
+    g = torch.Generator().manual_seed(world)
+    partial = torch.randn(world, world, 3, generator=g, dtype=torch.float64)  # [rank, block, ...]
+    inbox = [[None] * (world - 1) for _ in range(world)]
+    result = [None] * world
+    steps = [ring_steps(r, world) for r in range(world)]
+    for s in range(world):
+        sent = []
+        for r in range(world):
+            block, slot, send = steps[r][s]
+            val = partial[r, block] + (inbox[r][slot] if slot is not None else 0)
+            if slot is not None:
+                assert steps[(r - 1) % world][s - 1][0] == block, "rank - 1 summed another block"
+                inbox[r][slot] = None  # read once
+            if send is None:
+                assert s == world - 1 and block == r, "the last step is the rank's own block"
+                result[r] = val
+            else:
+                sent.append(((r + 1) % world, send, val))
+        for dst, slot, val in sent:  # delivered after the step, as the flags order it
+            assert inbox[dst][slot] is None, "a slot written twice in one call"
+            inbox[dst][slot] = val
+    for r in range(world):
+        torch.testing.assert_close(result[r], partial[:, r].sum(0), rtol=1e-12, atol=1e-12)
+
+
 def test_case_registry():
     # Every case of this module is collected by one of the parametrized tests (by prefix);
     # other modules' cases ("tune-": tests/test_autotune.py) are theirs.

@@ -125,11 +125,8 @@ def why_invalid(c: Candidate, p: Problem) -> Optional[str]:
         swizzle = c.kwargs.get("swizzle", 1)
         if swizzle > 1 and kernel_rows < cluster_m * swizzle * tile_m:
             return "bands of M tiles larger than the problem pad the grid"
-        if p.op == "gemm_rs":
-            if p.world != 2:
-                return f"the fused RS kernel folds one peer's partial (world size 2, not {p.world})"
-            if c.kwargs.get("segments", 8) < 1:
-                return "segments must be positive"
+        if p.op == "gemm_rs" and c.kwargs.get("segments", 8) < 1:
+            return "segments must be positive"
     if not 1 <= c.kwargs.get("chunks", 1) <= MAX_CHUNKS:
         return f"chunks must be 1..{MAX_CHUNKS} (one signal channel each)"
     if c.kwargs.get("chunks", 1) > 1 and rows < c.kwargs["chunks"] * TILE_M:

@@ -32,16 +32,21 @@ GEMM for the weight's). Strategies, chosen per call by flux.autotune:
   decomposed_p2p  the same, but each peer block's GEMM writes its result straight into the
                owner's workspace over NVLink (no staging buffer, no copy engine); the put
                follows the GEMM on the current stream.
-  fused        World size 2 (other sizes fall back to ``decomposed``, logged once):
-               the peer's rows first (cuBLAS, into a staging buffer), pushed by the copy engine
-               into the peer's workspace in ``segments`` row segments, each followed by a
-               segment flag (a stream write, no SM); then one persistent CUTLASS GEMM of this
-               rank's rows whose epilogue adds the peer's partial of them and the bias
-               (csrc/gemm_rs/rs_fused.cuh), the epilogue of each tile waiting (bounded) for the
-               flags of the segments it reads. No reduction pass after the last GEMM::
+  fused        a ring of W GEMMs, one per row block, the reduction folded into their epilogues:
+               at step s this rank computes block b_s = rank - s - 1 (mod W); step 0 is a cuBLAS
+               GEMM into a staging buffer; every later step is one persistent CUTLASS GEMM whose
+               epilogue adds C = the sum so far of that block, pushed by rank - 1 at its step
+               s - 1 (csrc/gemm_rs/rs_fused.cuh), each tile's epilogue waiting (bounded) for the
+               flags of the C segments it reads. Each result but the last is pushed by the copy
+               engine to rank + 1 in ``segments`` row segments, each followed by a segment flag (a
+               stream write, no SM). The last step's block is this rank's own, written to the
+               output with the bias. No reduction pass after the last GEMM. At W = 2::
 
                  current:  [zero own flags][wait barrier started][GEMM peer rows] [fused GEMM own rows + C + bias ....]
                  comm:     [barrier]                                  [copy seg 0][flag 0] [copy seg 1][flag 1] ...
+
+               Above two ranks the sum is rounded to the input dtype at every hop, as NCCL's
+               ring reduce-scatter does (W = 2: once).
 
   oneshot      for small M: one GEMM of the whole partial into this rank's workspace, a
                barrier, then each rank sums its rows of every rank's partial, read over NVLink
@@ -179,10 +184,18 @@ def _decomposed_p2p(input, weight, bias, group, weight_layout, out_dtype, out=No
                             name="decomposed_p2p", chunks=chunks, kernel_put=kernel_put)
 
 
+def ring_steps(rank: int, world: int):
+    """The fused strategy's ring on ``rank``: for each step s = 0 .. W-1, (the row block it
+    computes, the inbox slot holding rank - 1's sum so far of that block or None, the slot of
+    rank + 1's inbox it sends its result to or None). Block rank - s - 1 (mod W): rank - 1
+    computed the same block one step earlier, and the last step's block is the rank's own."""
+    return [((rank - s - 1) % world, s - 1 if s >= 1 else None, s if s < world - 1 else None)
+            for s in range(world)]
+
+
 def _fused_ineligible(input, weight, group, weight_layout, out_dtype) -> Optional[str]:
-    world = dist.get_world_size(group)
-    if world != 2:  # the epilogue adds one source: the one peer's partial
-        return f"the fused kernel folds one peer's partial (world size 2), not {world}"
+    if dist.get_world_size(group) == 1:
+        return "world size 1"
     if input.numel() == 0:
         return "no rows"
     return fused_ineligible(OP, input, weight, group, weight_layout, out_dtype)
@@ -194,42 +207,64 @@ def _fused(input, weight, bias, group, weight_layout, out_dtype, out=None, segme
     if reason:
         log_fallback(OP, "fused", reason, to="decomposed")
         return _decomposed(input, weight, bias, group, weight_layout, out_dtype, out)
-    world, rank = 2, dist.get_rank(group)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    prev, nxt = (rank - 1) % world, (rank + 1) % world
     n, k = weight_nk_shape(weight, weight_layout)
     a = input.reshape(-1, k)
     rows = a.shape[0] // world
-    peer = 1 - rank
     seg_rows = -(-rows // max(1, min(segments, rows)))
     nseg = -(-rows // seg_rows)
-    # Everything is allocated before the first signal (as in _decomposed_impl).
-    ws = symm.get_workspace(group, world * rows * n * a.element_size())
-    source = ws.view(rank, (world, rows, n), a.dtype)[peer]  # the peer's partial of this rank's rows
-    dest_on_peer = ws.view(peer, (world, rows, n), a.dtype)[rank]  # this rank's partial of the peer's rows
-    flags = ws.segment_flags(nseg)
+    # A ring (ring_steps): at step s this rank computes the rows of block b_s, its GEMM adding (for
+    # s >= 1) the sum so far of that block from rank - 1 (inbox slot s - 1), and passes the result
+    # to rank + 1 (its inbox slot s); the last step's block is this rank's own, written to the
+    # output with the bias.
+    steps = ring_steps(rank, world)
+    blocks = [b for b, _, _ in steps]
+    # Everything is allocated, and operands at odd offsets copied to 16-byte aligned buffers (TMA),
+    # before the first signal, so that nothing can fail after the pushes began.
+    ws = symm.get_workspace(group, max(1, world - 1) * rows * n * a.element_size())
+    if (world - 1) * nseg > ws.max_segments():
+        raise ValueError(f"{OP}: fused with {nseg} segments at world size {world} needs {(world - 1) * nseg} "
+                         f"segment flags, the workspace has {ws.max_segments()}")
+    inbox = ws.view(rank, (world - 1, rows, n), a.dtype)  # [s - 1]: the sum of block b_s from rank - 1
+    outbox = ws.view(nxt, (world - 1, rows, n), a.dtype)  # [s]: this rank's step-s result, on rank + 1
+    flags = ws.segment_flags((world - 1) * nseg)  # [(s - 1) * nseg + j]: segment j of inbox[s - 1] is in
     dest = out if out is None or out.data_ptr() % 16 == 0 else None
     res = output(dest, (rows, n), a.dtype, a.device)
-    # TMA needs 16-byte aligned bases: operands at odd offsets go through aligned copies, made
-    # here, before any signal, so that the kernel's checks cannot fail after the pushes began.
-    a_own, w_ok, b_ok = aligned16(a[rank * rows:(rank + 1) * rows]), aligned16(weight), aligned16(bias)
-    staging = torch.empty((rows, n), dtype=a.dtype, device=a.device)
+    a_blocks = [aligned16(a[b * rows:(b + 1) * rows]) for b in blocks[1:]]
+    w_ok, b_ok = aligned16(weight), aligned16(bias)
+    staging = [torch.empty((rows, n), dtype=a.dtype, device=a.device) for _ in range(world - 1)]
     current, comm = torch.cuda.current_stream(), symm.comm_stream()
-    # Zeroed after this rank's previous fused GEMM (the flags' only reader) and before the
-    # barrier, which the peer passes before it sets any of them for this call.
+    # Zeroed after this rank's previous fused GEMMs (the flags' only readers) and before the
+    # barrier, which rank - 1 passes before it sets any of them for this call.
     flags.zero_()
-    ws.barrier_on(comm, started=True)  # the peer's previous fused GEMM no longer reads dest_on_peer
+    ws.barrier_on(comm, started=True)  # rank + 1's previous fused GEMMs no longer read its inbox
     ws.wait_started()
-    gemm_into(staging, a[peer * rows:(peer + 1) * rows], weight, None, weight_layout)
-    comm.wait_stream(current)
-    with torch.cuda.stream(comm):
-        for s in range(0 if symm.transfers_dropped() else nseg):  # (a test hook can send nothing)
-            r0, r1 = s * seg_rows, min(rows, (s + 1) * seg_rows)
-            dest_on_peer[r0:r1].copy_(staging[r0:r1])  # copy engine, over NVLink
-            ws.set_segment_flag(peer, s)  # a stream write: no SM, the fused GEMM holds them all
+
+    def push(step: int):
+        slot = steps[step][2]
+        comm.wait_stream(current)
+        with torch.cuda.stream(comm):
+            for j in range(0 if symm.transfers_dropped() else nseg):  # (a test hook can send nothing)
+                r0, r1 = j * seg_rows, min(rows, (j + 1) * seg_rows)
+                outbox[slot, r0:r1].copy_(staging[step][r0:r1])  # copy engine, over NVLink
+                # A stream write (no SM: the fused GEMM holds them all).
+                ws.set_segment_flag(nxt, slot * nseg + j)
+
     try:
-        torch.ops.flux.gemm_rs_fused_(res, a_own, w_ok, b_ok, source, flags, seg_rows, rank, peer,
-                                      symm.timeout_ms(), symm.error_record_ptr(), 1, swizzle, config)
+        gemm_into(staging[0], a[blocks[0] * rows:(blocks[0] + 1) * rows], weight, None, weight_layout)
+        push(0)
+        for step in range(1, world):
+            _, slot, send = steps[step]
+            last = send is None
+            torch.ops.flux.gemm_rs_fused_(res if last else staging[step], a_blocks[step - 1], w_ok,
+                                          b_ok if last else None, inbox[slot], flags[slot * nseg:(slot + 1) * nseg],
+                                          seg_rows, rank, prev, symm.timeout_ms(), symm.error_record_ptr(), 1,
+                                          swizzle, config)
+            if not last:
+                push(step)
     finally:
-        current.wait_stream(comm)  # the staging buffer is freed after this, in stream order, whatever happened
+        current.wait_stream(comm)  # the staging buffers are freed after this, in stream order, whatever happened
         del staging
     out = res if out is None or dest is not None else deliver(res, out)
     return out.view(input.shape[0] // world, *input.shape[1:-1], n)
