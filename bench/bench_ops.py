@@ -550,7 +550,9 @@ def run_shape(bench, op, shape, strategies):
 def ablation(bench, op, m, k, n, weight):
     """The decomposed strategies' stages alone, on this rank's shapes (no communication):
     'split' = the W row-block GEMMs of m/W rows each, as the strategies issue them (cuBLAS
-    through flux.ops._common.gemm_into); gemm_rs also 'reduce' = flux::reduce_chunks_ over
+    through flux.ops._common.gemm_into); ag_gemm at W = 2 also 'first<c>' = a GEMM of c rows,
+    then one of the other m - c (other splits of the same rows: the first GEMM can only hold
+    local rows, c < m/W); gemm_rs also 'reduce' = flux::reduce_chunks_ over
     [W, m/W, n] into [m/W, n]. Subtracted from a strategy's time they leave what the
     communication, the signals and the launches add."""
     torch, W, dev, dt = bench.torch, bench.world, bench.device, bench.dtype
@@ -570,6 +572,16 @@ def ablation(bench, op, m, k, n, weight):
     res = {}
     bench.sync()
     res["split"] = bench.time(split)
+    if op == "ag_gemm" and W == 2:
+        for c in sorted({rows - 128, rows - 256, rows - 512, rows - 1024, rows // 2}):
+            if 0 < c < rows:
+                def first(c=c):
+                    gemm_into(out[:c], a[:c], weight, None, "nk")
+                    gemm_into(out[c:], a[c:], weight, None, "nk")
+                    return out
+
+                bench.sync()
+                res[f"first{c}"] = bench.time(first)
     if op == "gemm_rs" and hasattr(torch.ops.flux, "reduce_chunks_"):
         red = torch.empty((rows, n), device=dev, dtype=dt)
         parts = out.view(W, rows, n)

@@ -181,10 +181,14 @@ def _options(op):
                     prob = AgProblem(rank, world, dev, 77, 264, 136, BF16, layout, True, out_dtype, seed=7)
                 else:
                     prob = RsProblem(rank, world, dev, 77 * world, 264, 136, BF16, layout, True, out_dtype, seed=7)
-                for name in mod.available_strategies(dev):
+                names = mod.available_strategies(dev)
+                if op == "ag" and world == 2 and len(names) > 1:
+                    names = names + ["decomposed(first8=6)"]  # the rest of the local rows copied
+                for name in names:
                     if op == "ag":
-                        out, gathered = mod.run_strategy(name, prob.x, prob.w, prob.b, return_gathered=True,
-                                                         **prob.kwargs())
+                        c = Candidate.parse(name)
+                        out, gathered = mod.run_strategy(c.strategy, prob.x, prob.w, prob.b, return_gathered=True,
+                                                         **prob.kwargs(), **c.kwargs)
                         assert torch.equal(gathered, prob.full), f"strategy {name}: gathered input differs"
                     else:
                         out = mod.run_strategy(name, prob.x, prob.w, prob.b, **prob.kwargs())
@@ -380,7 +384,7 @@ def _overlapped(mod, dev):
 
 def _delayed(op, names=None):
     """1,000 back-to-back calls of every overlapped strategy (and of decomposed with
-    wait_barrier=1, kernel_put=1 and side_wait=0); before every 10th call one rank
+    wait_barrier=1, kernel_put=1, side_wait=0 and, AG at two ranks, first8=6); before every 10th call one rank
     (alternating) stalls its current stream and the communication stream with
     torch.cuda._sleep, so the peer's device-side waits really wait. Every output is kept
     and compared at the end (signals and buffers reused across 1,000 calls)."""
@@ -393,8 +397,10 @@ def _delayed(op, names=None):
             prob, mod = RsProblem(rank, world, dev, 48 * world, 320, 136, BF16, bias=True, seed=31), rs_mod
         result = {}
         # The decomposed strategies' former entry, put and waits too.
-        for name in names or (_overlapped(mod, dev) + ["decomposed(wait_barrier=1)", "decomposed(kernel_put=1)",
-                                                        "decomposed(side_wait=0)"]):
+        extra = ["decomposed(wait_barrier=1)", "decomposed(kernel_put=1)", "decomposed(side_wait=0)"]
+        if op == "ag" and world == 2:
+            extra.append("decomposed(first8=6)")
+        for name in names or (_overlapped(mod, dev) + extra):
             c = Candidate.parse(name)
             outs = []
             for i in range(1000):

@@ -31,12 +31,15 @@ def test_candidate_label_round_trip():
 
 def test_pruning():
     labels = lambda p: [c.label for c in candidates(p)]  # noqa: E731
-    assert labels(big("ag_gemm")) == ["sequential", "decomposed", "oneshot"] + [
+    assert labels(big("ag_gemm")) == ["sequential", "decomposed", "decomposed(first8=4)", "decomposed(first8=6)",
+                                      "decomposed(first8=7)", "oneshot"] + [
         f"fused(config={c},swizzle={s})" for c in (0, 1, 2, 3) for s in (1, 8)]
     rs_fused = [f"fused(config={c},segments={s},swizzle={z})" for c in (0, 1, 2) for s in (8, 16) for z in (1, 8)]
     assert labels(big("gemm_rs")) == ["sequential", "oneshot", "decomposed(chunks=1)", "decomposed(chunks=2)",
                                       "decomposed_p2p(chunks=1)"] + rs_fused
     assert rs_fused[0] in labels(big("gemm_rs", world=4))  # a ring at any world size
+    assert "first8" not in " ".join(labels(big("ag_gemm", world=4)))  # two ranks' rows only
+    assert "first8" not in " ".join(labels(big("ag_gemm", m=1024)))  # 512 rows per rank
     assert "fused" not in " ".join(labels(big("gemm_rs", world=1)))
     assert "fused" not in " ".join(labels(big("gemm_rs", dtype=torch.float16)))
     assert "fused" not in " ".join(labels(big("gemm_rs", n=14330)))

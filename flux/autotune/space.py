@@ -75,7 +75,8 @@ FUSED_TILE_M = {"ag_gemm": FUSED_AG_TILE_M, "gemm_rs": FUSED_RS_TILE_M}
 
 
 _SPACES = {
-    "ag_gemm": [Candidate("sequential"), Candidate("decomposed"), Candidate("oneshot")] + [
+    "ag_gemm": [Candidate("sequential"), Candidate("decomposed")] + [
+        Candidate.of("decomposed", first8=f) for f in (4, 6, 7)] + [Candidate("oneshot")] + [
         Candidate.of("fused", config=c, swizzle=s) for c in sorted(FUSED_AG_TILE_M) for s in (1, 8)],
     "gemm_rs": [Candidate("sequential"), Candidate("oneshot"), Candidate.of("decomposed", chunks=1),
                 Candidate.of("decomposed", chunks=2), Candidate.of("decomposed_p2p", chunks=1)] + [
@@ -127,6 +128,13 @@ def why_invalid(c: Candidate, p: Problem) -> Optional[str]:
             return "bands of M tiles larger than the problem pad the grid"
         if p.op == "gemm_rs" and c.kwargs.get("segments", 8) < 1:
             return "segments must be positive"
+    if "first8" in c.kwargs:
+        if p.world != 2:
+            return "first8 splits the rows of two ranks"
+        if not 1 <= c.kwargs["first8"] <= 8:
+            return "first8 must be 1..8"
+        if rows < 1024:
+            return "first8: under 1024 rows per rank the split only adds a launch"
     if not 1 <= c.kwargs.get("chunks", 1) <= MAX_CHUNKS:
         return f"chunks must be 1..{MAX_CHUNKS} (one signal channel each)"
     if c.kwargs.get("chunks", 1) > 1 and rows < c.kwargs["chunks"] * TILE_M:

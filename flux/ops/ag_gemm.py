@@ -27,6 +27,10 @@ local GEMM for the weight's). Strategies, chosen per call by flux.autotune:
                to hold an SM (the default): otherwise, where the GEMM gets the SMs
                first, the barrier kernel, and with it every push of this rank, waits for the
                whole GEMM. ``wait_barrier=1`` waits for the barrier to pass (the former way).
+               ``first8=f`` (world size 2): the first GEMM takes f eighths of the local rows, the
+               second every other row, the rest of the local rows copied by the copy engine into
+               the own slot next to the peer's (a split of the rows that cuBLAS may tile better
+               than one block per rank; the autotuner tries f = 4, 6, 7).
   oneshot      for small M, where splitting the GEMM would read the weight W times: the
                copy engine pushes the shard to every peer, then one GEMM over the gathered
                workspace once every peer's shard is in::
@@ -112,7 +116,7 @@ def _push_shard(ws, a: torch.Tensor, rank: int, world: int, level_flags: bool = 
 def _decomposed(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                 group: dist.ProcessGroup, weight_layout: str, out_dtype: Optional[torch.dtype],
                 need_gathered: bool, out: Optional[torch.Tensor] = None, wait_barrier: int = 0,
-                kernel_put: int = 0, side_wait: int = 1):
+                kernel_put: int = 0, side_wait: int = 1, first8: int = 8):
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     reason = "world size 1" if world == 1 else overlap_ineligible(OP, "decomposed", input, group, out_dtype)
     if reason:
@@ -121,11 +125,23 @@ def _decomposed(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     n, k = weight_nk_shape(weight, weight_layout)
     a = input.reshape(-1, k)
     rows = a.shape[0]
+    lead = _lead_rows(rows, world, first8)
     ws = symm.get_workspace(group, world * rows * k * a.element_size())
     slots = ws.view(rank, (world, rows, k), a.dtype)  # slot p: rank p's shard, pushed by p
     out = output(out, (world * rows, n), a.dtype, a.device)
     comm, after_barrier, first_pushed = _push_shard(ws, a, rank, world, started=not wait_barrier,
                                                     kernel_put=bool(kernel_put))
+    # first8 < 8 (world size 2): the first GEMM takes `lead` of the local rows (rank 0 its first,
+    # rank 1 its last), the second every other row, the rest of the local rows lying next to the
+    # peer's in the workspace once the copy engine has copied them into the own slot.
+    lo, hi = (0, lead) if rank == 0 else (rows - lead, rows)
+    own_copied = None
+    if lead < rows:
+        r0, r1 = (lead, rows) if rank == 0 else (0, rows - lead)
+        own_copied = torch.cuda.Event()
+        with torch.cuda.stream(comm):  # after the barrier: nobody reads this slot of an earlier call
+            slots[rank, r0:r1].copy_(a[r0:r1])
+            own_copied.record()
     sources = [(rank - step) % world for step in range(1, world)]  # the peer whose step-th push comes here
     # The waits for the peers' shards run on the signal stream, from when this rank's first push
     # is done (the local GEMM's CTAs are all placed by then, so a wait kernel cannot take an SM
@@ -142,13 +158,18 @@ def _decomposed(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
         ws.wait_started()
     else:
         torch.cuda.current_stream().wait_event(after_barrier)
-    gemm_into(out[rank * rows:(rank + 1) * rows], a, weight, bias, weight_layout)
+    gemm_into(out[rank * rows + lo:rank * rows + hi], a[lo:hi], weight, bias, weight_layout)
     for i, src in enumerate(sources):
         if arrived is not None:
             torch.cuda.current_stream().wait_event(arrived[i])
         else:
             ws.wait(src)
-        gemm_into(out[src * rows:(src + 1) * rows], slots[src], weight, bias, weight_layout)
+        if own_copied is None:
+            gemm_into(out[src * rows:(src + 1) * rows], slots[src], weight, bias, weight_layout)
+    if own_copied is not None:  # one GEMM over the peer's rows and the rest of this rank's
+        torch.cuda.current_stream().wait_event(own_copied)
+        g0, g1 = (lead, world * rows) if rank == 0 else (0, world * rows - lead)
+        gemm_into(out[g0:g1], slots.view(world * rows, k)[g0:g1], weight, bias, weight_layout)
     gathered = None
     if need_gathered:
         gathered = torch.empty((world, rows, k), dtype=a.dtype, device=a.device)
@@ -157,6 +178,19 @@ def _decomposed(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
         gathered = gathered.view(world * input.shape[0], *input.shape[1:])
     torch.cuda.current_stream().wait_stream(comm)  # later barriers and frees come after the copies
     return out.view(world * input.shape[0], *input.shape[1:-1], n), gathered
+
+
+def _lead_rows(rows: int, world: int, first8: int) -> int:
+    """Rows of the first GEMM of ``decomposed(first8=f)``: f eighths of the local rows (world
+    size 2 only; all of them where that leaves either GEMM without rows)."""
+    if first8 == 8:
+        return rows
+    lead = rows * first8 // 8
+    if world != 2 or not 0 < lead < rows:
+        log_fallback(OP, f"decomposed(first8={first8})",
+                     f"needs world size 2 and 0 < {first8}/8 of {rows} rows < {rows}", to="decomposed")
+        return rows
+    return lead
 
 
 def _oneshot(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
