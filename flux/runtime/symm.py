@@ -256,12 +256,7 @@ def signal_stream() -> torch.cuda.Stream:
     device): a wait kernel there is one warp, which fits on an SM beside a GEMM's CTA (where the
     GEMM leaves the registers), so it sees the signal while the GEMM runs, and the current
     stream moves on through an event instead of launching a wait kernel after its GEMM."""
-    idx = torch.cuda.current_device()
-    s = _signal_streams.get(idx)
-    if s is None:
-        s = torch.cuda.Stream(device=idx, priority=-1)
-        _signal_streams[idx] = s
-    return s
+    return _device_stream(_signal_streams)
 
 
 def waits_on_side(ws: "Workspace", sources, after: torch.cuda.Event, channels=(DATA_CHANNEL,)):
@@ -284,9 +279,14 @@ def waits_on_side(ws: "Workspace", sources, after: torch.cuda.Event, channels=(D
 
 def comm_stream() -> torch.cuda.Stream:
     """The stream on which copy-engine transfers and their signals run (one per device)."""
+    return _device_stream(_comm_streams)
+
+
+def _device_stream(streams: Dict[int, torch.cuda.Stream]) -> torch.cuda.Stream:
+    """The current device's stream of ``streams``, made on first use with high priority."""
     idx = torch.cuda.current_device()
-    s = _comm_streams.get(idx)
+    s = streams.get(idx)
     if s is None:
         s = torch.cuda.Stream(device=idx, priority=-1)
-        _comm_streams[idx] = s
+        streams[idx] = s
     return s
