@@ -3,10 +3,14 @@
 # carried in .ext/ when csrc/ and setup.py are unchanged), run the GPU tests and the main
 # benchmark, and leave logs and JSON in OUTDIR.
 #
-#   bench/run_gpu.sh OUTDIR [--quick] [--skip-tests] [--skip-bench] [--tune] [-- extra bench_ops.py args]
+#   bench/run_gpu.sh OUTDIR [--quick] [--skip-tests] [--skip-bench] [--tune] [--shared W[,W...]]
+#                    [-- extra bench_ops.py args]
 #
 # --tune: before the benchmark, tune the public suite (torchrun -m flux.autotune --suite) into
 # OUTDIR/cache and let the benchmark's flux:auto use that cache (FLUX_CACHE_DIR).
+# --shared 4,8: also run the GPU cases with 4, then 8 ranks sharing this machine's GPUs
+# (tests/test_ops.py::test_gpu_shared: gloo, FLUX_GLOO_CUDA=1; correctness only), into
+# OUTDIR/tests-shared-W.log.
 #
 # On a machine without network, carry the nvidia-cutlass wheel in .whl/ (git-ignored), made here with:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -19,13 +23,14 @@
 set -uo pipefail
 OUTDIR=${1:?usage: bench/run_gpu.sh OUTDIR [--quick] [--skip-tests] [--skip-bench] [-- bench args]}
 shift
-QUICK=0; TESTS=1; BENCH=1; TUNE=0; BENCH_ARGS=()
+QUICK=0; TESTS=1; BENCH=1; TUNE=0; SHARED=""; BENCH_ARGS=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1 ;;
     --skip-tests) TESTS=0 ;;
     --skip-bench) BENCH=0 ;;
     --tune) TUNE=1 ;;
+    --shared) shift; SHARED=${1:?--shared needs world sizes, e.g. 4,8} ;;
     --) shift; BENCH_ARGS=("$@"); break ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
@@ -69,9 +74,13 @@ echo "HGMMA instructions in flux._C: $(cuobjdump --dump-sass flux/_C*.so 2>/dev/
 
 rc_tests=0
 if [ $TESTS -eq 1 ]; then
-  timeout 900 $PY -m pytest -q -rs tests -k gpu 2>&1 | tee "$OUTDIR/tests.log"
+  timeout 900 $PY -m pytest -q -rs tests -k "gpu and not gpu_shared" 2>&1 | tee "$OUTDIR/tests.log"
   rc_tests=${PIPESTATUS[0]}
 fi
+for w in ${SHARED//,/ }; do
+  FLUX_TEST_SHARED_WORLD=$w FLUX_TEST_LOG_DIR=$OUTDIR timeout 600 $PY -m pytest -q -rs tests -k gpu_shared 2>&1 | tee "$OUTDIR/tests-shared-$w.log"
+  rc=${PIPESTATUS[0]}; [ $rc -eq 0 ] || rc_tests=$rc
+done
 NPROC=${NGPUS:-$($PY -c 'import torch; print(torch.cuda.device_count())')}
 rc_tune=0
 if [ $TUNE -eq 1 ]; then

@@ -24,12 +24,20 @@ derived from a same-precision baseline (the unfused result in the op's dtype: er
 
 NVLink multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1),
 forced here before torch or NCCL start.
+
+Shared GPUs (``FLUX_GLOO_CUDA=1``, tests/test_ops.py::test_gpu_shared): more ranks than GPUs,
+rank r on GPU r % (GPU count), with a gloo group (NCCL refuses two ranks on one GPU) and
+PyTorch's symmetric memory allowed to map several ranks' buffers of one GPU. Every kernel and
+signal path of that world size runs; ranks sharing a GPU take turns on it, so it is slow.
 """
 import os
 
 os.environ["NCCL_NVLS_ENABLE"] = "0"
 os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
 os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
+SHARED_GPUS = os.environ.get("FLUX_GLOO_CUDA", "0") == "1"
+if SHARED_GPUS:
+    os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
 
 import faulthandler  # noqa: E402
 import json  # noqa: E402
@@ -45,6 +53,7 @@ from _ref import rand, rel_err, w_nk  # noqa: E402,F401
 from flux.ops import ag_gemm as ag_mod  # noqa: E402
 from flux.ops import gemm_rs as rs_mod  # noqa: E402
 from flux.autotune.space import Candidate  # noqa: E402
+from flux.runtime import symm  # noqa: E402
 
 F64, F32, F16, BF16 = torch.float64, torch.float32, torch.float16, torch.bfloat16
 CASE_TIMEOUT_S = 240
@@ -240,7 +249,12 @@ def _candidates(op):
                 prob = RsProblem(rank, world, dev, m_rows * world, k, n, BF16, bias=True, seed=70)
                 p = Problem("gemm_rs", m_rows * world, n, k, BF16, world)
             for c in candidates(p):
-                out = mod.run_strategy(c.strategy, prob.x, prob.w, prob.b, **c.kwargs)
+                try:  # a kernel fault names its candidate
+                    out = mod.run_strategy(c.strategy, prob.x, prob.w, prob.b, **c.kwargs)
+                    torch.cuda.synchronize()
+                except Exception as e:  # noqa: BLE001
+                    raise RuntimeError(f"{c.label} on {m_rows}x{k}x{n} (rank {rank}): {type(e).__name__}: "
+                                       f"{str(e).splitlines()[0]}") from e
                 result[f"{m_rows}x{k}x{n} {c.label}"] = prob.check(out, f"{c.label} on {m_rows}x{k}x{n}")[0]
                 del out
         return result
@@ -388,8 +402,6 @@ def _delayed(op, names=None):
     (alternating) stalls its current stream and the communication stream with
     torch.cuda._sleep, so the peer's device-side waits really wait. Every output is kept
     and compared at the end (signals and buffers reused across 1,000 calls)."""
-    from flux.runtime import symm
-
     def fn(rank, world, dev):
         if op == "ag":
             prob, mod = AgProblem(rank, world, dev, 48, 320, 136, BF16, bias=True, seed=31), ag_mod
@@ -528,8 +540,6 @@ def timeout_case(rank, world, dev, strategy="decomposed", op="ag", mode="skip"):
     kernels for 'fused'); the others' bounded waits must fail, naming rank 1, within seconds."""
     import time
 
-    from flux.runtime import symm
-
     if op == "ag":
         prob, mod = AgProblem(rank, world, dev, 64, 256, 128, BF16, seed=50), ag_mod
     else:
@@ -566,9 +576,14 @@ def timeout_case(rank, world, dev, strategy="decomposed", op="ag", mode="skip"):
 def main():
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", rank))
+    if SHARED_GPUS:
+        local %= torch.cuda.device_count()
     torch.cuda.set_device(local)
     dev = torch.device("cuda", local)
-    dist.init_process_group("nccl", device_id=dev)
+    if SHARED_GPUS:
+        dist.init_process_group("gloo")
+    else:
+        dist.init_process_group("nccl", device_id=dev)
     faulthandler.enable()
     which = sys.argv[1] if len(sys.argv) > 1 else "all"
     if which.startswith("timeout"):  # timeout[:<strategy>[:<op>[:<mode>]]]
@@ -588,7 +603,9 @@ def main():
         except Skip as e:
             rec.update(status="skip", error=str(e))
         except Exception as e:  # noqa: BLE001  (reported to the test)
-            rec.update(status="fail", error=f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+            report = symm.timeout_report()  # a fused kernel's timeout, recorded before it trapped
+            rec.update(status="fail", error=(f"{report}\n" if report else "") +
+                       f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
         faulthandler.cancel_dump_traceback_later()
         line = json.dumps(rec)
         print("FLUXCASE " + line, flush=True)

@@ -815,15 +815,15 @@ def _gpu_case_names():
     return list(gpu_worker.CASES)
 
 
-def _run_gpu_worker(tmp_path_factory, which):
-    n = _gpu_world()
+def _run_gpu_worker(tmp_path_factory, which, world=None, **extra_env):
+    n = world or _gpu_world()
     if n < 2:
         pytest.skip(f"needs 2 CUDA devices, found {torch.cuda.device_count()}")
     from _dist import free_port
 
     out_dir = tmp_path_factory.mktemp("gpu")
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
-               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", FLUX_GPU_RESULTS_DIR=str(out_dir))
+               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", FLUX_GPU_RESULTS_DIR=str(out_dir), **extra_env)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", f"--master_port={free_port()}",
            GPU_WORKER, which]
     log_path = out_dir / "output.log"
@@ -836,6 +836,10 @@ def _run_gpu_worker(tmp_path_factory, which):
             os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both workers
             proc.wait()
             rc = f"killed after {GPU_TIMEOUT_S:.0f} s"
+    if os.environ.get("FLUX_TEST_LOG_DIR"):  # the whole worker output, kept (bench/run_gpu.sh)
+        import shutil
+
+        shutil.copy(log_path, os.path.join(os.environ["FLUX_TEST_LOG_DIR"], f"gpu-worker-w{n}.log"))
     results = {}
     for rank in range(n):
         path = out_dir / f"results.{rank}"
@@ -869,6 +873,29 @@ def _check_gpu_case(gpu_results, name):
     values = [recs[r]["value"] for r in ranks]
     if name.startswith("bad-"):
         assert all(v == values[0] for v in values), f"FluxInputError messages differ between ranks: {values}"
+
+
+# Shared GPUs: FLUX_TEST_SHARED_WORLD=W runs the cases below with W ranks on the visible GPUs
+# (rank r on GPU r % count, gloo, FLUX_GLOO_CUDA=1; see tests/gpu_worker.py), so that the
+# kernels and signal schedules of a world size larger than the machine's GPU count run (the
+# fused reduce-scatter ring at 4 or 8 ranks on 2 GPUs). Off unless asked: ranks sharing a GPU
+# take turns on it, and the 1,000-call cases would take minutes.
+SHARED_WORLD = int(os.environ.get("FLUX_TEST_SHARED_WORLD", "0"))
+SHARED_CASES = (os.environ.get("FLUX_TEST_SHARED_CASES", "").split(",") if os.environ.get("FLUX_TEST_SHARED_CASES")
+                else [c for c in _gpu_case_names() if not c.startswith(("delayed1000", "repeat50", "graph"))]
+                + ["repeat50-rs-fused"])
+
+
+@pytest.fixture(scope="module")
+def gpu_shared_results(tmp_path_factory):
+    if SHARED_WORLD < 2 or not torch.cuda.is_available():
+        pytest.skip("set FLUX_TEST_SHARED_WORLD=W (W >= 2) on a machine with a CUDA device")
+    return _run_gpu_worker(tmp_path_factory, ",".join(SHARED_CASES), world=SHARED_WORLD, FLUX_GLOO_CUDA="1")
+
+
+@pytest.mark.parametrize("name", SHARED_CASES)
+def test_gpu_shared(gpu_shared_results, name):
+    _check_gpu_case(gpu_shared_results, name)
 
 
 @pytest.mark.parametrize("strategy", ["decomposed", "fused", "fused:rs", "fused:ag:drop", "fused:rs:drop"])

@@ -65,8 +65,8 @@ from flux.ops._checks import FluxInputError
 from flux.ops._common import (aligned16, can_skip_dispatcher, check_gemm_args, check_out_arg, check_same_device,
                               choose_and_check, deliver, fused_ineligible, gemm_into, local_gemm, log_fallback,
                               output, overlap_ineligible, weight_nk_shape)
-from flux.runtime import (all_gather_dim0, group_device, group_from_name, group_name, resolve_group, symm,
-                          traceable_all_gather_dim0, traceable_reduce_scatter_dim0)
+from flux.runtime import (all_gather_dim0, gloo_carries_cuda, group_device, group_from_name, group_name, resolve_group,
+                          symm, traceable_all_gather_dim0, traceable_reduce_scatter_dim0)
 
 OP = "flux.ag_gemm"
 
@@ -255,6 +255,11 @@ def _fused(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     comm, barrier_done, _ = _push_shard(ws, a, rank, world, level_flags=True)
     current.wait_event(barrier_done)  # before the own rows land: a peer may still read this region
     full[rank * rows:(rank + 1) * rows].copy_(a)
+    if gloo_carries_cuda():
+        # Ranks sharing a GPU (tests only): a copy between two buffers of one GPU runs on its SMs,
+        # which this persistent kernel would hold while it waits for that GPU's other rank, whose
+        # kernel would likewise hold back the copy it waits for. Push before launching instead.
+        current.wait_stream(comm)
     torch.ops.flux.ag_gemm_fused_(res, full, w_ok, b_ok, flags, rank, world, rows, symm.timeout_ms(),
                                   symm.error_record_ptr(), 1, swizzle or _fused_swizzle(world * rows, n), config)
     out = res if out is None or dest is not None else deliver(res, out)

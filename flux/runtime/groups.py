@@ -3,6 +3,7 @@
 Ops take a ``torch.distributed`` process group; the dispatcher-visible schemas take its
 name (a string), as PyTorch's own symmetric-memory and functional-collective ops do.
 """
+import os
 from typing import Optional
 
 import torch
@@ -29,11 +30,28 @@ def group_from_name(name: str) -> dist.ProcessGroup:
     return _resolve_process_group(name)
 
 
+def gloo_carries_cuda() -> bool:
+    """``FLUX_GLOO_CUDA=1``, for tests only: gloo groups take CUDA tensors and may use
+    symmetric memory (with PyTorch's ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``). This
+    lets several ranks share one GPU, which NCCL refuses, so that a world size larger than
+    the machine's GPU count runs every kernel and signal path for correctness
+    (``bench/run_gpu.sh --shared W``). Ranks on one GPU take turns on it: timings mean nothing."""
+    return os.environ.get("FLUX_GLOO_CUDA", "0") == "1"
+
+
+def cuda_group(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` communicates CUDA tensors: NCCL groups, and gloo groups under
+    ``FLUX_GLOO_CUDA=1``."""
+    if not torch.cuda.is_available():
+        return False
+    backend = str(dist.get_backend(group)).lower()
+    return "nccl" in backend or ("gloo" in backend and gloo_carries_cuda())
+
+
 def group_device(group: dist.ProcessGroup) -> torch.device:
     """The device on which small collectives of this group run: CUDA for NCCL groups
-    (the current device), the CPU otherwise."""
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend and torch.cuda.is_available():
+    (the current device), the CPU otherwise (see ``cuda_group``)."""
+    if cuda_group(group):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -46,6 +64,8 @@ def all_gather_dim0(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """torch.cat([t from rank 0, ..., t from rank W-1], dim=0)."""
     t = t.contiguous()
     world = dist.get_world_size(group)
+    if _is_gloo(group) and t.is_cuda:  # FLUX_GLOO_CUDA: gloo gathers host copies
+        return all_gather_dim0(t.cpu(), group).to(t.device)
     out = t.new_empty((t.shape[0] * world, *t.shape[1:]))
     if _is_gloo(group):
         dist.all_gather(list(out.chunk(world, dim=0)), t, group=group)
@@ -58,6 +78,8 @@ def reduce_scatter_dim0(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tens
     """sum over ranks of t, then this rank's chunk of dim 0 (t.shape[0] divisible by W)."""
     t = t.contiguous()
     world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if _is_gloo(group) and t.is_cuda:  # FLUX_GLOO_CUDA: gloo reduces host copies
+        return reduce_scatter_dim0(t.cpu(), group).to(t.device)
     if _is_gloo(group):
         # gloo has no reduce-scatter: all-reduce, then keep this rank's rows.
         t = t.clone()  # all_reduce works in place: never overwrite the caller's tensor

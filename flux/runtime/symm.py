@@ -31,6 +31,8 @@ from typing import Dict, Tuple
 import torch
 import torch.distributed as dist
 
+from flux.runtime.groups import cuda_group
+
 BARRIER_CHANNEL = 0
 DATA_CHANNEL = 1
 FLAG_CHANNEL = 8
@@ -90,7 +92,7 @@ def available(group: dist.ProcessGroup) -> bool:
 
     if not torch.cuda.is_available() or not cuda_kernels_available():
         return False
-    if "nccl" not in str(dist.get_backend(group)).lower():
+    if not cuda_group(group):  # NCCL groups (gloo ones only under FLUX_GLOO_CUDA=1, tests)
         return False
     try:
         _symm_mem()
