@@ -875,15 +875,13 @@ def _check_gpu_case(gpu_results, name):
         assert all(v == values[0] for v in values), f"FluxInputError messages differ between ranks: {values}"
 
 
-# Shared GPUs: FLUX_TEST_SHARED_WORLD=W runs the cases below with W ranks on the visible GPUs
+# Shared GPUs: FLUX_TEST_SHARED_WORLD=W runs every GPU case with W ranks on the visible GPUs
 # (rank r on GPU r % count, gloo, FLUX_GLOO_CUDA=1; see tests/gpu_worker.py), so that the
 # kernels and signal schedules of a world size larger than the machine's GPU count run (the
 # fused reduce-scatter ring at 4 or 8 ranks on 2 GPUs). Off unless asked: ranks sharing a GPU
-# take turns on it, and the 1,000-call cases would take minutes.
+# take turns on it (minutes). FLUX_TEST_SHARED_CASES=a,b,...: only those cases.
 SHARED_WORLD = int(os.environ.get("FLUX_TEST_SHARED_WORLD", "0"))
-SHARED_CASES = (os.environ.get("FLUX_TEST_SHARED_CASES", "").split(",") if os.environ.get("FLUX_TEST_SHARED_CASES")
-                else [c for c in _gpu_case_names() if not c.startswith(("delayed1000", "repeat50", "graph"))]
-                + ["repeat50-rs-fused"])
+SHARED_CASES = [c for c in os.environ.get("FLUX_TEST_SHARED_CASES", "").split(",") if c] or _gpu_case_names()
 
 
 @pytest.fixture(scope="module")
