@@ -28,9 +28,9 @@ local GEMM for the weight's). Strategies, chosen per call by flux.autotune:
                first, the barrier kernel, and with it every push of this rank, waits for the
                whole GEMM. ``wait_barrier=1`` waits for the barrier to pass (the former way).
                ``first8=f`` (world size 2): the first GEMM takes f eighths of the local rows, the
-               second every other row, the rest of the local rows copied by the copy engine into
-               the own slot next to the peer's (a split of the rows that cuBLAS may tile better
-               than one block per rank; the autotuner tries f = 4, 6, 7).
+               second every other row, the rest of the local rows copied into the own slot next
+               to the peer's (a split of the rows that cuBLAS may tile better than one block per
+               rank; the autotuner tries f = 4, 6, 7).
   oneshot      for small M, where splitting the GEMM would read the weight W times: the
                copy engine pushes the shard to every peer, then one GEMM over the gathered
                workspace once every peer's shard is in::
@@ -133,7 +133,8 @@ def _decomposed(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
                                                     kernel_put=bool(kernel_put))
     # first8 < 8 (world size 2): the first GEMM takes `lead` of the local rows (rank 0 its first,
     # rank 1 its last), the second every other row, the rest of the local rows lying next to the
-    # peer's in the workspace once the copy engine has copied them into the own slot.
+    # peer's in the workspace once copied into the own slot. That copy stays within this GPU, and
+    # such copies wait for free SMs (bench/probe_copy_sm.py): it runs as the first GEMM winds down.
     lo, hi = (0, lead) if rank == 0 else (rows - lead, rows)
     own_copied = None
     if lead < rows:
