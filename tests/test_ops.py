@@ -896,27 +896,55 @@ def test_gpu_shared(gpu_shared_results, name):
     _check_gpu_case(gpu_shared_results, name)
 
 
-@pytest.mark.parametrize("strategy", ["decomposed", "fused", "fused:rs", "fused:ag:drop", "fused:rs:drop"])
+TIMEOUT_STRATEGIES = ["decomposed", "fused", "fused:rs", "fused:ag:drop", "fused:rs:drop"]
+
+
+@pytest.mark.parametrize("strategy", TIMEOUT_STRATEGIES)
 def test_gpu_timeout(strategy):
-    """A rank that skips a call: the peer's bounded device-side wait fails within seconds and
-    names the missing rank (FLUX_TIMEOUT_MS=2000), instead of hanging. The signal kernels
+    """A rank that skips a call: the others' bounded device-side waits fail within seconds and
+    name the rank they waited for (FLUX_TIMEOUT_MS=2000), instead of hanging. The signal kernels
     print the message; a fused GEMM records it in host-mapped memory (timeout_report). With
-    the peer missing altogether, the entry barrier's wait is the first to expire; ":drop": the
-    peer makes the call but sends nothing, so the fused kernels' own waits expire."""
-    n = torch.cuda.device_count()
+    rank 1 missing altogether, the entry barrier's wait is the first to expire; ":drop": rank 1
+    makes the call but sends nothing, so the fused kernels' own waits expire. Every GPU takes
+    part (at most 8)."""
+    n = _gpu_world()
     if n < 2:
-        pytest.skip(f"needs 2 CUDA devices, found {n}")
+        pytest.skip(f"needs 2 CUDA devices, found {torch.cuda.device_count()}")
+    _check_timeout(strategy, n)
+
+
+@pytest.mark.parametrize("strategy", TIMEOUT_STRATEGIES)
+def test_gpu_timeout_shared(strategy):
+    """test_gpu_timeout with FLUX_TEST_SHARED_WORLD ranks sharing the GPUs (see test_gpu_shared)."""
+    if SHARED_WORLD < 2 or not torch.cuda.is_available():
+        pytest.skip("set FLUX_TEST_SHARED_WORLD=W (W >= 2) on a machine with a CUDA device")
+    _check_timeout(strategy, SHARED_WORLD, FLUX_GLOO_CUDA="1")
+
+
+def _check_timeout(strategy, world, **extra_env):
+    import re
+
     from _dist import free_port
 
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
-               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", FLUX_TIMEOUT_MS="2000")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", FLUX_TIMEOUT_MS="2000", **extra_env)
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", f"--master_port={free_port()}",
            GPU_WORKER, f"timeout:{strategy}"]
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120,
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=180,
                           cwd=os.path.dirname(TESTS_DIR))
     out = proc.stdout
-    assert "waiting for rank 1" in out, f"no timeout message naming rank 1:\n{out[-4000:]}"
+    drop = strategy.endswith(":drop")
+    for r in range(world):
+        if r == 1:
+            continue
+        assert f"FLUXTIMEOUT rank {r} raised" in out, f"rank {r} did not fail:\n{out[-4000:]}"
+        # Whom rank r waited for: rank 1, except in the fused RS ring with rank 1 sending nothing,
+        # where each rank waits for its predecessor's partial (rank 2 for rank 1's, which never
+        # comes, rank 3 for rank 2's, which is stuck, ..., rank 0 for rank W-1's).
+        peer = (r - 1) % world if strategy == "fused:rs:drop" else 1
+        if drop:  # the barrier passed: the fused kernel's own wait expired
+            expect = rf"rank {r} timed out in a fused kernel waiting for rank {peer};"
+        else:
+            expect = rf"rank {r} timed out after \d+ ms in .* waiting for rank {peer} .*; rank {peer} did not make"
+        assert re.search(expect, out), f"no timeout message of rank {r} naming rank {peer}:\n{out[-4000:]}"
     assert "did not make the same flux call" in out, out[-4000:]
-    assert "FLUXTIMEOUT rank 0 raised" in out, f"rank 0 did not fail:\n{out[-4000:]}"
-    if strategy.endswith(":drop"):  # the barrier passed: the fused kernel's own wait expired
-        assert "timed out in a fused kernel waiting for rank 1" in out, out[-4000:]
