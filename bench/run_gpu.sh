@@ -9,7 +9,7 @@
 # --tune: before the benchmark, tune the public suite (torchrun -m flux.autotune --suite) into
 # OUTDIR/cache and let the benchmark's flux:auto use that cache (FLUX_CACHE_DIR).
 # --shared 4,8: also run the GPU cases with 4, then 8 ranks sharing this machine's GPUs
-# (tests/test_ops.py::test_gpu_shared and ::test_gpu_timeout_shared: gloo, FLUX_GLOO_CUDA=1; correctness only), into
+# (tests/test_ops.py::test_gpu_shared: gloo, FLUX_GLOO_CUDA=1; correctness only), into
 # OUTDIR/tests-shared-W.log.
 #
 # On a machine without network, carry the nvidia-cutlass wheel in .whl/ (git-ignored), made here with:
@@ -78,7 +78,7 @@ if [ $TESTS -eq 1 ]; then
   rc_tests=${PIPESTATUS[0]}
 fi
 for w in ${SHARED//,/ }; do
-  FLUX_TEST_SHARED_WORLD=$w FLUX_TEST_LOG_DIR=$OUTDIR timeout 600 $PY -m pytest -q -rs tests -k "gpu and shared" 2>&1 | tee "$OUTDIR/tests-shared-$w.log"
+  FLUX_TEST_SHARED_WORLD=$w FLUX_TEST_LOG_DIR=$OUTDIR timeout 600 $PY -m pytest -q -rs tests -k gpu_shared 2>&1 | tee "$OUTDIR/tests-shared-$w.log"
   rc=${PIPESTATUS[0]}; [ $rc -eq 0 ] || rc_tests=$rc
 done
 NPROC=${NGPUS:-$($PY -c 'import torch; print(torch.cuda.device_count())')}
