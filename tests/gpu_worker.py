@@ -539,7 +539,8 @@ def timeout_case(rank, world, dev, strategy="decomposed", op="ag", mode="skip"):
     """Run alone (it breaks the CUDA contexts): all ranks make one call, then rank 1 skips
     the next one (mode "skip": the entry barrier's wait expires first), or makes it but sends
     nothing (mode "drop": the barrier passes and the waits for data expire, inside the fused
-    kernels for 'fused'); the others' bounded waits must fail, naming rank 1, within seconds."""
+    kernels for 'fused'); the others' bounded waits must fail within seconds, naming rank 1 (in
+    the fused RS ring with rank 1 sending nothing: each rank's ring predecessor)."""
     import time
 
     if op == "ag":
