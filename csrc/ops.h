@@ -27,12 +27,4 @@ void gemm_rs_fused_(at::Tensor& out, const at::Tensor& a, const at::Tensor& weig
                     int64_t rows_per_segment, int64_t rank, int64_t peer, int64_t timeout_ms, int64_t error_record,
                     int64_t raster, int64_t swizzle, int64_t config);
 
-// Bounded, self-resetting signals between ranks (csrc/runtime/signals.cu).
-void signal_barrier_(at::Tensor& own_pad, int64_t pads_dev, int64_t channel, int64_t rank, int64_t world,
-                     int64_t timeout_ms, int64_t started_channel);
-void signal_put_(at::Tensor& peer_pad, int64_t channel, int64_t rank, int64_t peer, int64_t world,
-                 int64_t timeout_ms);
-void signal_wait_(at::Tensor& own_pad, int64_t channel, int64_t rank, int64_t peer, int64_t world,
-                  int64_t timeout_ms);
-
 }  // namespace flux

@@ -23,13 +23,6 @@ TORCH_LIBRARY(flux, m) {
   m.def("gemm_rs_fused_(Tensor(a!) out, Tensor a, Tensor weight, Tensor? bias, Tensor source, Tensor flags, "
         "int rows_per_segment, int rank, int peer, int timeout_ms, int error_record, int raster=1, int swizzle=1, "
         "int config=0) -> ()");
-  // Signals on symmetric-workspace signal pads (csrc/runtime/signals.cu). The pads are
-  // written by peers, so they are marked as mutated.
-  // started_channel >= 0: the kernel sets this rank's own slot of that channel when it starts.
-  m.def("signal_barrier_(Tensor(a!) own_pad, int pads_dev, int channel, int rank, int world, int timeout_ms, "
-        "int started_channel=-1) -> ()");
-  m.def("signal_put_(Tensor(a!) peer_pad, int channel, int rank, int peer, int world, int timeout_ms) -> ()");
-  m.def("signal_wait_(Tensor(a!) own_pad, int channel, int rank, int peer, int world, int timeout_ms) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(flux, CompositeExplicitAutograd, m) {
@@ -39,9 +32,6 @@ TORCH_LIBRARY_IMPL(flux, CompositeExplicitAutograd, m) {
 TORCH_LIBRARY_IMPL(flux, CUDA, m) {
   m.impl("reduce_chunks_", &flux::reduce_chunks_);
   m.impl("reduce_peers_", &flux::reduce_peers_);
-  m.impl("signal_barrier_", &flux::signal_barrier_);
   m.impl("ag_gemm_fused_", &flux::ag_gemm_fused_);
   m.impl("gemm_rs_fused_", &flux::gemm_rs_fused_);
-  m.impl("signal_put_", &flux::signal_put_);
-  m.impl("signal_wait_", &flux::signal_wait_);
 }

@@ -194,8 +194,10 @@ def _every_strategy_case(op):
         w = rank_inputs(world, (16, 24), F32, 2600)[rank]
         b = rand((16,), F32, 3600)
         ref = mod.run_strategy("sequential", x, w, b)
-        labels = list(mod.STRATEGIES) + ["decomposed(wait_barrier=1)"]
-        if op == "rs":
+        labels = list(mod.STRATEGIES)
+        if op == "ag":
+            labels.append("decomposed(first8=6)")
+        else:
             labels.append("fused(segments=4,config=1)")
         for label in labels:
             c = Candidate.parse(label)

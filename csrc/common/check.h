@@ -11,6 +11,9 @@
 // faults inside the kernel surface at the next synchronisation).
 #define FLUX_CHECK_LAUNCH() C10_CUDA_KERNEL_LAUNCH_CHECK()
 
+// Check a CUDA runtime call.
+#define FLUX_CUDA(expr) C10_CUDA_CHECK(expr)
+
 namespace flux {
 
 inline bool is_aligned(const void* p, size_t bytes) {

@@ -52,7 +52,7 @@ class Problem:
     dtype: torch.dtype
     world: int
     weight_layout: str = "nk"
-    out_dtype_differs: bool = False
+    out_dtype_differs: bool = False  # a wider output (fp32 from bf16/fp16 where overlapped)
     device_type: str = "cuda"
     sm90: bool = True          # the device runs the sm_90a kernels
     fused_built: bool = True   # flux._C holds them
@@ -88,6 +88,11 @@ _PARAMS = {op: {c.strategy: {k for x in space if x.strategy == c.strategy for k,
            for op, space in _SPACES.items()}
 
 
+def strategy_params(op: str, strategy: str):
+    """The parameter names that ``strategy`` of ``op`` takes (empty for an unknown strategy)."""
+    return _PARAMS[op].get(strategy, set())
+
+
 def _space(op: str) -> List[Candidate]:
     return _SPACES[op]
 
@@ -105,8 +110,8 @@ def why_invalid(c: Candidate, p: Problem) -> Optional[str]:
         return "overlapped strategies need CUDA"
     if p.world == 1:
         return "nothing to overlap at world size 1"
-    if p.out_dtype_differs:
-        return "out_dtype differs from the input dtype"
+    if p.out_dtype_differs and (p.dtype not in (torch.bfloat16, torch.float16) or c.strategy == "fused"):
+        return "out_dtype differs: overlapped as fp32 from bf16/fp16, not by the fused kernels"
     if p.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return f"dtype {p.dtype}"
     rows = p.m // p.world

@@ -13,12 +13,14 @@ store every rank already holds), so it never synchronises the GPU, creates no pr
 its own), and can never be matched against the op's own data movement. A signature that
 passed is remembered per group, and later calls with the same signature skip the exchange:
 the remembered set is the same on every rank (entries are added together, after an
-exchange), so identical calls take the same path everywhere. A rank whose signature is new
-while its peers' are remembered waits in the exchange alone and raises after
-FLUX_CHECK_TIMEOUT_S seconds (default 60); its peers then fail in their own communication
-(a bounded device-side wait naming the missing rank, or the NCCL watchdog). Set
-FLUX_CHECK_EVERY_CALL=1 to exchange on every call, which catches such drift at once at the
-cost of a few store round trips per call.
+exchange), so identical calls take the same path everywhere. Ranks that diverge after a
+checked call are still caught: on gloo groups by a hash of the signature that every call
+all-gathers first, on CUDA groups by the token that the entry barrier of every planned call
+carries (csrc/runtime/signals.cu), which makes every rank fail at once. A rank whose
+signature is new while its peers replay a planned call waits in the exchange and raises after
+FLUX_CHECK_TIMEOUT_S seconds (default 60), its peers' bounded barrier after FLUX_TIMEOUT_MS.
+Set FLUX_CHECK_EVERY_CALL=1 to exchange on every call (and make no plans), at the cost of a
+few store round trips per call.
 """
 import datetime
 import os
@@ -123,12 +125,38 @@ def _exchange(ranks: Tuple[int, ...], me: int, payload) -> List:
     return values
 
 
+def _headers_agree(values: Tuple[int, ...], group: dist.ProcessGroup) -> bool:
+    """All-gather a hash of each rank's signature through the group itself (gloo, on the CPU):
+    True when every rank's is the same."""
+    import zlib
+
+    mine = torch.tensor([zlib.crc32(repr(values).encode())], dtype=torch.int64)
+    headers = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(headers, mine, group=group)
+    return all(int(h) == int(mine) for h in headers)
+
+
+def _carries_header(group: dist.ProcessGroup) -> bool:
+    return "gloo" in str(dist.get_backend(group)).lower()
+
+
 def check_collectively(sig: Signature, group: dist.ProcessGroup) -> None:
     """Raise the same FluxInputError on every rank if any rank's signature has an error
-    or the signatures differ; return normally on every rank otherwise."""
+    or the signatures differ; return normally on every rank otherwise.
+
+    On gloo groups every call first all-gathers a hash of its signature through the group (a
+    header before the data): a rank whose call differs from its peers' is found at once, on
+    every rank, whether or not the peers' call was checked before; all ranks then make the full
+    exchange, which names the field that differs. (On CUDA groups the entry barrier of every
+    planned call carries the same check: flux/ops/_plans.py.)"""
     values = sig.values()
     ranks = tuple(dist.get_process_group_ranks(group))
-    if os.environ.get("FLUX_CHECK_EVERY_CALL", "0") != "1" and values in _validated.get(ranks, ()):
+    every = os.environ.get("FLUX_CHECK_EVERY_CALL", "0") == "1"
+    known = values in _validated.get(ranks, ())
+    if not every and _carries_header(group):
+        if _headers_agree(values, group) and known:
+            return
+    elif not every and known:
         return
     try:
         reports = _exchange(ranks, dist.get_rank(), (values, sig.error, sig.fields))

@@ -121,14 +121,6 @@ def local_gemm(a2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     return out.to(out_dt)
 
 
-def output(out: Optional[torch.Tensor], shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The caller's ``out`` (checked contiguous, of the result's size and dtype) viewed as
-    ``shape``, or a new tensor."""
-    if out is None:
-        return torch.empty(shape, dtype=dtype, device=device)
-    return out.view(shape)
-
-
 def deliver(result: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
     """``result`` written into the caller's ``out`` when one was given (reference paths,
     which compute into their own tensors)."""
@@ -136,18 +128,6 @@ def deliver(result: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
         return result
     out.view(result.shape).copy_(result)
     return out.view(result.shape)
-
-
-def gemm_into(out: torch.Tensor, a2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-              weight_layout: str) -> torch.Tensor:
-    """out = a2d @ W (+ bias), written into ``out`` (a contiguous row block; same dtype as a2d)."""
-    w_kn = weight.t() if weight_layout == "nk" else weight
-    if bias is None:
-        return torch.mm(a2d, w_kn, out=out)
-    return torch.addmm(bias, a2d, w_kn, out=out)
-
-
-_fallback_logged = set()
 
 
 def overlap_ineligible(op: str, strategy: str, input: torch.Tensor, group, out_dtype) -> Optional[str]:
@@ -159,8 +139,9 @@ def overlap_ineligible(op: str, strategy: str, input: torch.Tensor, group, out_d
         return "input is not on a CUDA device"
     if not symm.available(group):
         return "symmetric memory is unavailable (needs CUDA, an NCCL group and flux._C)"
-    if out_dtype is not None and out_dtype != input.dtype:
-        return f"out_dtype {out_dtype} differs from the input dtype (not supported by this strategy yet)"
+    if not (out_dtype is None or out_dtype == input.dtype or
+            (out_dtype == torch.float32 and input.dtype in (torch.bfloat16, torch.float16))):
+        return f"out_dtype {out_dtype} from {input.dtype} (the overlapped strategies write the input dtype or fp32)"
     if input.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return f"dtype {input.dtype} is not supported by this strategy"
     return None
@@ -176,8 +157,8 @@ def fused_ineligible(op: str, input: torch.Tensor, weight: torch.Tensor, group, 
         return "flux._C was built without the sm_90a kernels"
     if torch.cuda.get_device_capability(input.device) != (9, 0):
         return "the fused kernels are built for sm_90a (Hopper)"
-    if input.dtype != torch.bfloat16:
-        return f"the fused kernels are bf16 only (got {input.dtype})"
+    if input.dtype != torch.bfloat16 or (out_dtype is not None and out_dtype != input.dtype):
+        return f"the fused kernels are bf16 in and out only (got {input.dtype} -> {out_dtype or input.dtype})"
     if weight_layout != "nk":
         return "the fused kernels take weight_layout 'nk' only"
     n, k = weight_nk_shape(weight, weight_layout)
@@ -186,39 +167,33 @@ def fused_ineligible(op: str, input: torch.Tensor, weight: torch.Tensor, group, 
     return None
 
 
-def aligned16(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """``t``, or an aligned copy where it starts off a 16-byte boundary (TMA needs aligned bases)."""
-    return t if t is None or t.data_ptr() % 16 == 0 else t.clone()
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # Parameter disables __torch_function__: a plain tensor here
 
 
-def log_fallback(op: str, strategy: str, reason: str, to: str = "sequential") -> None:
-    import logging
+def call_mode(*tensors) -> int:
+    """How a public op call is served:
 
-    if (op, strategy, reason) not in _fallback_logged:
-        _fallback_logged.add((op, strategy, reason))
-        logging.getLogger("flux").warning("%s: strategy %r falls back to %r: %s", op, strategy, to, reason)
-
-
-def can_skip_dispatcher(*tensors, grad_matters: bool = True) -> bool:
-    """Whether a public op may call its implementation directly instead of going through
-    torch.ops.flux (whose Python custom-op dispatch costs ~0.1-0.2 ms of host time per call):
-    only in plain eager mode with real tensors and nothing to record for autograd, where the
-    dispatcher would do nothing but call that same implementation. Under torch.compile,
-    fake/functional modes, torch-function modes or with inputs that need gradients, the
-    dispatcher path is taken so that the fake implementation and autograd formula apply.
-    ``grad_matters=False`` for the out= variants, which refuse autograd themselves: their
-    implementation must see the grad mode (below the dispatcher's autograd layer it is off)."""
+    0  plain eager tensors, nothing to record for autograd: the op's own path (a plan from C++,
+       or the slow path);
+    1  plain eager tensors of which some need gradients: the op's autograd.Function (the
+       dispatcher's Python custom-op layer would cost ~0.1-0.2 ms of host time per call);
+    2  anything else (torch.compile, fake/functional modes, torch-function modes, tensor
+       subclasses): torch.ops.flux, whose fake implementation and autograd formula apply.
+    """
     if torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled():
-        return False
+        return 2
     if torch._C._len_torch_dispatch_stack() > 0:
-        return False
-    grad = grad_matters and torch.is_grad_enabled()
+        return 2
+    grad = torch.is_grad_enabled()
+    mode = 0
     for t in tensors:
         if t is None:
             continue
-        if type(t) is not torch.Tensor or (grad and t.requires_grad):
-            return False
-    return True
+        if type(t) not in _PLAIN:
+            return 2
+        if grad and t.requires_grad:
+            mode = 1
+    return mode
 
 
 _fused_built = None

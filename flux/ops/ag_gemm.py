@@ -6,7 +6,10 @@ Meaning (the unfused reference, ``ag_gemm_ref``)::
 
 The op is ``torch.ops.flux.ag_gemm``, with a fake implementation for torch.compile and
 an autograd formula (backward is a GEMM+ReduceScatter for the input's gradient and a
-local GEMM for the weight's). Strategies, chosen per call by flux.autotune:
+local GEMM for the weight's, over the gathered input saved by the forward). The first call
+of a problem checks, chooses and plans (the slow path); later calls of the same problem run
+its plan from C++ (flux/ops/_plans.py, csrc/ag_gemm/ag_gemm_plan.cpp). Strategies, chosen
+per problem by flux.autotune:
 
   sequential   NCCL/gloo all-gather, then one GEMM. The reference, the CPU path and the
                fallback.
@@ -26,7 +29,7 @@ local GEMM for the weight's). Strategies, chosen per call by flux.autotune:
                input, so it need not wait for the barrier to pass, only for the barrier kernel
                to hold an SM (the default): otherwise, where the GEMM gets the SMs
                first, the barrier kernel, and with it every push of this rank, waits for the
-               whole GEMM. ``wait_barrier=1`` waits for the barrier to pass (the former way).
+               whole GEMM.
                ``first8=f`` (world size 2): the first GEMM takes f eighths of the local rows, the
                second every other row, the rest of the local rows copied into the own slot next
                to the peer's (a split of the rows that cuBLAS may tile better than one block per
@@ -52,226 +55,35 @@ local GEMM for the weight's). Strategies, chosen per call by flux.autotune:
                finished its previous GEMM on its workspace. bf16, weight_layout "nk", K and N
                multiples of 8; otherwise the call runs 'decomposed'.
 """
-import math
-from typing import Callable, Dict, Optional, Tuple
+import functools
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from flux import autotune
 from flux.autotune.space import Candidate
-from flux.ops._checks import Signature, check_collectively
-from flux.ops._checks import FluxInputError
-from flux.ops._common import (aligned16, can_skip_dispatcher, check_gemm_args, check_out_arg, check_same_device,
-                              choose_and_check, deliver, fused_ineligible, gemm_into, local_gemm, log_fallback,
-                              output, overlap_ineligible, weight_nk_shape)
-from flux.runtime import (all_gather_dim0, gloo_carries_cuda, group_device, group_from_name, group_name, resolve_group,
-                          symm, traceable_all_gather_dim0, traceable_reduce_scatter_dim0)
+from flux.ops import _plans
+from flux.ops._checks import FluxInputError, Signature, check_collectively
+from flux.ops._common import (call_mode, check_gemm_args, check_out_arg, check_same_device, choose_and_check,
+                              deliver, local_gemm, weight_nk_shape)
+from flux.runtime import (all_gather_dim0, group_device, group_from_name, group_name, reduce_scatter_dim0,
+                          resolve_group, traceable_all_gather_dim0, traceable_reduce_scatter_dim0)
 
 OP = "flux.ag_gemm"
-
-# A strategy computes (out, gathered) from checked arguments; ``gathered`` may be None
-# when not asked for. Every strategy computes the same function as the reference.
-Strategy = Callable[..., Tuple[torch.Tensor, Optional[torch.Tensor]]]
+NAME = "ag_gemm"
+STRATEGIES = ("sequential", "decomposed", "oneshot", "fused")
+_LAYOUT, _DTYPE = _plans.LAYOUT_CODES, _plans.DTYPE_CODES
 
 
 def _sequential(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                 group: dist.ProcessGroup, weight_layout: str, out_dtype: Optional[torch.dtype],
                 need_gathered: bool, out: Optional[torch.Tensor] = None):
+    """The reference in Python: all-gather (NCCL or gloo), then one GEMM."""
     gathered = all_gather_dim0(input, group)
     n, k = weight_nk_shape(weight, weight_layout)
     res = local_gemm(gathered.reshape(-1, k), weight, bias, weight_layout, out_dtype)
     return deliver(res.reshape(*gathered.shape[:-1], n), out), gathered
-
-
-def _push_shard(ws, a: torch.Tensor, rank: int, world: int, level_flags: bool = False, started: bool = False,
-                kernel_put: bool = False):
-    """Enqueue, on the communication stream after the current stream's work so far: the
-    entry barrier, then copy-engine pushes of this rank's shard ``a`` ([rows, K]) into slot
-    ``rank`` of every peer's workspace ([world, rows, K]), in rotated order (rank+1 first),
-    each followed by a signal: a self-resetting put, or a level flag for the fused kernel
-    (both stream writes, which need no SM; ``kernel_put``: the put as a kernel, for the ablation).
-    ``started``: the barrier raises its "started" slot, which the caller must consume
-    (``ws.wait_started()``). Returns (the communication stream, an event recorded right after
-    the barrier, an event recorded right after the first push)."""
-    rows, k = a.shape
-    comm = symm.comm_stream()
-    after_barrier = ws.barrier_on(comm, started=started)
-    first_pushed = torch.cuda.Event()
-    with torch.cuda.stream(comm):
-        for step in range(1, 1 if symm.transfers_dropped() else world):  # (a test hook can send nothing)
-            peer = (rank + step) % world
-            ws.view(peer, (world, rows, k), a.dtype)[rank].copy_(a)  # copy engine, over NVLink
-            if level_flags:
-                ws.set_flag(peer)
-            else:
-                ws.put(peer, kernel=kernel_put)
-            if step == 1:
-                first_pushed.record()
-        if symm.transfers_dropped() or world == 1:
-            first_pushed.record()
-    return comm, after_barrier, first_pushed
-
-
-def _decomposed(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                group: dist.ProcessGroup, weight_layout: str, out_dtype: Optional[torch.dtype],
-                need_gathered: bool, out: Optional[torch.Tensor] = None, wait_barrier: int = 0,
-                kernel_put: int = 0, side_wait: int = 1, first8: int = 8):
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    reason = "world size 1" if world == 1 else overlap_ineligible(OP, "decomposed", input, group, out_dtype)
-    if reason:
-        log_fallback(OP, "decomposed", reason)
-        return _sequential(input, weight, bias, group, weight_layout, out_dtype, need_gathered, out)
-    n, k = weight_nk_shape(weight, weight_layout)
-    a = input.reshape(-1, k)
-    rows = a.shape[0]
-    lead = _lead_rows(rows, world, first8)
-    ws = symm.get_workspace(group, world * rows * k * a.element_size())
-    slots = ws.view(rank, (world, rows, k), a.dtype)  # slot p: rank p's shard, pushed by p
-    out = output(out, (world * rows, n), a.dtype, a.device)
-    comm, after_barrier, first_pushed = _push_shard(ws, a, rank, world, started=not wait_barrier,
-                                                    kernel_put=bool(kernel_put))
-    # first8 < 8 (world size 2): the first GEMM takes `lead` of the local rows (rank 0 its first,
-    # rank 1 its last), the second every other row, the rest of the local rows lying next to the
-    # peer's in the workspace once copied into the own slot. That copy stays within this GPU, and
-    # such copies wait for free SMs (bench/probe_copy_sm.py): it runs as the first GEMM winds down.
-    lo, hi = (0, lead) if rank == 0 else (rows - lead, rows)
-    own_copied = None
-    if lead < rows:
-        r0, r1 = (lead, rows) if rank == 0 else (0, rows - lead)
-        own_copied = torch.cuda.Event()
-        with torch.cuda.stream(comm):  # after the barrier: nobody reads this slot of an earlier call
-            slots[rank, r0:r1].copy_(a[r0:r1])
-            own_copied.record()
-    sources = [(rank - step) % world for step in range(1, world)]  # the peer whose step-th push comes here
-    # The waits for the peers' shards run on the signal stream, from when this rank's first push
-    # is done (the local GEMM's CTAs are all placed by then, so a wait kernel cannot take an SM
-    # from it): a one-warp kernel beside the GEMM's CTAs sees each signal while the GEMM runs, and
-    # the current stream passes an event instead of launching a wait kernel between two GEMMs
-    # (~3 us each on 2xH200, bench/profile_ops.py). side_wait=0: the waits on the current stream.
-    arrived = symm.waits_on_side(ws, sources, first_pushed) if side_wait else None
-    # The local GEMM must not start before the barrier kernel holds an SM. Else it races the
-    # barrier kernel for the SMs: where the GEMM wins on one rank, that rank's barrier, and so
-    # its pushes, wait for the whole local GEMM, and the peers' second GEMMs wait for those
-    # pushes (measured on 2xH200, 16384x8192x4096: 1.65 ms instead of 1.38). Waiting for the
-    # kernel to run costs a launch; waiting for it to pass also costs the peers' arrival.
-    if not wait_barrier:
-        ws.wait_started()
-    else:
-        torch.cuda.current_stream().wait_event(after_barrier)
-    gemm_into(out[rank * rows + lo:rank * rows + hi], a[lo:hi], weight, bias, weight_layout)
-    for i, src in enumerate(sources):
-        if arrived is not None:
-            torch.cuda.current_stream().wait_event(arrived[i])
-        else:
-            ws.wait(src)
-        if own_copied is None:
-            gemm_into(out[src * rows:(src + 1) * rows], slots[src], weight, bias, weight_layout)
-    if own_copied is not None:  # one GEMM over the peer's rows and the rest of this rank's
-        torch.cuda.current_stream().wait_event(own_copied)
-        g0, g1 = (lead, world * rows) if rank == 0 else (0, world * rows - lead)
-        gemm_into(out[g0:g1], slots.view(world * rows, k)[g0:g1], weight, bias, weight_layout)
-    gathered = None
-    if need_gathered:
-        gathered = torch.empty((world, rows, k), dtype=a.dtype, device=a.device)
-        gathered.copy_(slots)  # every slot but this rank's own is filled (the waits above)
-        gathered[rank].copy_(a)
-        gathered = gathered.view(world * input.shape[0], *input.shape[1:])
-    torch.cuda.current_stream().wait_stream(comm)  # later barriers and frees come after the copies
-    return out.view(world * input.shape[0], *input.shape[1:-1], n), gathered
-
-
-def _lead_rows(rows: int, world: int, first8: int) -> int:
-    """Rows of the first GEMM of ``decomposed(first8=f)``: f eighths of the local rows (world
-    size 2 only; all of them where that leaves either GEMM without rows)."""
-    if first8 == 8:
-        return rows
-    lead = rows * first8 // 8
-    if world != 2 or not 0 < lead < rows:
-        log_fallback(OP, f"decomposed(first8={first8})",
-                     f"needs world size 2 and 0 < {first8}/8 of {rows} rows < {rows}", to="decomposed")
-        return rows
-    return lead
-
-
-def _oneshot(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-             group: dist.ProcessGroup, weight_layout: str, out_dtype: Optional[torch.dtype],
-             need_gathered: bool, out: Optional[torch.Tensor] = None):
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    reason = "world size 1" if world == 1 else overlap_ineligible(OP, "oneshot", input, group, out_dtype)
-    if reason:
-        log_fallback(OP, "oneshot", reason)
-        return _sequential(input, weight, bias, group, weight_layout, out_dtype, need_gathered, out)
-    n, k = weight_nk_shape(weight, weight_layout)
-    a = input.reshape(-1, k)
-    rows = a.shape[0]
-    ws = symm.get_workspace(group, world * rows * k * a.element_size())
-    slots = ws.view(rank, (world, rows, k), a.dtype)
-    out = output(out, (world * rows, n), a.dtype, a.device)
-    comm, after_barrier, _ = _push_shard(ws, a, rank, world)
-    # This rank's own slot is written only after the barrier: a peer may still be reading this
-    # region of the workspace for an earlier call of another op (gemm_rs oneshot pulls from it).
-    torch.cuda.current_stream().wait_event(after_barrier)
-    slots[rank].copy_(a)
-    for step in range(1, world):
-        ws.wait((rank - step) % world)
-    gathered2d = slots.view(world * rows, k)
-    gemm_into(out, gathered2d, weight, bias, weight_layout)
-    gathered = gathered2d.clone().view(world * input.shape[0], *input.shape[1:]) if need_gathered else None
-    torch.cuda.current_stream().wait_stream(comm)
-    return out.view(world * input.shape[0], *input.shape[1:-1], n), gathered
-
-
-def _fused_swizzle(m: int, n: int) -> int:
-    # Tile order of the fused kernel (N fastest inside bands of `swizzle` M tiles), from the
-    # kernel alone on H200 (bench/results/bench_fused_gemm-h200-run1.json): bands of 8 pay when
-    # both dimensions are large (8192x8192x14336: 2.50 ms against 2.74 with bands of 1) and
-    # cost up to 2x when there are few M tiles (the grid pads to whole bands) or few N tiles
-    # (8192x8192x5120: 1.18 against 0.90 ms).
-    return 8 if m >= 4096 and n >= 12288 else 1
-
-
-def _fused(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-           group: dist.ProcessGroup, weight_layout: str, out_dtype: Optional[torch.dtype],
-           need_gathered: bool, out: Optional[torch.Tensor] = None, swizzle: Optional[int] = None,
-           config: int = 0):
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    reason = "world size 1" if world == 1 else fused_ineligible(OP, input, weight, group, weight_layout, out_dtype)
-    if reason:
-        log_fallback(OP, "fused", reason, to="decomposed")
-        return _decomposed(input, weight, bias, group, weight_layout, out_dtype, need_gathered, out)
-    n, k = weight_nk_shape(weight, weight_layout)
-    a = input.reshape(-1, k)
-    rows = a.shape[0]
-    ws = symm.get_workspace(group, world * rows * k * a.element_size())
-    full = ws.view(rank, (world * rows, k), a.dtype)
-    flags = ws.flags()
-    current = torch.cuda.current_stream()
-    # TMA needs 16-byte aligned bases: a caller's tensors at odd offsets go through aligned
-    # copies (a rank-local choice: the signals are the same either way).
-    dest = out if out is None or out.data_ptr() % 16 == 0 else None
-    res = output(dest, (world * rows, n), a.dtype, a.device)
-    w_ok, b_ok = aligned16(weight), aligned16(bias)
-    flags.zero_()  # after this rank's previous fused GEMM (the only reader) in stream order
-    comm, barrier_done, _ = _push_shard(ws, a, rank, world, level_flags=True)
-    current.wait_event(barrier_done)  # before the own rows land: a peer may still read this region
-    full[rank * rows:(rank + 1) * rows].copy_(a)
-    if gloo_carries_cuda():
-        # Ranks sharing a GPU (tests only): a copy between two buffers of one GPU runs on its SMs,
-        # which this persistent kernel would hold while it waits for that GPU's other rank, whose
-        # kernel would likewise hold back the copy it waits for. Push before launching instead.
-        current.wait_stream(comm)
-    torch.ops.flux.ag_gemm_fused_(res, full, w_ok, b_ok, flags, rank, world, rows, symm.timeout_ms(),
-                                  symm.error_record_ptr(), 1, swizzle or _fused_swizzle(world * rows, n), config)
-    out = res if out is None or dest is not None else deliver(res, out)
-    # Every peer's rows were waited for by the kernel, so the workspace holds them all now.
-    gathered = full.clone().view(world * input.shape[0], *input.shape[1:]) if need_gathered else None
-    current.wait_stream(comm)
-    return out.view(world * input.shape[0], *input.shape[1:-1], n), gathered
-
-
-STRATEGIES: Dict[str, Strategy] = {"sequential": _sequential, "decomposed": _decomposed, "oneshot": _oneshot,
-                                   "fused": _fused}
 
 
 def available_strategies(device: torch.device):
@@ -301,58 +113,133 @@ def _check(input, weight, bias, group, weight_layout, out_dtype) -> None:
     check_collectively(_signature(input, weight, bias, group, weight_layout, out_dtype), group)
 
 
+def prepare_strategy(name: str, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+                     group: Optional[dist.ProcessGroup] = None, weight_layout: str = "nk",
+                     out_dtype: Optional[torch.dtype] = None, return_gathered: bool = False,
+                     out: Optional[torch.Tensor] = None, check: bool = True, **params):
+    """A zero-argument callable that enqueues one call of strategy ``name`` (with its
+    parameters) on these very tensors and returns ``(out, gathered or None)``: the plan is made
+    once, here (benchmarks, tests, the autotuner). Collective, like the op."""
+    group = resolve_group(group, OP)
+    if name not in STRATEGIES:
+        raise ValueError(f"{OP}: unknown strategy {name!r}; known: {list(STRATEGIES)}")
+    if check:
+        _check(input, weight, bias, group, weight_layout, out_dtype)
+    reference = functools.partial(_sequential, input, weight, bias, group, weight_layout, out_dtype, return_gathered)
+    return _plans.prepare(NAME, Candidate.of(name, **params), input, weight, bias, group, weight_layout, out_dtype,
+                          return_gathered, out, reference)
+
+
 def run_strategy(name: str, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                  group: Optional[dist.ProcessGroup] = None, weight_layout: str = "nk",
                  out_dtype: Optional[torch.dtype] = None, return_gathered: bool = False, check: bool = True,
                  **params):
     """Run one named strategy with its parameters, if any (benchmarks, tests, the autotuner):
-    same arguments and result as ``flux.ag_gemm``, bypassing the dispatcher and the choice."""
-    group = resolve_group(group, OP)
-    if name not in STRATEGIES:
-        raise ValueError(f"{OP}: unknown strategy {name!r}; known: {sorted(STRATEGIES)}")
-    if check:
-        _check(input, weight, bias, group, weight_layout, out_dtype)
-    out, gathered = STRATEGIES[name](input, weight, bias, group, weight_layout, out_dtype, return_gathered, **params)
+    same arguments and result as ``flux.ag_gemm``, bypassing the choice."""
+    out, gathered = prepare_strategy(name, input, weight, bias, group=group, weight_layout=weight_layout,
+                                     out_dtype=out_dtype, return_gathered=return_gathered, check=check, **params)()
     return (out, gathered) if return_gathered else out
 
 
-def _ag_gemm_impl(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group_name: str,
-                weight_layout: str, out_dtype: Optional[torch.dtype],
-                return_gathered: bool, out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    group = group_from_name(group_name)
+def _ag_gemm_impl(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group: dist.ProcessGroup,
+                  weight_layout: str, out_dtype: Optional[torch.dtype], return_gathered: bool,
+                  out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The slow path: check, exchange, choose (or tune), run, and leave a plan for the hot path."""
     world = dist.get_world_size(group)
     sig = _signature(input, weight, bias, group, weight_layout, out_dtype)
     if sig.error is None:
         n, _ = weight_nk_shape(weight, weight_layout)
         check_out_arg(sig, out, (input.shape[0] * world, *input.shape[1:-1], n), out_dtype or input.dtype, input,
                       (input, weight, bias))
+        if out is not None and return_gathered:
+            sig.fail("out= cannot be combined with return_gathered=True")
     else:
         sig.add("out is given", out is not None)
     rows = input.numel() // input.shape[-1] if input.dim() >= 1 and input.shape[-1] else 0
-    problem, cand, tune_now = choose_and_check(sig, "ag_gemm", input, weight, weight_layout, out_dtype, group,
+    problem, cand, tune_now = choose_and_check(sig, NAME, input, weight, weight_layout, out_dtype, group,
                                                rows * world)
-
-    def run(c, dest=None):
-        return STRATEGIES[c.strategy](input, weight, bias, group, weight_layout, out_dtype, return_gathered,
-                                      dest, **c.kwargs)
-
+    reference = functools.partial(_sequential, input, weight, bias, group, weight_layout, out_dtype, return_gathered)
     if tune_now:  # tuned on scratch outputs: the caller's out is written once, below
+        def run(c, dest=None):
+            return _plans.prepare(NAME, c, input, weight, bias, group, weight_layout, out_dtype, return_gathered,
+                                  dest, reference)()
         cand = Candidate.parse(autotune.tune(problem, run, group, input.device)["choice"])
-    res, gathered = run(cand, None if out is None else out.view(math.prod(out.shape[:-1]), out.shape[-1]))
-    if not return_gathered or gathered is None:
-        gathered = input.new_empty((0,))
-    return res, gathered
+    return _plans.run_and_remember(NAME, cand, input, weight, bias, group, weight_layout, out_dtype,
+                                   return_gathered, out, reference)
 
 
+def _forward(input, weight, bias, group, weight_layout, out_dtype, return_gathered, out=None):
+    """(out, gathered or None): the plan of this problem if there is one, else the slow path."""
+    rt = _plans.hot_runtime(group)
+    if rt is not None:
+        r = rt.call(0, input, weight, bias, out, _LAYOUT.get(weight_layout, -1), _DTYPE.get(out_dtype, -2),
+                    return_gathered)
+        if r is not None:
+            return r
+    return _ag_gemm_impl(input, weight, bias, group, weight_layout, out_dtype, return_gathered, out)
+
+
+def _grads(needs, grad_out, grad_gathered, input, weight, gathered, group, layout, has_bias, traceable):
+    """(d input, d weight, d bias) of ``out = all_gather(input) @ W (+ bias)``: d input is a
+    GEMM+ReduceScatter (flux.gemm_rs), d weight a local GEMM over the gathered input (gathered
+    again where the forward did not keep it)."""
+    from flux.ops.gemm_rs import gemm_rs  # the two op families are each other's backward
+
+    n, k = weight_nk_shape(weight, layout)
+    grad_bias = grad_out.reshape(-1, n).sum(0) if has_bias and needs[2] else None
+    grad_out = grad_out.to(input.dtype).contiguous()
+    grad_input = grad_weight = None
+    if needs[0]:
+        # d input = reduce_scatter(grad_out @ W): W [N, K] read as [K_in=N, N_out=K] is the other layout.
+        grad_input = gemm_rs(grad_out, weight, group=group, weight_layout="kn" if layout == "nk" else "nk")
+        if grad_gathered is not None and grad_gathered.numel() > 0:
+            rs = traceable_reduce_scatter_dim0 if traceable else reduce_scatter_dim0
+            grad_input = grad_input + rs(grad_gathered.to(input.dtype), group)
+    if needs[1]:
+        if gathered is None or gathered.numel() == 0:
+            gathered = (traceable_all_gather_dim0 if traceable else all_gather_dim0)(input, group)
+        g2d, a2d = grad_out.reshape(-1, n), gathered.reshape(-1, k)
+        grad_weight = g2d.t() @ a2d if layout == "nk" else a2d.t() @ g2d
+    return grad_input, grad_weight, grad_bias
+
+
+class _AgGemmFunction(torch.autograd.Function):
+    """Eager autograd without the dispatcher's custom-op layer (its Python costs ~0.1 ms a call):
+    the forward is the op's own path (plan or slow path), keeping the gathered input for the
+    weight's gradient."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, group, weight_layout, out_dtype, return_gathered):
+        keep = bool(ctx.needs_input_grad[1])
+        out, gathered = _forward(input, weight, bias, group, weight_layout, out_dtype, return_gathered or keep)
+        ctx.group, ctx.layout, ctx.has_bias, ctx.return_gathered = group, weight_layout, bias is not None, return_gathered
+        ctx.save_for_backward(input, weight, gathered if keep else None)
+        if return_gathered:
+            return out, gathered
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out, *grad_rest):
+        input, weight, gathered = ctx.saved_tensors
+        grad_gathered = grad_rest[0] if ctx.return_gathered else None
+        grads = _grads(ctx.needs_input_grad, grad_out, grad_gathered, input, weight, gathered, ctx.group, ctx.layout,
+                       ctx.has_bias, traceable=False)
+        return (*grads, None, None, None, None)
+
+
+# The dispatcher-visible op (torch.compile, fake tensors, tensor subclasses): schema, fake
+# implementation and autograd formula. The group travels as its name.
 def _ag_gemm_op_impl(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group_name: str,
                      weight_layout: str, out_dtype: Optional[torch.dtype],
                      return_gathered: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    return _ag_gemm_impl(input, weight, bias, group_name, weight_layout, out_dtype, return_gathered)
+    out, gathered = _forward(input, weight, bias, group_from_name(group_name), weight_layout, out_dtype,
+                             return_gathered)
+    return out, gathered if return_gathered and gathered is not None else input.new_empty((0,))
 
 
 def _ag_gemm_out_impl(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group_name: str,
                       weight_layout: str, out_dtype: Optional[torch.dtype], out: torch.Tensor) -> None:
-    _ag_gemm_impl(input, weight, bias, group_name, weight_layout, out_dtype, False, out)
+    _forward(input, weight, bias, group_from_name(group_name), weight_layout, out_dtype, False, out)
 
 
 _ag_gemm_op = torch.library.custom_op("flux::ag_gemm", mutates_args=())(_ag_gemm_op_impl)
@@ -381,32 +268,14 @@ def _setup_context(ctx, inputs, output):
     input, weight, bias, gname, weight_layout, out_dtype, return_gathered = inputs
     _, gathered = output
     ctx.gname, ctx.weight_layout, ctx.has_bias = gname, weight_layout, bias is not None
-    ctx.have_gathered = return_gathered
     ctx.save_for_backward(input, weight, gathered if return_gathered else None)
 
 
 def _backward(ctx, grad_out, grad_gathered):
-    from flux.ops.gemm_rs import gemm_rs  # the two op families are each other's backward
-
     input, weight, gathered = ctx.saved_tensors
-    group = group_from_name(ctx.gname)
-    layout = ctx.weight_layout
-    n, k = weight_nk_shape(weight, layout)
-    grad_bias = grad_out.reshape(-1, n).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-    grad_out = grad_out.to(input.dtype).contiguous()
-    grad_input = grad_weight = None
-    if ctx.needs_input_grad[0]:
-        # d input = reduce_scatter(grad_out @ W): W [N, K] read as [K_in=N, N_out=K] is the other layout.
-        grad_input = gemm_rs(grad_out, weight, group=group, weight_layout="kn" if layout == "nk" else "nk")
-        if grad_gathered is not None and grad_gathered.numel() > 0:
-            grad_input = grad_input + traceable_reduce_scatter_dim0(grad_gathered.to(input.dtype), group)
-    g2d = grad_out.reshape(-1, n)
-    if ctx.needs_input_grad[1]:
-        if gathered is None:
-            gathered = traceable_all_gather_dim0(input, group)
-        a2d = gathered.reshape(-1, k)
-        grad_weight = g2d.t() @ a2d if layout == "nk" else a2d.t() @ g2d
-    return grad_input, grad_weight, grad_bias, None, None, None, None
+    grads = _grads(ctx.needs_input_grad, grad_out, grad_gathered, input, weight, gathered,
+                   group_from_name(ctx.gname), ctx.weight_layout, ctx.has_bias, traceable=True)
+    return (*grads, None, None, None, None)
 
 
 torch.library.register_autograd("flux::ag_gemm", _backward, setup_context=_setup_context)
@@ -430,7 +299,8 @@ def ag_gemm(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
         group: the tensor-parallel process group (default: the world); NCCL for CUDA
             tensors, gloo for CPU tensors.
         weight_layout: ``"nk"`` or ``"kn"``.
-        out_dtype: dtype of ``out`` (default: ``input.dtype``).
+        out_dtype: dtype of ``out`` (default: ``input.dtype``); fp32 from bf16/fp16 runs the
+            GEMMs on the tensor cores with an fp32 output.
         return_gathered: also return the gathered input (backward needs it).
         out: a contiguous tensor of the result's shape and dtype to write the result into
             (then returned); no autograd, and not with ``return_gathered``.
@@ -443,16 +313,28 @@ def ag_gemm(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
         FluxInputError, on every rank of the group alike and before any data moves, when
         the arguments are invalid on some rank or differ between ranks.
     """
+    # Hot path: a plan made by an earlier call of the same problem, enqueued from C++.
+    rt = _plans.hot_runtime(group)
+    mode = call_mode(input, weight, bias, out)
+    if rt is not None and mode == 0:
+        r = rt.call(0, input, weight, bias, out, _LAYOUT.get(weight_layout, -1), _DTYPE.get(out_dtype, -2),
+                    return_gathered)
+        if r is not None:
+            return out if out is not None else (r if return_gathered else r[0])
     group = resolve_group(group, OP)
     if out is not None:
-        direct = can_skip_dispatcher(input, weight, bias, out, grad_matters=False)
         if return_gathered:
             raise FluxInputError(f"{OP}: out= cannot be combined with return_gathered=True")
-        if direct:
-            _ag_gemm_impl(input, weight, bias, group_name(group), weight_layout, out_dtype, False, out)
-        else:
+        if mode == 2:
             torch.ops.flux.ag_gemm_out(input, weight, bias, group_name(group), weight_layout, out_dtype, out)
+        else:  # the slow path refuses out= with tensors that need gradients, on every rank alike
+            _ag_gemm_impl(input, weight, bias, group, weight_layout, out_dtype, False, out)
         return out
-    op = _ag_gemm_op_impl if can_skip_dispatcher(input, weight, bias) else torch.ops.flux.ag_gemm
-    res, gathered = op(input, weight, bias, group_name(group), weight_layout, out_dtype, return_gathered)
+    if mode == 0:
+        res, gathered = _ag_gemm_impl(input, weight, bias, group, weight_layout, out_dtype, return_gathered)
+        return (res, gathered) if return_gathered else res
+    if mode == 1:
+        return _AgGemmFunction.apply(input, weight, bias, group, weight_layout, out_dtype, return_gathered)
+    res, gathered = torch.ops.flux.ag_gemm(input, weight, bias, group_name(group), weight_layout, out_dtype,
+                                           return_gathered)
     return (res, gathered) if return_gathered else res

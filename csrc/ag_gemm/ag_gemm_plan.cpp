@@ -1,0 +1,209 @@
+// The strategies of flux.ag_gemm as flux::Runtime enqueues them: out = all_gather(input) @ W (+ bias).
+// flux/ops/ag_gemm.py's docstring draws each one's stream timeline; the comments here say what
+// each step waits for and why.
+#include <ATen/cuda/CUDAContext.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include "common/check.h"
+#include "ops.h"
+#include "runtime/runtime.h"
+
+namespace flux {
+namespace {
+
+int64_t lead_rows(const Plan& p, int64_t world) {
+  // decomposed(first8=f), world size 2: the first GEMM takes f eighths of the local rows (the
+  // slow path checked that this leaves both GEMMs rows).
+  if (p.first8 >= 8 || world != 2) return p.rows;
+  const int64_t lead = p.rows * p.first8 / 8;
+  return lead > 0 && lead < p.rows ? lead : p.rows;
+}
+
+at::Tensor output(const std::optional<at::Tensor>& out, int64_t rows, int64_t n, const at::Tensor& like,
+                  at::ScalarType dtype) {
+  return out.has_value() ? out->view({rows, n}) : at::empty({rows, n}, like.options().dtype(dtype));
+}
+
+int64_t fused_swizzle(int64_t m, int64_t n) {
+  // Tile order of the fused kernel (N fastest inside bands of `swizzle` M tiles), from the kernel
+  // alone on H200: bands of 8 pay when both dimensions are large (8192x8192x14336: 2.50 ms against
+  // 2.74 with bands of 1) and cost up to 2x when there are few M tiles (the grid pads to whole
+  // bands) or few N tiles (8192x8192x5120: 1.18 against 0.90 ms).
+  return m >= 4096 && n >= 12288 ? 8 : 1;
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> Runtime::ag_sequential(const Plan& p, const at::Tensor& input,
+                                                          const at::Tensor& weight,
+                                                          const std::optional<at::Tensor>& bias,
+                                                          const std::optional<at::Tensor>& out_arg) {
+  at::Tensor a = input.view({-1, p.k});
+  at::Tensor gathered = at::empty({world_ * p.rows, p.k}, a.options());
+  auto cur = at::cuda::getCurrentCUDAStream(device_.index()).stream();
+  // The token check costs one small kernel; it keeps a divergent call from being paired with
+  // another call's all-gather (a mismatched NCCL call hangs or mixes data).
+  if (!ws_ptrs_.empty()) barrier(cur, p.token, false);
+  pg_->_allgather_base(gathered, a)->wait();  // the current stream waits for NCCL's
+  at::Tensor out = output(out_arg, world_ * p.rows, p.n, a, p.out_dtype);
+  gemm_into(out, gathered, weight, bias, p.nk);
+  return {out.view(p.out_shape), p.gathered ? gathered.view(p.gathered_shape) : at::Tensor()};
+}
+
+std::tuple<at::Tensor, at::Tensor> Runtime::ag_decomposed(const Plan& p, const at::Tensor& input,
+                                                          const at::Tensor& weight,
+                                                          const std::optional<at::Tensor>& bias,
+                                                          const std::optional<at::Tensor>& out_arg) {
+  constexpr const char* op = "ag_gemm decomposed";
+  check_workspace(p, op);
+  FLUX_CHECK(world_ <= 64, op, "at most 64 ranks");
+  const int64_t W = world_, r = rank_, rows = p.rows, k = p.k;
+  at::Tensor a = input.view({-1, k});
+  const size_t es = a.element_size(), shard = rows * k * es;
+  at::Tensor slots = view(buffer(r), {W * rows, k}, a.scalar_type());  // rows of rank s at s * rows, pushed by s
+  at::Tensor out = output(out_arg, W * rows, p.n, a, p.out_dtype);
+  const int64_t lead = lead_rows(p, W);
+  cudaStream_t cur = at::cuda::getCurrentCUDAStream(device_.index()).stream();
+
+  // comm: the entry barrier (after the current stream's work so far: every peer's earlier reads
+  // of our workspace are done once it passes), then a push of the shard into slot r of every
+  // peer, rank + 1 first, each followed by its signal.
+  join(comm_, cur);
+  barrier(comm_, p.token, /*started=*/true);
+  cudaEvent_t first_pushed = event();
+  for (int64_t step = 1; step < (drop_transfers_ ? 1 : W); ++step) {
+    const int64_t peer = (r + step) % W;
+    copy(buffer(peer) + r * shard, a.data_ptr(), shard, comm_);  // copy engine, over NVLink
+    put(comm_, peer, kDataChannel);
+    if (step == 1) record(first_pushed, comm_);
+  }
+  if (drop_transfers_) record(first_pushed, comm_);
+  // first8 (world size 2): the first GEMM takes `lead` local rows (rank 0 its first, rank 1 its
+  // last), the second every other row; the rest of the local rows is copied into the own slot next
+  // to the peer's (after the barrier: nobody reads this slot of an earlier call by then).
+  const int64_t lo = r == 0 ? 0 : rows - lead, hi = r == 0 ? lead : rows;
+  cudaEvent_t own_copied = nullptr;
+  if (lead < rows) {
+    const int64_t r0 = r == 0 ? lead : 0, r1 = r == 0 ? rows : rows - lead;
+    own_copied = event();
+    copy(buffer(r) + r * shard + r0 * k * es, static_cast<const char*>(a.data_ptr()) + r0 * k * es,
+         (r1 - r0) * k * es, comm_);
+    record(own_copied, comm_);
+  }
+  // signal: the waits for the peers' shards, from the end of this rank's first push (the local
+  // GEMM's CTAs are placed by then, so a wait kernel takes no SM from it); a one-warp kernel
+  // beside the GEMM sees each signal while the GEMM runs, and the current stream passes an event.
+  std::array<cudaEvent_t, 64> arrived{};
+  wait_event(signal_, first_pushed);
+  for (int64_t step = 1; step < W; ++step) {
+    wait_signal(signal_, (r - step + W) % W, kDataChannel);
+    arrived[step] = event();
+    record(arrived[step], signal_);
+  }
+  // current: the local GEMM may not start before the barrier kernel holds an SM, or it can take
+  // them all and hold this rank's pushes (and so the peers' GEMMs) back by a whole GEMM.
+  wait_started(cur);
+  gemm_into(out.narrow(0, r * rows + lo, hi - lo), a.narrow(0, lo, hi - lo), weight, bias, p.nk);
+  for (int64_t step = 1; step < W; ++step) {
+    const int64_t src = (r - step + W) % W;
+    wait_event(cur, arrived[step]);
+    if (own_copied == nullptr) {
+      gemm_into(out.narrow(0, src * rows, rows), slots.narrow(0, src * rows, rows), weight, bias, p.nk);
+    }
+  }
+  if (own_copied != nullptr) {  // one GEMM over the peer's rows and the rest of this rank's
+    wait_event(cur, own_copied);
+    const int64_t g0 = r == 0 ? lead : 0, g1 = r == 0 ? W * rows : W * rows - lead;
+    gemm_into(out.narrow(0, g0, g1 - g0), slots.narrow(0, g0, g1 - g0), weight, bias, p.nk);
+  }
+  at::Tensor gathered;
+  if (p.gathered) {
+    gathered = at::empty({W * rows, k}, a.options());
+    copy(gathered.data_ptr(), slots.data_ptr(), W * shard, cur);  // every slot but ours is filled
+    copy(static_cast<char*>(gathered.data_ptr()) + r * shard, a.data_ptr(), shard, cur);
+    gathered = gathered.view(p.gathered_shape);
+  }
+  join(cur, comm_);  // later barriers, and frees of the input, come after the pushes
+  return {out.view(p.out_shape), gathered};
+}
+
+std::tuple<at::Tensor, at::Tensor> Runtime::ag_oneshot(const Plan& p, const at::Tensor& input,
+                                                       const at::Tensor& weight,
+                                                       const std::optional<at::Tensor>& bias,
+                                                       const std::optional<at::Tensor>& out_arg) {
+  check_workspace(p, "ag_gemm oneshot");
+  const int64_t W = world_, r = rank_, rows = p.rows, k = p.k;
+  at::Tensor a = input.view({-1, k});
+  const size_t shard = rows * k * a.element_size();
+  at::Tensor slots = view(buffer(r), {W * rows, k}, a.scalar_type());
+  at::Tensor out = output(out_arg, W * rows, p.n, a, p.out_dtype);
+  cudaStream_t cur = at::cuda::getCurrentCUDAStream(device_.index()).stream();
+  join(comm_, cur);
+  barrier(comm_, p.token, false);
+  cudaEvent_t after_barrier = event();
+  record(after_barrier, comm_);
+  for (int64_t step = 1; step < (drop_transfers_ ? 1 : W); ++step) {
+    const int64_t peer = (r + step) % W;
+    copy(buffer(peer) + r * shard, a.data_ptr(), shard, comm_);
+    put(comm_, peer, kDataChannel);
+  }
+  // The own slot is written only after the barrier: a peer may still read this region of the
+  // workspace for an earlier call of another op (gemm_rs oneshot reads it over NVLink).
+  wait_event(cur, after_barrier);
+  copy(buffer(r) + r * shard, a.data_ptr(), shard, cur);
+  for (int64_t step = 1; step < W; ++step) wait_signal(cur, (r - step + W) % W, kDataChannel);
+  gemm_into(out, slots, weight, bias, p.nk);
+  at::Tensor gathered = p.gathered ? slots.clone().view(p.gathered_shape) : at::Tensor();
+  join(cur, comm_);
+  return {out.view(p.out_shape), gathered};
+}
+
+std::tuple<at::Tensor, at::Tensor> Runtime::ag_fused(const Plan& p, const at::Tensor& input, const at::Tensor& weight,
+                                                     const std::optional<at::Tensor>& bias,
+                                                     const std::optional<at::Tensor>& out_arg) {
+  check_workspace(p, "ag_gemm fused");
+  const int64_t W = world_, r = rank_, rows = p.rows, k = p.k;
+  at::Tensor a = input.view({-1, k});
+  const size_t shard = rows * k * a.element_size();
+  at::Tensor full = view(buffer(r), {W * rows, k}, a.scalar_type());
+  at::Tensor flags = own_pad_slots(kFlagChannel * W, W);
+  cudaStream_t cur = at::cuda::getCurrentCUDAStream(device_.index()).stream();
+  // TMA needs 16-byte aligned bases: a caller's tensors at odd offsets go through aligned copies
+  // (a rank-local choice: the signals are the same either way).
+  const bool out_aligned = out_arg.has_value() && is_aligned(out_arg->data_ptr(), 16);
+  at::Tensor res = out_aligned ? out_arg->view({W * rows, p.n}) : at::empty({W * rows, p.n}, a.options());
+  const at::Tensor w = is_aligned(weight.data_ptr(), 16) ? weight : weight.clone();
+  std::optional<at::Tensor> b = bias;
+  if (b.has_value() && !is_aligned(b->data_ptr(), 16)) b = b->clone();
+  // Zeroed after this rank's previous fused GEMM (their only reader) in stream order, and before
+  // the barrier, which every peer passes before it sets any of them for this call.
+  FLUX_CUDA(cudaMemsetAsync(flags.data_ptr(), 0, W * sizeof(uint32_t), cur));
+  join(comm_, cur);
+  barrier(comm_, p.token, false);
+  cudaEvent_t barrier_done = event();
+  record(barrier_done, comm_);
+  for (int64_t step = 1; step < (drop_transfers_ ? 1 : W); ++step) {
+    const int64_t peer = (r + step) % W;
+    copy(buffer(peer) + r * shard, a.data_ptr(), shard, comm_);
+    // A level flag (many tiles read it), set by a stream write: no SM, the GEMM holds them all.
+    write_slot(comm_, peer, kFlagChannel * W + r, 1u);
+  }
+  // The GEMM starts after the barrier (a barrier kernel could not get an SM once the persistent
+  // GEMM runs); the own rows land only then, as a peer may still read this region.
+  wait_event(cur, barrier_done);
+  copy(buffer(r) + r * shard, a.data_ptr(), shard, cur);
+  if (push_before_fused_) join(cur, comm_);  // ranks sharing a GPU: a same-GPU copy needs SMs
+  ag_gemm_fused_(res, full, w, b, flags, r, W, rows, timeout_ms_, reinterpret_cast<int64_t>(error_record_), 1,
+                 p.swizzle > 0 ? p.swizzle : fused_swizzle(W * rows, p.n), p.config);
+  at::Tensor out = res;
+  if (out_arg.has_value() && !out_aligned) {
+    out = out_arg->view({W * rows, p.n});
+    out.copy_(res);
+  }
+  // Every peer's rows were waited for by the kernel, so the workspace holds them all now.
+  at::Tensor gathered = p.gathered ? full.clone().view(p.gathered_shape) : at::Tensor();
+  join(cur, comm_);
+  return {out.view(p.out_shape), gathered};
+}
+
+}  // namespace flux

@@ -1,0 +1,198 @@
+// The strategies of flux.gemm_rs as flux::Runtime enqueues them: out = reduce_scatter(input @ W) (+ bias).
+// flux/ops/gemm_rs.py's docstring draws each one's stream timeline; the comments here say what
+// each step waits for and why.
+#include <ATen/cuda/CUDAContext.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include "common/check.h"
+#include "ops.h"
+#include "runtime/runtime.h"
+
+namespace flux {
+namespace {
+
+at::Tensor output(const std::optional<at::Tensor>& out, int64_t rows, int64_t n, const at::Tensor& like,
+                  at::ScalarType dtype) {
+  return out.has_value() ? out->view({rows, n}) : at::empty({rows, n}, like.options().dtype(dtype));
+}
+
+std::optional<at::Tensor> aligned16(const std::optional<at::Tensor>& t) {
+  if (!t.has_value() || is_aligned(t->data_ptr(), 16)) return t;
+  return t->clone();
+}
+
+}  // namespace
+
+at::Tensor Runtime::rs_sequential(const Plan& p, const at::Tensor& input, const at::Tensor& weight,
+                                  const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& out_arg) {
+  at::Tensor a = input.view({-1, p.k});
+  auto cur = at::cuda::getCurrentCUDAStream(device_.index()).stream();
+  // The token check (see ag_sequential): a divergent call fails instead of meeting another
+  // call's reduce-scatter.
+  if (!ws_ptrs_.empty()) barrier(cur, p.token, false);
+  at::Tensor partial = at::empty({world_ * p.rows, p.n}, a.options().dtype(p.out_dtype));
+  gemm_into(partial, a, weight, std::nullopt, p.nk);
+  at::Tensor out = output(out_arg, p.rows, p.n, a, p.out_dtype);
+  pg_->_reduce_scatter_base(out, partial)->wait();  // the current stream waits for NCCL's
+  if (bias.has_value()) out.add_(*bias);  // once, after the reduction
+  return out.view(p.out_shape);
+}
+
+at::Tensor Runtime::rs_decomposed(const Plan& p, const at::Tensor& input, const at::Tensor& weight,
+                                  const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& out_arg,
+                                  bool p2p) {
+  check_workspace(p, p2p ? "gemm_rs decomposed_p2p" : "gemm_rs decomposed");
+  const int64_t W = world_, r = rank_, rows = p.rows, n = p.n;
+  at::Tensor a = input.view({-1, p.k});
+  // Partials in the output dtype: a wider out_dtype (fp32 from bf16/fp16) is computed, moved and
+  // summed in fp32 (the GEMMs multiply on the tensor cores in the input dtype).
+  const at::ScalarType pdt = p.out_dtype;
+  const size_t es = c10::elementSize(pdt), block_bytes = rows * n * es;
+  at::Tensor slots = view(buffer(r), {W, rows, n}, pdt);  // [s]: rank s's partial of our rows
+  // Everything is allocated before the first signal, so that an allocation failure cannot leave
+  // a signal half sent. The staging blocks are freed after the current stream has waited for the
+  // copies that read them (join below), in stream order.
+  at::Tensor out = output(out_arg, rows, n, a, p.out_dtype);
+  at::Tensor staging = p2p ? at::Tensor() : at::empty({W - 1, rows, n}, a.options().dtype(pdt));
+  const int64_t chunks = std::max<int64_t>(1, std::min(p.chunks, rows));
+  cudaStream_t cur = at::cuda::getCurrentCUDAStream(device_.index()).stream();
+  cudaEvent_t after_barrier = nullptr, first_pushed = nullptr;
+  if (p2p) {
+    barrier(cur, p.token, false);  // the first GEMM already writes into a peer's workspace
+  } else {
+    join(comm_, cur);
+    barrier(comm_, p.token, /*started=*/true);
+    after_barrier = event();
+    record(after_barrier, comm_);
+    first_pushed = event();
+    wait_started(cur);  // the first GEMM may not take every SM before the barrier kernel runs
+  }
+  // The peers' blocks first, rank + 1's first, each pushed while the next one computes.
+  for (int64_t step = 1; step < W; ++step) {
+    const int64_t peer = (r + step) % W;
+    char* dest = buffer(peer) + r * block_bytes;  // slot r of the peer's workspace
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t r0 = rows * c / chunks, r1 = rows * (c + 1) / chunks;
+      at::Tensor block = a.narrow(0, peer * rows + r0, r1 - r0);
+      if (p2p) {
+        gemm_into(view(dest + r0 * n * es, {r1 - r0, n}, pdt), block, weight, std::nullopt, p.nk);
+        put(cur, peer, kDataChannel + (int)c);  // stores over NVLink, then the signal
+      } else {
+        at::Tensor staged = staging[step - 1].narrow(0, r0, r1 - r0);
+        gemm_into(staged, block, weight, std::nullopt, p.nk);
+        join(comm_, cur);
+        copy(dest + r0 * n * es, staged.data_ptr(), (r1 - r0) * n * es, comm_);  // copy engine, over NVLink
+        put(comm_, peer, kDataChannel + (int)c);
+        if (step == 1 && c == 0) record(first_pushed, comm_);
+      }
+    }
+  }
+  // The waits for the peers' partials on the signal stream, from the end of the first push (as in
+  // ag_gemm's decomposed), so the reduction follows the last GEMM through an event.
+  cudaEvent_t arrived = nullptr;
+  if (!p2p) {
+    wait_event(signal_, first_pushed);
+    for (int64_t step = 1; step < W; ++step) {
+      for (int64_t c = 0; c < chunks; ++c) wait_signal(signal_, (r - step + W) % W, kDataChannel + (int)c);
+    }
+    arrived = event();
+    record(arrived, signal_);
+    wait_event(cur, after_barrier);  // long passed: a peer may read this workspace until then
+  }
+  gemm_into(slots[r], a.narrow(0, r * rows, rows), weight, std::nullopt, p.nk);  // own block, into own slot
+  if (!p2p) {
+    wait_event(cur, arrived);
+  } else {
+    for (int64_t c = 0; c < chunks; ++c) {
+      for (int64_t step = 1; step < W; ++step) wait_signal(cur, (r - step + W) % W, kDataChannel + (int)c);
+    }
+  }
+  reduce_chunks_(out, slots, bias);  // fp32, rank order, bias once, one rounding
+  if (!p2p) join(cur, comm_);
+  return out.view(p.out_shape);
+}
+
+at::Tensor Runtime::rs_oneshot(const Plan& p, const at::Tensor& input, const at::Tensor& weight,
+                               const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& out_arg) {
+  check_workspace(p, "gemm_rs oneshot");
+  const int64_t W = world_, r = rank_, rows = p.rows, n = p.n;
+  at::Tensor a = input.view({-1, p.k});
+  cudaStream_t cur = at::cuda::getCurrentCUDAStream(device_.index()).stream();
+  // The entry barrier keeps this rank from overwriting its partial while a peer may still read
+  // the previous call's; the second announces the partials.
+  barrier(cur, p.token, false);
+  gemm_into(view(buffer(r), {W * rows, n}, p.out_dtype), a, weight, std::nullopt, p.nk);  // partials in out's dtype
+  barrier(cur, p.token, false);
+  at::Tensor out = output(out_arg, rows, n, a, p.out_dtype);
+  reduce_peers_(out, buffers_dev_, W, base_offset_ + r * rows * n * (int64_t)c10::elementSize(p.out_dtype), bias);
+  return out.view(p.out_shape);
+}
+
+at::Tensor Runtime::rs_fused(const Plan& p, const at::Tensor& input, const at::Tensor& weight,
+                             const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& out_arg) {
+  constexpr const char* op = "gemm_rs fused";
+  check_workspace(p, op);
+  const int64_t W = world_, r = rank_, rows = p.rows, n = p.n;
+  const int64_t prev = (r - 1 + W) % W, nxt = (r + 1) % W;
+  at::Tensor a = input.view({-1, p.k});
+  const size_t es = a.element_size();
+  const int64_t seg_rows = (rows + std::max<int64_t>(1, std::min(p.segments, rows)) - 1) /
+                           std::max<int64_t>(1, std::min(p.segments, rows));
+  const int64_t nseg = (rows + seg_rows - 1) / seg_rows;
+  FLUX_CHECK((W - 1) * nseg <= pad_words_ - kSegmentChannel * W, op, (W - 1) * nseg,
+             " segment flags needed, the signal pads hold ", pad_words_ - kSegmentChannel * W);
+  // The ring (flux/ops/gemm_rs.py ring_steps): at step s this rank computes block b_s = r - s - 1,
+  // its GEMM adding (s >= 1) the sum so far of that block from rank - 1 (inbox slot s - 1), and
+  // passes the result to rank + 1 (its inbox slot s); the last block is this rank's own.
+  at::Tensor inbox = view(buffer(r), {W - 1, rows, n}, a.scalar_type());
+  char* outbox = buffer(nxt);
+  at::Tensor flags = own_pad_slots(kSegmentChannel * W, (W - 1) * nseg);  // [(s-1) nseg + j]: segment j in
+  // Everything is allocated, and operands at odd offsets copied to 16-byte aligned buffers (TMA),
+  // before the first signal, so that nothing can fail after the pushes began.
+  const bool out_aligned = out_arg.has_value() && is_aligned(out_arg->data_ptr(), 16);
+  at::Tensor res = out_aligned ? out_arg->view({rows, n}) : at::empty({rows, n}, a.options());
+  std::vector<at::Tensor> a_blocks;
+  for (int64_t s = 1; s < W; ++s) {
+    const int64_t b = ((r - s - 1) % W + W) % W;
+    a_blocks.push_back(*aligned16(a.narrow(0, b * rows, rows)));
+  }
+  const at::Tensor w = *aligned16(weight);
+  const std::optional<at::Tensor> bias16 = aligned16(bias);
+  at::Tensor staging = at::empty({W - 1, rows, n}, a.options());
+  cudaStream_t cur = at::cuda::getCurrentCUDAStream(device_.index()).stream();
+  // Zeroed after this rank's previous fused GEMMs (the flags' only readers) and before the
+  // barrier, which rank - 1 passes before it sets any of them for this call.
+  FLUX_CUDA(cudaMemsetAsync(flags.data_ptr(), 0, flags.nbytes(), cur));
+  join(comm_, cur);
+  barrier(comm_, p.token, /*started=*/true);  // rank + 1's previous GEMMs no longer read its inbox
+  wait_started(cur);
+  auto push = [&](int64_t step) {  // step's result to rank + 1's inbox slot `step`, in flagged segments
+    join(comm_, cur);
+    for (int64_t j = 0; j < (drop_transfers_ ? 0 : nseg); ++j) {
+      const int64_t r0 = j * seg_rows, r1 = std::min(rows, (j + 1) * seg_rows);
+      copy(outbox + (step * rows + r0) * n * es, static_cast<char*>(staging[step].data_ptr()) + r0 * n * es,
+           (r1 - r0) * n * es, comm_);
+      write_slot(comm_, nxt, kSegmentChannel * W + step * nseg + j, 1u);  // no SM: the GEMM holds them
+    }
+  };
+  const int64_t b0 = (r - 1 + W) % W;
+  gemm_into(staging[0], a.narrow(0, b0 * rows, rows), weight, std::nullopt, p.nk);
+  push(0);
+  for (int64_t step = 1; step < W; ++step) {
+    const bool last = step == W - 1;
+    at::Tensor dst = last ? res : staging[step];
+    gemm_rs_fused_(dst, a_blocks[step - 1], w, last ? bias16 : std::nullopt, inbox[step - 1],
+                   flags.narrow(0, (step - 1) * nseg, nseg), seg_rows, r, prev, timeout_ms_,
+                   reinterpret_cast<int64_t>(error_record_), 1, p.swizzle > 0 ? p.swizzle : 1, p.config);
+    if (!last) push(step);
+  }
+  join(cur, comm_);  // the staging buffers are freed after this, in stream order
+  at::Tensor out = res;
+  if (out_arg.has_value() && !out_aligned) {
+    out = out_arg->view({rows, n});
+    out.copy_(res);
+  }
+  return out.view(p.out_shape);
+}
+
+}  // namespace flux

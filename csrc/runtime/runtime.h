@@ -1,0 +1,183 @@
+// flux::Runtime: the per-call path of the overlapped ops, one object per (process group, device).
+//
+// The slow path (Python, flux/ops/_plans.py) runs once per problem: every argument check, the
+// cross-rank signature exchange, the strategy choice or tuning and the growth of the symmetric
+// workspace. It leaves a Plan here, keyed by what the call's tensors look like (shapes, dtypes,
+// layout, bias, out, options). Every later call of the same problem is one C++ entry
+// (Runtime::call): a key lookup, then the plan's copies, signals, waits and GEMMs enqueued on
+// the runtime's own streams with pooled events. No Python per step, no store traffic, no
+// environment reads, no allocation but the output (and, for gemm_rs, staging blocks from the
+// caching allocator).
+//
+// Each plan carries a token: a hash of the problem's signature, the same on every rank that
+// makes the same call. The entry barrier of every call carries it to the peers, which compare
+// it with their own: ranks that make different calls fail at once, naming both ranks
+// (csrc/runtime/signals.cu), instead of pairing one call's data with another's.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <unordered_map>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+
+namespace c10d {
+class ProcessGroup;
+}
+
+namespace flux {
+
+// Signal pad channels; flux/runtime/symm.py documents them.
+constexpr int kBarrierChannel = 0;
+constexpr int kDataChannel = 1;
+constexpr int kFlagChannel = 8;
+constexpr int kStartedChannel = 9;
+constexpr int kSegmentChannel = 10;
+constexpr int kMaxDataChannels = kFlagChannel - kDataChannel;
+
+enum class OpKind : int64_t { AgGemm = 0, GemmRs = 1 };
+// Mirrors the strategy names of flux/ops/ag_gemm.py and gemm_rs.py (flux/ops/_plans.py maps them).
+enum class StrategyKind : int64_t { Sequential = 0, Decomposed = 1, Oneshot = 2, Fused = 3, DecomposedP2P = 4 };
+
+struct Plan {
+  OpKind op = OpKind::AgGemm;
+  StrategyKind strategy = StrategyKind::Sequential;
+  // Strategy parameters (flux/autotune/space.py); 0 swizzle: the analytic choice.
+  int64_t first8 = 8, chunks = 1, segments = 8, config = 0, swizzle = 0;
+  uint32_t token = 1;  // non-zero; see the file comment
+  // The problem, fixed by the key.
+  int64_t rows = 0;  // ag_gemm: rows of this rank's shard; gemm_rs: rows of one block (M / W)
+  int64_t n = 0, k = 0;
+  bool nk = true, has_bias = false, gathered = false;
+  at::ScalarType dtype = at::kBFloat16, out_dtype = at::kBFloat16;
+  std::vector<int64_t> out_shape, gathered_shape;
+  int64_t workspace_bytes = 0;
+};
+
+class Runtime {
+ public:
+  Runtime(const std::string& group_name, int64_t rank, int64_t world, int64_t device, bool nccl, int64_t timeout_ms,
+          int64_t error_record);
+  ~Runtime();
+  Runtime(const Runtime&) = delete;
+  Runtime& operator=(const Runtime&) = delete;
+
+  // The symmetric workspace, made (or grown) by flux/runtime/symm.py: every rank's buffer as
+  // mapped here (uint8 tensors, this rank's own at index rank), every rank's signal pad, and
+  // the device arrays of both.
+  void set_workspace(const std::vector<at::Tensor>& buffers, const std::vector<int64_t>& pads, int64_t pads_dev,
+                     int64_t buffers_dev, int64_t base_offset, int64_t pad_words);
+  int64_t workspace_bytes() const { return ws_bytes_; }
+
+  // A plan for these tensors (validated by the caller, the slow path).
+  std::shared_ptr<Plan> make_plan(int64_t op, int64_t strategy, const std::vector<int64_t>& params, int64_t token,
+                                  const at::Tensor& input, const at::Tensor& weight,
+                                  const std::optional<at::Tensor>& bias, bool nk, int64_t out_dtype, bool gathered);
+  // Remember ``plan`` for every later call whose tensors have the same key.
+  void add_plan(const std::shared_ptr<Plan>& plan, const at::Tensor& input, const at::Tensor& weight,
+                const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& out, int64_t layout,
+                int64_t out_dtype, bool gathered);
+  void clear_plans() { plans_.clear(); }
+  int64_t num_plans() const { return (int64_t)plans_.size(); }
+
+  // The hot path: the plan for this call, or nullptr when the call must take the slow path
+  // (new problem, or anything a plan does not cover: non-contiguous tensors, other devices,
+  // an out= that overlaps an input).
+  std::shared_ptr<Plan> lookup(int64_t op, const at::Tensor& input, const at::Tensor& weight,
+                               const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& out,
+                               int64_t layout, int64_t out_dtype, bool gathered) const;
+  // Enqueue ``plan`` on the current stream: (out, gathered-or-undefined).
+  std::tuple<at::Tensor, at::Tensor> run(const Plan& plan, const at::Tensor& input, const at::Tensor& weight,
+                                         const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& out);
+
+  // Test hook: while set, this rank passes the entry barriers but sends no data and no flags.
+  void set_drop_transfers(bool on) { drop_transfers_ = on; }
+  // Ranks sharing one GPU (FLUX_GLOO_CUDA, tests): the fused AG pushes before its kernel.
+  void set_push_before_fused(bool on) { push_before_fused_ = on; }
+
+  int64_t rank() const { return rank_; }
+  int64_t world() const { return world_; }
+  int64_t device() const { return device_.index(); }
+  int64_t comm_stream() const { return reinterpret_cast<int64_t>(comm_); }
+
+ private:
+  // The strategies (csrc/ag_gemm/ag_gemm_plan.cpp, csrc/gemm_rs/gemm_rs_plan.cpp).
+  std::tuple<at::Tensor, at::Tensor> ag_sequential(const Plan&, const at::Tensor&, const at::Tensor&,
+                                                   const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);
+  std::tuple<at::Tensor, at::Tensor> ag_decomposed(const Plan&, const at::Tensor&, const at::Tensor&,
+                                                   const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);
+  std::tuple<at::Tensor, at::Tensor> ag_oneshot(const Plan&, const at::Tensor&, const at::Tensor&,
+                                                const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);
+  std::tuple<at::Tensor, at::Tensor> ag_fused(const Plan&, const at::Tensor&, const at::Tensor&,
+                                              const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);
+  at::Tensor rs_sequential(const Plan&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                           const std::optional<at::Tensor>&);
+  at::Tensor rs_decomposed(const Plan&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                           const std::optional<at::Tensor>&, bool p2p);
+  at::Tensor rs_oneshot(const Plan&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                        const std::optional<at::Tensor>&);
+  at::Tensor rs_fused(const Plan&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                      const std::optional<at::Tensor>&);
+
+  // Building blocks, each enqueued on the given stream.
+  cudaEvent_t event();  // the next pooled event of this call (begin_call resets the pool)
+  void begin_call();
+  void record(cudaEvent_t e, cudaStream_t s);
+  void wait_event(cudaStream_t s, cudaEvent_t e);
+  void join(cudaStream_t waiter, cudaStream_t other);  // waiter waits for other's work so far
+  // Entry barrier with every peer, carrying the plan's token; ``started``: also raise this rank's
+  // own "barrier started" slot once the barrier kernel runs (consumed by wait_started).
+  void barrier(cudaStream_t s, uint32_t token, bool started);
+  void wait_started(cudaStream_t s);
+  // A stream write (no SM) of ``value`` into slot ``slot`` of ``peer``'s pad.
+  void write_slot(cudaStream_t s, int64_t peer, int64_t slot, uint32_t value);
+  void put(cudaStream_t s, int64_t peer, int channel) { write_slot(s, peer, channel * world_ + rank_, 1u); }
+  void wait_signal(cudaStream_t s, int64_t src, int channel);  // consumes src's put on ``channel``
+  void copy(void* dst, const void* src, size_t bytes, cudaStream_t s);
+  char* buffer(int64_t peer) const { return ws_ptrs_[peer]; }
+  at::Tensor view(void* p, at::IntArrayRef sizes, at::ScalarType dtype) const;
+  at::Tensor own_pad_slots(int64_t first, int64_t count) const;  // int32 slots of this rank's pad
+  void check_workspace(const Plan& plan, const char* op) const;
+
+  std::string group_name_;
+  int64_t rank_, world_;
+  c10::Device device_;
+  bool nccl_;
+  int64_t timeout_ms_;
+  uint32_t* error_record_;
+  c10::intrusive_ptr<c10d::ProcessGroup> pg_;  // NCCL groups: the collectives of 'sequential'
+  cudaStream_t comm_ = nullptr, signal_ = nullptr;
+  std::vector<cudaEvent_t> events_;
+  size_t next_event_ = 0;
+  // Workspace (set_workspace).
+  std::vector<at::Tensor> ws_buffers_;
+  std::vector<char*> ws_ptrs_;
+  std::vector<uint32_t*> pads_;
+  uint32_t** pads_dev_ = nullptr;
+  int64_t buffers_dev_ = 0, base_offset_ = 0, pad_words_ = 0, ws_bytes_ = 0;
+  at::Tensor own_pad_;
+  bool drop_transfers_ = false, push_before_fused_ = false;
+
+  struct KeyHash {
+    size_t operator()(const std::vector<int64_t>& v) const noexcept;
+  };
+  std::unordered_map<std::vector<int64_t>, std::shared_ptr<Plan>, KeyHash> plans_;
+};
+
+// Launchers of the signal kernels (csrc/runtime/signals.cu).
+void launch_barrier(uint32_t** pads_dev, int channel, int rank, int world, uint64_t timeout_ms, uint32_t* started,
+                    uint32_t token, uint32_t* error_record, cudaStream_t stream);
+void launch_wait(uint32_t* slot, int channel, int rank, int peer, uint64_t timeout_ms, cudaStream_t stream);
+
+// The GEMM of every strategy: out = a @ W (+ bias), W [N, K] (nk) or [K, N]; written into ``out``.
+void gemm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+               bool nk);
+
+}  // namespace flux

@@ -1,0 +1,164 @@
+"""Plans: what the slow path of an op call leaves behind so that later calls are one C++ entry.
+
+The first call of a problem (shapes, dtypes, layout, bias, out, options, group) runs the slow
+path in the op module: every argument check, the cross-rank signature exchange, the strategy
+choice (or tuning) and the growth of the symmetric workspace. It then makes a *plan* in the
+group's C++ runtime (flux._C.Runtime, csrc/runtime/runtime.h) and remembers it under the key
+of the call's tensors. Every later call of the same problem is ``runtime.call(...)``: a key
+lookup in C++ and the plan's copies, signals, waits and GEMMs enqueued from there.
+
+Each plan has a token, a hash of the problem and the chosen strategy, the same on every rank
+that makes the same call; the entry barrier of every call carries it, so ranks that make
+different calls after a cached one fail at once, naming each other (csrc/runtime/signals.cu).
+
+Strategies run in C++ on CUDA groups with symmetric memory (NCCL; gloo only under
+FLUX_GLOO_CUDA=1, tests). 'sequential' runs in C++ on NCCL groups; elsewhere (CPU, gloo, no
+flux._C) it runs in Python through the op's reference, and no plan is made.
+"""
+import functools
+import logging
+import os
+import zlib
+from typing import Callable, Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+from flux.autotune.space import Candidate, strategy_params
+from flux.ops._common import fused_ineligible, overlap_ineligible, weight_nk_shape
+from flux.runtime import runtime, symm
+
+OP_CODES = {"ag_gemm": 0, "gemm_rs": 1}
+STRATEGY_CODES = {"sequential": 0, "decomposed": 1, "oneshot": 2, "fused": 3, "decomposed_p2p": 4}
+LAYOUT_CODES = {"nk": 0, "kn": 1}
+# c10::ScalarType values (the key of a call in C++); -1: no out_dtype given.
+DTYPE_CODES = {None: -1, torch.float16: 5, torch.float32: 6, torch.float64: 7, torch.bfloat16: 15}
+_PARAM_ORDER = ("first8", "chunks", "segments", "config", "swizzle")
+_PARAM_DEFAULTS = {"first8": 8, "chunks": 1, "segments": 8, "config": 0, "swizzle": 0}
+
+# group -> the runtime whose plans serve the hot path of calls on that group.
+_hot: Dict[object, object] = {}
+_log = logging.getLogger("flux")
+_logged = set()
+
+
+def hot_runtime(group):
+    """The runtime serving ``group``'s hot path (None: the default group), or None."""
+    if group is None:
+        group = dist.group.WORLD
+    return _hot.get(group)
+
+
+def forget() -> None:
+    """Drop every plan (tests; after changing strategies or caches mid-process)."""
+    for rt in _hot.values():
+        rt.clear_plans()
+    _hot.clear()
+
+
+def _log_once(op: str, strategy: str, reason: str, to: str) -> None:
+    if (op, strategy, reason, to) not in _logged:
+        _logged.add((op, strategy, reason, to))
+        _log.warning("flux.%s: strategy %r falls back to %r: %s", op, strategy, to, reason)
+
+
+def wide_out_ok(dtype: torch.dtype, out_dtype: Optional[torch.dtype]) -> bool:
+    """Whether the overlapped strategies serve this out_dtype: the input's own, or fp32 from
+    bf16/fp16 (tensor-core GEMMs with an fp32 output; gemm_rs sums in fp32)."""
+    return out_dtype is None or out_dtype == dtype or (
+        out_dtype == torch.float32 and dtype in (torch.bfloat16, torch.float16))
+
+
+def effective(op: str, cand: Candidate, input: torch.Tensor, weight: torch.Tensor, group, weight_layout: str,
+              out_dtype) -> Candidate:
+    """The candidate that will actually run: a strategy that cannot run this call falls back
+    (fused -> decomposed -> sequential), logging its reason once."""
+    world = dist.get_world_size(group)
+    name, kw = cand.strategy, cand.kwargs
+    if name == "sequential":
+        return cand
+    if name == "fused":
+        reason = ("world size 1" if world == 1 else "no rows" if input.numel() == 0 else
+                  fused_ineligible(op, input, weight, group, weight_layout, out_dtype))
+        if reason:
+            _log_once(op, "fused", reason, "decomposed")
+            name, kw = "decomposed", {}
+    reason = "world size 1" if world == 1 else overlap_ineligible(op, name, input, group, out_dtype)
+    if reason:
+        _log_once(op, name, reason, "sequential")
+        return Candidate("sequential")
+    if op == "ag_gemm" and kw.get("first8", 8) != 8:
+        rows = input.numel() // max(1, input.shape[-1])
+        lead = rows * kw["first8"] // 8
+        if world != 2 or not 0 < lead < rows:
+            _log_once(op, f"decomposed(first8={kw['first8']})",
+                      f"needs world size 2 and 0 < {kw['first8']}/8 of {rows} rows < {rows}", "decomposed")
+            kw = {k: v for k, v in kw.items() if k != "first8"}
+    if op == "gemm_rs" and not 1 <= kw.get("chunks", 1) <= symm.MAX_DATA_CHANNELS:
+        raise ValueError(f"flux.{op}: {name} takes 1..{symm.MAX_DATA_CHANNELS} chunks, got {kw['chunks']}")
+    return Candidate.of(name, **kw)
+
+
+def in_cxx(cand: Candidate, input: torch.Tensor, weight: torch.Tensor, group, out_dtype) -> bool:
+    """Whether ``cand`` (already effective) runs in the C++ runtime (else the Python reference)."""
+    if input.device.type != "cuda" or input.numel() == 0 or weight.numel() == 0:
+        return False
+    if not wide_out_ok(input.dtype, out_dtype) or not symm.available(group):
+        return False
+    if cand.strategy == "sequential":
+        return "nccl" in str(dist.get_backend(group)).lower() and dist.get_world_size(group) > 1
+    return True
+
+
+def token(op: str, cand: Candidate, input, weight, bias, weight_layout, out_dtype, gathered, world: int) -> int:
+    """Non-zero 32-bit hash of the problem and strategy; its top two bits name the op."""
+    text = repr((op, cand.label, tuple(input.shape), str(input.dtype), tuple(weight.shape), str(weight.dtype),
+                 None if bias is None else (tuple(bias.shape), str(bias.dtype)), weight_layout, str(out_dtype),
+                 bool(gathered), world))
+    return ((OP_CODES[op] + 1) << 30) | (zlib.crc32(text.encode()) & 0x3FFFFFFF)
+
+
+def prepare(op: str, cand: Candidate, input: torch.Tensor, weight: torch.Tensor, bias, group, weight_layout: str,
+            out_dtype, gathered: bool, out: Optional[torch.Tensor], reference: Callable) -> Callable[[], object]:
+    """A zero-argument callable that enqueues this call with ``cand``: through a plan of the
+    group's C++ runtime, or the Python ``reference(out)`` where no plan applies. Collective
+    (it may grow the workspace): every rank of the group calls it at the same point."""
+    known = strategy_params(op, cand.strategy)
+    if not set(cand.kwargs) <= known:
+        raise TypeError(f"flux.{op}: strategy {cand.strategy!r} takes the parameters {sorted(known)}, "
+                        f"not {sorted(set(cand.kwargs) - known)}")
+    c = effective(op, cand, input, weight, group, weight_layout, out_dtype)
+    if not in_cxx(c, input, weight, group, out_dtype):
+        return functools.partial(reference, out)
+    plan = make_plan(op, c, input, weight, bias, group, weight_layout, out_dtype, gathered)
+    rt = runtime.get(group, plan.workspace_bytes)
+    return functools.partial(rt.run, plan, input, weight, bias, out)
+
+
+def make_plan(op, c: Candidate, input, weight, bias, group, weight_layout, out_dtype, gathered):
+    rt = runtime.get(group)
+    kw = c.kwargs
+    params = [int(kw.get(name, _PARAM_DEFAULTS[name])) for name in _PARAM_ORDER]
+    tok = token(op, c, input, weight, bias, weight_layout, out_dtype, gathered, dist.get_world_size(group))
+    return rt.make_plan(OP_CODES[op], STRATEGY_CODES[c.strategy], params, tok, input, weight, bias,
+                        weight_layout == "nk", DTYPE_CODES.get(out_dtype, -1), gathered)
+
+
+def run_and_remember(op: str, cand: Candidate, input, weight, bias, group, weight_layout, out_dtype, gathered,
+                     out, reference: Callable):
+    """The slow path's last step: run ``cand`` and, where it runs in C++, leave its plan for the
+    hot path (unless FLUX_CHECK_EVERY_CALL=1, which keeps every call on the slow path)."""
+    c = effective(op, cand, input, weight, group, weight_layout, out_dtype)
+    if not in_cxx(c, input, weight, group, out_dtype):
+        return reference(out)
+    plan = make_plan(op, c, input, weight, bias, group, weight_layout, out_dtype, gathered)
+    rt = runtime.get(group, plan.workspace_bytes)
+    if os.environ.get("FLUX_CHECK_EVERY_CALL", "0") != "1":
+        rt.add_plan(plan, input, weight, bias, out, LAYOUT_CODES[weight_layout], DTYPE_CODES.get(out_dtype, -1),
+                    gathered)
+        _hot[group] = rt
+    return rt.run(plan, input, weight, bias, out)
+
+
+__all__ = ["DTYPE_CODES", "LAYOUT_CODES", "OP_CODES", "forget", "hot_runtime", "prepare", "run_and_remember",
+           "weight_nk_shape"]
