@@ -53,7 +53,7 @@ from _ref import rand, rel_err, w_nk  # noqa: E402,F401
 from flux.ops import ag_gemm as ag_mod  # noqa: E402
 from flux.ops import gemm_rs as rs_mod  # noqa: E402
 from flux.autotune.space import Candidate  # noqa: E402
-from flux.runtime import symm  # noqa: E402
+from flux.runtime import runtime, symm  # noqa: E402
 
 F64, F32, F16, BF16 = torch.float64, torch.float32, torch.float16, torch.bfloat16
 CASE_TIMEOUT_S = 240
@@ -397,9 +397,9 @@ def _overlapped(mod, dev):
 
 
 def _delayed(op, names=None):
-    """1,000 back-to-back calls of every overlapped strategy (and of decomposed with
-    wait_barrier=1, kernel_put=1, side_wait=0 and, AG at two ranks, first8=6); before every 10th call one rank
-    (alternating) stalls its current stream and the communication stream with
+    """1,000 back-to-back calls of every overlapped strategy (and, AG at two ranks, of
+    decomposed(first8=6)), each through its plan; before every 10th call one rank
+    (alternating) stalls its current stream and the runtime's communication stream with
     torch.cuda._sleep, so the peer's device-side waits really wait. Every output is kept
     and compared at the end (signals and buffers reused across 1,000 calls)."""
     def fn(rank, world, dev):
@@ -408,20 +408,20 @@ def _delayed(op, names=None):
         else:
             prob, mod = RsProblem(rank, world, dev, 48 * world, 320, 136, BF16, bias=True, seed=31), rs_mod
         result = {}
-        # The decomposed strategies' former entry, put and waits too.
-        extra = ["decomposed(wait_barrier=1)", "decomposed(kernel_put=1)", "decomposed(side_wait=0)"]
-        if op == "ag" and world == 2:
-            extra.append("decomposed(first8=6)")
+        extra = ["decomposed(first8=6)"] if op == "ag" and world == 2 else []
         for name in names or (_overlapped(mod, dev) + extra):
             c = Candidate.parse(name)
+            call = mod.prepare_strategy(c.strategy, prob.x, prob.w, prob.b, **c.kwargs)
+            comm = runtime.comm_stream(dist.group.WORLD)
             outs = []
             for i in range(1000):
                 if i % 10 == 0 and (i // 10) % world == rank:
                     torch.cuda._sleep(200_000)  # ~0.1 ms at 2 GHz
-                    symm.comm_stream().wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(symm.comm_stream()):
+                    comm.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(comm):
                         torch.cuda._sleep(200_000)
-                outs.append(mod.run_strategy(c.strategy, prob.x, prob.w, prob.b, **c.kwargs))
+                res = call()
+                outs.append(res[0] if op == "ag" else res)
             torch.cuda.synchronize()
             stacked = torch.stack(outs)
             first = prob.check(outs[0], f"strategy {name}, call 0")
@@ -535,6 +535,169 @@ gcase("repeat50-rs-fused")(_rs_fused_only(_repeat("rs", RS_FUSED_LABELS[1:3])))
 gcase("delayed1000-rs-fused")(_rs_fused_only(_delayed("rs", ["fused(segments=4)"])))
 
 
+def _host_us(call, calls=200, batch=20):
+    """Median host microseconds to enqueue ``call()`` while the GPU is kept busy (a spin ahead of
+    each batch, so that no call waits for the device)."""
+    import statistics
+    import time
+
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(calls // batch):
+        torch.cuda._sleep(1980 * (2000 + 500 * batch))  # cycles: ~2 ms + 0.5 ms per call at 1.98 GHz
+        for _ in range(batch):
+            t0 = time.perf_counter()
+            call()
+            samples.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+    return statistics.median(samples) * 1e6
+
+
+def _host_cost(op):
+    """The per-call path's host cost: every strategy through the public function (its plan, from
+    C++) enqueues a call in at most 1.5x the host time of NCCL + torch.mm measured here, in the
+    same process (GPU kept busy; a ratio, not an absolute time). Also: of 20 public calls of one
+    problem only the first takes the slow path."""
+    from flux import autotune
+
+    def fn(rank, world, dev):
+        mod = ag_mod if op == "ag" else rs_mod
+        name = "ag_gemm" if op == "ag" else "gemm_rs"
+        public = flux.ag_gemm if op == "ag" else flux.gemm_rs
+        if op == "ag":
+            prob = AgProblem(rank, world, dev, 512, 1024, 1024, BF16, seed=80)
+            gathered = torch.empty((512 * world, 1024), dtype=BF16, device=dev)
+
+            def baseline():
+                dist.all_gather_into_tensor(gathered, prob.x)
+                return torch.mm(gathered, prob.w.t())
+        else:
+            prob = RsProblem(rank, world, dev, 512 * world, 1024, 1024, BF16, seed=80)
+
+            def baseline():
+                out = torch.empty((512, 1024), dtype=BF16, device=dev)
+                dist.reduce_scatter_tensor(out, torch.mm(prob.x, prob.w.t()))
+                return out
+        base_us = _host_us(baseline)
+        result = {"nccl+mm": round(base_us, 1)}
+        slow = []
+        impl_name = "_ag_gemm_impl" if op == "ag" else "_gemm_rs_impl"
+        orig = getattr(mod, impl_name)
+        setattr(mod, impl_name, lambda *a, **k: (slow.append(1), orig(*a, **k))[1])
+        try:
+            for strategy in mod.available_strategies(dev):
+                autotune.force(name, strategy)
+                slow.clear()
+                outs = [public(prob.x, prob.w) for _ in range(20)]
+                assert len(slow) == 1, f"{strategy}: {len(slow)} of 20 calls took the slow path"
+                prob.check(outs[-1], f"{strategy}, 20th call")
+                us = _host_us(lambda: public(prob.x, prob.w))
+                result[strategy] = round(us, 1)
+                assert us <= 1.5 * base_us, (f"{strategy}: {us:.1f} us of host time per call, more than 1.5x "
+                                             f"NCCL + torch.mm ({base_us:.1f} us)")
+        finally:
+            setattr(mod, impl_name, orig)
+            autotune.force(name, None)
+        return result
+
+    return fn
+
+
+gcase("host-cost-ag")(_host_cost("ag"))
+gcase("host-cost-rs")(_host_cost("rs"))
+
+
+@gcase("autograd-mlp")
+def _autograd_mlp(rank, world, dev):
+    """The sequence-parallel MLP block, y = gemm_rs(gelu(ag_gemm(x, W1, b1)), W2, b2), forward and
+    backward in bf16 with each pair of strategies forced, against float64 autograd of the
+    unsharded block (every rank builds every rank's tensors from seeds); tolerance from the same
+    block in bf16 on one GPU. d b2 is this rank's rows' share (summed over the group by the user,
+    as Megatron does)."""
+    from flux import autotune
+
+    m_local, h, f_local = 256, 512, 384
+    xs = [rand((m_local, h), BF16, 900 + r, dev) for r in range(world)]
+    w1s = [rand((f_local, h), BF16, 910 + r, dev) * 0.05 for r in range(world)]
+    b1s = [rand((f_local,), BF16, 920 + r, dev) for r in range(world)]
+    w2s = [rand((h, f_local), BF16, 930 + r, dev) * 0.05 for r in range(world)]
+    b2 = rand((h,), BF16, 940, dev)
+    gs = [rand((m_local, h), BF16, 950 + r, dev) for r in range(world)]
+
+    def unsharded(dtype):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (torch.cat(xs), *w1s, *b1s, *w2s, b2)]
+        x, w1, b1, w2, bb = leaves[0], leaves[1:1 + world], leaves[1 + world:1 + 2 * world], \
+            leaves[1 + 2 * world:1 + 3 * world], leaves[-1]
+        y = sum(torch.nn.functional.gelu(x @ w1[r].t() + b1[r]) @ w2[r].t() for r in range(world)) + bb
+        (y * torch.cat(gs).to(dtype)).sum().backward()
+        rows = slice(rank * m_local, (rank + 1) * m_local)
+        db2 = gs[rank].to(dtype).sum(0)  # this rank's rows' share
+        return y[rows].detach(), {"x": x.grad[rows], "w1": w1[rank].grad, "b1": b1[rank].grad, "w2": w2[rank].grad,
+                                  "b2": db2}
+
+    ref_y, ref = unsharded(torch.float64)
+    base_y, base = unsharded(BF16)
+    result = {}
+    for ag_s, rs_s in (("sequential", "sequential"), ("decomposed", "decomposed"), ("fused", "fused"),
+                       ("oneshot", "oneshot")):
+        if ag_s not in ag_mod.available_strategies(dev):
+            continue
+        autotune.force("ag_gemm", ag_s)
+        autotune.force("gemm_rs", rs_s)
+        try:
+            x = xs[rank].clone().requires_grad_()
+            w1, b1 = w1s[rank].clone().requires_grad_(), b1s[rank].clone().requires_grad_()
+            w2, bb = w2s[rank].clone().requires_grad_(), b2.clone().requires_grad_()
+            for _ in range(2):  # the second step runs every op from its plan
+                for t in (x, w1, b1, w2, bb):
+                    t.grad = None
+                y = flux.gemm_rs(torch.nn.functional.gelu(flux.ag_gemm(x, w1, b1)), w2, bb)
+                (y * gs[rank]).sum().backward()
+        finally:
+            autotune.force("ag_gemm", None)
+            autotune.force("gemm_rs", None)
+        errs = {"y": check_against(y, ref_y, base_y, f"{ag_s}/{rs_s} y")[0]}
+        for k, t in (("x", x), ("w1", w1), ("b1", b1), ("w2", w2), ("b2", bb)):
+            errs[k] = check_against(t.grad, ref[k], base[k], f"{ag_s}/{rs_s} d{k}")[0]
+        result[f"{ag_s}/{rs_s}"] = errs
+    return result
+
+
+def mismatch_case(rank, world, dev, strategy="decomposed", op="ag"):
+    """Run alone (it breaks the CUDA contexts): every rank makes calls A and B twice (so both are
+    planned), then rank 0 calls A while the others call B: the entry barrier's token check makes
+    every rank fail at once (well within FLUX_TIMEOUT_MS), each naming the other."""
+    import time
+
+    from flux import autotune
+
+    name = "ag_gemm" if op == "ag" else "gemm_rs"
+    autotune.force(name, strategy)
+    if op == "ag":
+        probs, call = [AgProblem(rank, world, dev, m, 256, 128, BF16, seed=90) for m in (64, 128)], flux.ag_gemm
+    else:
+        probs, call = [RsProblem(rank, world, dev, m * world, 256, 128, BF16, seed=90) for m in (64, 128)], flux.gemm_rs
+    for _ in range(2):
+        for p in probs:
+            call(p.x, p.w)
+    torch.cuda.synchronize()
+    dist.barrier()
+    mine = probs[0] if rank == 0 else probs[1]
+    start = time.time()
+    try:
+        call(mine.x, mine.w)
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001
+        print(f"FLUXMISMATCH rank {rank} raised after {time.time() - start:.1f} s: {type(e).__name__}: {e}",
+              flush=True)
+        print(f"FLUXMISMATCH report rank {rank}: {symm.timeout_report()}", flush=True)
+        os._exit(0)
+    print(f"FLUXMISMATCH rank {rank} did not fail", flush=True)
+    os._exit(1)
+
+
 def timeout_case(rank, world, dev, strategy="decomposed", op="ag", mode="skip"):
     """Run alone (it breaks the CUDA contexts): all ranks make one call, then rank 1 skips
     the next one (mode "skip": the entry barrier's wait expires first), or makes it but sends
@@ -551,7 +714,7 @@ def timeout_case(rank, world, dev, strategy="decomposed", op="ag", mode="skip"):
     torch.cuda.synchronize()
     dist.barrier()
     if rank == 1 and mode == "drop":
-        symm.drop_transfers()
+        runtime.drop_transfers(dist.group.WORLD)
         mod.run_strategy(strategy, prob.x, prob.w)  # the peers' data reach this rank: it finishes
         torch.cuda.synchronize()
         time.sleep(20)
@@ -591,6 +754,8 @@ def main():
     which = sys.argv[1] if len(sys.argv) > 1 else "all"
     if which.startswith("timeout"):  # timeout[:<strategy>[:<op>[:<mode>]]]
         timeout_case(dist.get_rank(), dist.get_world_size(), dev, *which.split(":")[1:])
+    if which.startswith("mismatch"):  # mismatch[:<strategy>[:<op>]]
+        mismatch_case(dist.get_rank(), dist.get_world_size(), dev, *which.split(":")[1:])
     if which == "all":
         names = list(CASES)
     else:

@@ -593,6 +593,65 @@ case("compile-aot_eager-backward", worlds=WORLDS)(_compile_backward("aot_eager")
 
 
 # --------------------------------------------------------------------------------------
+# Calls after the first: checked for free, and caught when a rank diverges
+
+
+@case("fwd-repeat-skips-the-exchange")
+def _repeat_skips_exchange(rank, world):
+    """Repeated calls of one problem take the fast path: the first call exchanges signatures
+    through the store and chooses a strategy; the next nine do neither (on gloo each call still
+    all-gathers its signature's hash, the check that catches a diverging rank)."""
+    from flux import autotune
+    from flux.ops import _checks
+
+    exchanges, choices = [], []
+    orig_exchange, orig_choose = _checks._exchange, autotune._choose
+    _checks._exchange = lambda *a, **k: (exchanges.append(1), orig_exchange(*a, **k))[1]
+    autotune._choose = lambda *a, **k: (choices.append(1), orig_choose(*a, **k))[1]
+    try:
+        x, w = rank_inputs(world, (6, 40), F32, 1700)[rank], rand((24, 40), F32, 2700)
+        outs = [flux.ag_gemm(x, w) for _ in range(10)]
+    finally:
+        _checks._exchange, autotune._choose = orig_exchange, orig_choose
+    assert len(exchanges) == 1 and len(choices) == 1, (len(exchanges), len(choices))
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    return True
+
+
+def _diverging_case(op):
+    """A rank that changes its arguments after a checked call: every rank fails at once with
+    the same FluxInputError naming the field and the ranks (not after a timeout, not paired with
+    another call); then the group works again."""
+    def fn(rank, world):
+        import time
+
+        call = flux.ag_gemm if op == "ag" else flux.gemm_rs
+        rows = 6 if op == "ag" else 6 * world
+        x, w = rank_inputs(world, (rows, 44), F32, 1800)[rank], rand((20, 44), F32, 2800)
+        first = call(x, w)
+        call(x, w)
+        other = rank_inputs(world, (rows + world, 44), F32, 1800)[rank]  # rank 1 has one more row (per rank)
+        start = time.time()
+        try:
+            call(other if rank == 1 else x, w)
+        except flux.FluxInputError as e:
+            msg = str(e)
+        else:
+            raise AssertionError("the diverging call raised nothing")
+        took = time.time() - start
+        assert took < 15, f"the diverging call failed only after {took:.1f} s (a timeout, not the check)"
+        assert "differ between ranks" in msg and "rank 1" in msg, msg
+        assert torch.equal(call(x, w), first), "the group does not work after the diverging call"
+        return msg
+
+    return fn
+
+
+for _op in ("ag", "rs"):
+    case(f"bad-diverging-after-checked-call-{_op}")(_diverging_case(_op))
+
+
+# --------------------------------------------------------------------------------------
 # Subgroups (world 4): two tensor-parallel groups of 2, [0, 1] and [2, 3].
 
 _TP = {}
@@ -924,6 +983,36 @@ def test_gpu_timeout_shared(strategy):
     if SHARED_WORLD < 2 or not torch.cuda.is_available():
         pytest.skip("set FLUX_TEST_SHARED_WORLD=W (W >= 2) on a machine with a CUDA device")
     _check_timeout(strategy, SHARED_WORLD, FLUX_GLOO_CUDA="1")
+
+
+MISMATCH_STRATEGIES = ["decomposed:ag", "fused:rs", "sequential:rs"]
+
+
+@pytest.mark.parametrize("strategy", MISMATCH_STRATEGIES)
+def test_gpu_diverging_call(strategy):
+    """Ranks that make different calls after both were planned (rank 0 problem A, the others
+    problem B): the entry barrier's token check fails every rank at once, naming the other rank
+    and both problems, long before the bounded waits' timeout (FLUX_TIMEOUT_MS=20000)."""
+    import re
+
+    from _dist import free_port
+
+    n = _gpu_world()
+    if n < 2:
+        pytest.skip(f"needs 2 CUDA devices, found {torch.cuda.device_count()}")
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
+               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", FLUX_TIMEOUT_MS="20000")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", f"--master_port={free_port()}",
+           GPU_WORKER, f"mismatch:{strategy}"]
+    out = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=180,
+                         cwd=os.path.dirname(TESTS_DIR)).stdout
+    for r in range(n):
+        m = re.search(rf"FLUXMISMATCH rank {r} raised after ([0-9.]+) s", out)
+        assert m, f"rank {r} did not fail:\n{out[-4000:]}"
+        assert float(m.group(1)) < 15, f"rank {r} failed only after {m.group(1)} s (a timeout):\n{out[-4000:]}"
+        assert re.search(rf"FLUXMISMATCH report rank {r}: flux: rank {r} and rank \d+ made different flux calls", out), \
+            f"rank {r} did not record the differing calls:\n{out[-4000:]}"
+    assert "made different flux calls" in out
 
 
 def _check_timeout(strategy, world, **extra_env):

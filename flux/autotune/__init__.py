@@ -46,9 +46,19 @@ _choices: Dict[tuple, "Candidate"] = {}
 _generation = [0]
 
 
+_listeners = []  # called whenever earlier choices may no longer hold (flux/ops/_plans.py drops its plans)
+
+
+def on_change(fn: Callable[[], None]) -> None:
+    """Call ``fn()`` whenever a choice made earlier may change: force, reset, a new cache entry."""
+    _listeners.append(fn)
+
+
 def _bump() -> None:
     _generation[0] += 1
     _choices.clear()
+    for fn in _listeners:
+        fn()
 
 
 def force(op: str, name: Optional[str]) -> None:
@@ -174,22 +184,28 @@ def tuning_requested(p: Problem, device: torch.device) -> bool:
 
 
 def tune(p: Problem, run: Callable[[Candidate], object], group, device: torch.device, *, save: bool = True,
-         warmup: int = 3, iters: int = 10, timer=None) -> dict:
+         warmup: int = 3, iters: int = 10, timer=None, prepare=None) -> dict:
     """Check every candidate of ``p`` against 'sequential' (any rank's failure drops it), time the
-    rest on all ranks of ``group`` together, record the choice in
-    the cache of this topology (written by the group's first rank of each node when ``save``)
-    and return the entry {"choice", "default", "times_ms"}. Collective."""
+    rest on all ranks of ``group`` together (loop and graph: flux.autotune.tuner), record the
+    choice in the cache of this topology (written by the group's first rank of each node when
+    ``save``) and return the entry {"choice", "default", "times_ms", "loop_ms", "graph_ms"}.
+    ``prepare(c)``: a callable running candidate ``c`` on fixed tensors (plan made once). Collective."""
     from flux.autotune import tuner
 
     cands = tuner.correct_candidates(run, candidates(p), group, device, p.dtype)
-    times = tuner.time_candidates(run, cands, group, device, warmup=warmup, iters=iters, timer=timer)
+    detail: Dict[str, Dict[str, float]] = {}
+    times = tuner.time_candidates(run, cands, group, device, warmup=warmup, iters=iters, timer=timer,
+                                  prepare=prepare, detail=detail)
     default = default_candidate(p)
     if default.label not in times:  # the default failed its correctness check: never pick it
         default = Candidate("sequential")
     best = tuner.pick(times, cands, group, device, default=default)
-    entry = {"choice": best.label, "default": default.label, "times_ms": times}
+    entry = {"choice": best.label, "default": default.label, "times_ms": times, "loop_ms": detail.get("loop", {}),
+             "graph_ms": detail.get("graph", {})}
     cache = cache_for(topology(p.world, device))
     cache.put(key_of(p), entry)
+    for fn in _listeners:  # plans made from the former choice
+        fn()
     if save and int(os.environ.get("LOCAL_RANK", "0")) == 0:
         cache.save()
     return entry

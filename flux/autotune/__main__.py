@@ -105,7 +105,11 @@ def main(argv=None):
         def run(c, x=x, w=w, mod=mod):
             return mod.run_strategy(c.strategy, x, w, check=False, **c.kwargs)
 
-        entry = autotune.tune(problem, run, group, device, save=False, warmup=args.warmup, iters=args.iters)
+        def prepare(c, x=x, w=w, mod=mod):
+            return mod.prepare_strategy(c.strategy, x, w, check=False, **c.kwargs)
+
+        entry = autotune.tune(problem, run, group, device, save=False, warmup=args.warmup, iters=args.iters,
+                              prepare=prepare)
         t = entry["times_ms"]
         gain = t[entry["default"]] / t[entry["choice"]] - 1
         rows.append((op, shape, entry["choice"], t[entry["choice"]], entry["default"], t[entry["default"]], gain))

@@ -1,4 +1,5 @@
-"""Collective timing: every rank of the group times the same candidates together; a
+"""Collective timing: every rank of the group times the same candidates together, the way
+the choice will be served (back-to-back calls in a loop, and that loop as a CUDA graph); a
 candidate's time is its maximum over ranks; rank 0 picks the fastest and broadcasts its
 index, so every rank adopts the same choice even if their clocks disagree.
 """
@@ -23,29 +24,58 @@ def _sync(group: dist.ProcessGroup, device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+LOOP_CALLS = 10  # back-to-back calls per timed loop (and per captured graph)
+
+
 def time_on_rank(fn: Callable[[], object], device: torch.device, iters: int,
-                 align: Optional[Callable[[], None]] = None) -> float:
-    """Median milliseconds of one call of ``fn`` on this rank; ``align`` (enqueued after the
-    spin, before the start event) lines the ranks' devices up, as bench/bench_ops.py does."""
+                 align: Optional[Callable[[], None]] = None, graph=None) -> float:
+    """Median milliseconds per call of ``fn`` on this rank, timed as calls are served: each sample
+    is a loop of LOOP_CALLS back-to-back calls between two CUDA events (the host enqueues while
+    the GPU runs, so a call's host cost shows where it exceeds its GPU time, as in an eager
+    training step), or the replay of ``graph`` (that loop captured in a CUDA graph: no host cost,
+    as in vLLM's decode or a graphed step). ``align`` (after a synchronize, before the start event)
+    lines the ranks' devices up. On the CPU: wall-clock time of one call."""
     samples = []
     for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            # The protocol of bench/bench_ops.py: queue the call behind a ~1 ms spin so that the
-            # host's launch time stays out of the device time (else small shapes measure Python).
-            torch.cuda._sleep(2_000_000)
-            if align is not None:
-                align()
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end))
-        else:
+        if device.type != "cuda":
             t0 = time.perf_counter()
             fn()
             samples.append((time.perf_counter() - t0) * 1e3)
+            continue
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        if align is not None:
+            align()
+        start.record()
+        if graph is not None:
+            graph.replay()
+        else:
+            for _ in range(LOOP_CALLS):
+                fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / LOOP_CALLS)
     return statistics.median(samples)
+
+
+def capture(fn: Callable[[], object], calls: int = LOOP_CALLS):
+    """``calls`` back-to-back calls of ``fn`` captured in a CUDA graph (warmed up on a side
+    stream first, as PyTorch asks), or None where ``fn`` cannot be captured."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        return graph
+    except Exception:  # noqa: BLE001  (timed in loop mode only; the caller records it)
+        torch.cuda.synchronize()
+        return None
 
 
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 1e-2, torch.float32: 1e-4, torch.float64: 1e-10}
@@ -72,29 +102,53 @@ def correct_candidates(run: Callable[[Candidate], object], cands: Sequence[Candi
 
 def time_candidates(run: Callable[[Candidate], object], cands: Sequence[Candidate], group: dist.ProcessGroup,
                     device: torch.device, warmup: int = 3, iters: int = 10, rounds: int = ROUNDS,
-                    timer: Optional[Callable[[Candidate, Callable[[], object]], float]] = None) -> Dict[str, float]:
-    """{candidate label: max over ranks of its median time (ms)}. The candidates are timed in
-    ``rounds`` interleaved rounds (a, b, c, a, b, c, ...), ``iters`` calls each in all, so
-    that a slow drift of the machine (clocks, temperature, another candidate's after-effects)
-    spreads over all of them instead of favouring whichever ran first. ``timer(c, fn)``
-    replaces this rank's measurement of one round (tests)."""
-    fns = [lambda c=c: run(c) for c in cands]
+                    timer: Optional[Callable[[Candidate, Callable[[], object]], float]] = None,
+                    prepare: Optional[Callable[[Candidate], Callable[[], object]]] = None,
+                    detail: Optional[Dict[str, Dict[str, float]]] = None) -> Dict[str, float]:
+    """{candidate label: max over ranks of its time (ms per call)}: on CUDA the mean of its loop
+    and graph timings (time_on_rank), the two ways the choice will be used (loop alone where any
+    rank cannot capture it). The candidates are timed in ``rounds`` interleaved rounds (a, b, c,
+    a, b, c, ...), ``iters`` samples each in all, so that a slow drift of the machine (clocks,
+    temperature, another candidate's after-effects) spreads over all of them instead of
+    favouring whichever ran first. ``prepare(c)``: a callable running ``c`` on fixed tensors
+    (its plan made once), else ``run(c)`` per call; ``timer(c, fn)`` replaces this rank's
+    measurement of one round (tests); ``detail`` receives {"loop": {...}, "graph": {...}}."""
+    fns = [prepare(c) if prepare else (lambda c=c: run(c)) for c in cands]
     for fn in fns:
         for _ in range(warmup):
             fn()
+    cuda = device.type == "cuda" and timer is None
+    graphs = [capture(fn) if cuda else None for fn in fns]
+    # Every rank must time the same way: graph timing only where every rank could capture.
+    ok = torch.tensor([0.0 if g is None else 1.0 for g in graphs] or [0.0], dtype=torch.float64,
+                      device=device if device.type == "cuda" else "cpu")
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    graphs = [g if cuda and f == 1.0 else None for g, f in zip(graphs, ok.tolist())]
     per_round = max(1, -(-iters // rounds))
     one = torch.zeros(1, device=device)
     align = (lambda: dist.all_reduce(one, group=group)) if device.type == "cuda" else None
-    samples: List[List[float]] = [[] for _ in cands]
+    loop: List[List[float]] = [[] for _ in cands]
+    graph: List[List[float]] = [[] for _ in cands]
     for _ in range(rounds):
         for i, (c, fn) in enumerate(zip(cands, fns)):
             fn()  # one untimed call: this candidate's buffers and caches, after the previous one's
             _sync(group, device)
-            samples[i].append(timer(c, fn) if timer else time_on_rank(fn, device, per_round, align))
-    mine = [statistics.median(s) for s in samples]
+            loop[i].append(timer(c, fn) if timer else time_on_rank(fn, device, per_round, align))
+            if graphs[i] is not None:
+                _sync(group, device)
+                graph[i].append(time_on_rank(fn, device, per_round, align, graph=graphs[i]))
+    mine = [statistics.median(s) for s in loop] + [statistics.median(s) if s else -1.0 for s in graph]
     times = torch.tensor(mine, dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
-    return {c.label: float(t) for c, t in zip(cands, times.tolist())}
+    t = times.tolist()
+    n = len(cands)
+    loop_ms = {c.label: t[i] for i, c in enumerate(cands)}
+    graph_ms = {c.label: t[n + i] for i, c in enumerate(cands) if t[n + i] >= 0}
+    if detail is not None:
+        detail["loop"], detail["graph"] = loop_ms, graph_ms
+    del graphs
+    return {c.label: (loop_ms[c.label] + graph_ms[c.label]) / 2 if c.label in graph_ms else loop_ms[c.label]
+            for c in cands}
 
 
 def pick(times: Dict[str, float], cands: List[Candidate], group: dist.ProcessGroup,

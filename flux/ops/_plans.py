@@ -24,6 +24,7 @@ from typing import Callable, Dict, Optional
 import torch
 import torch.distributed as dist
 
+from flux import autotune
 from flux.autotune.space import Candidate, strategy_params
 from flux.ops._common import fused_ineligible, overlap_ineligible, weight_nk_shape
 from flux.runtime import runtime, symm
@@ -54,6 +55,9 @@ def forget() -> None:
     for rt in _hot.values():
         rt.clear_plans()
     _hot.clear()
+
+
+autotune.on_change(forget)  # a forced strategy, a reset or a new tuned entry changes what plans hold
 
 
 def _log_once(op: str, strategy: str, reason: str, to: str) -> None:

@@ -163,7 +163,10 @@ def _ag_gemm_impl(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
         def run(c, dest=None):
             return _plans.prepare(NAME, c, input, weight, bias, group, weight_layout, out_dtype, return_gathered,
                                   dest, reference)()
-        cand = Candidate.parse(autotune.tune(problem, run, group, input.device)["choice"])
+        def prepare(c):
+            return _plans.prepare(NAME, c, input, weight, bias, group, weight_layout, out_dtype, return_gathered, None,
+                                  reference)
+        cand = Candidate.parse(autotune.tune(problem, run, group, input.device, prepare=prepare)["choice"])
     return _plans.run_and_remember(NAME, cand, input, weight, bias, group, weight_layout, out_dtype,
                                    return_gathered, out, reference)
 

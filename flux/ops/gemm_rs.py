@@ -174,7 +174,10 @@ def _gemm_rs_impl(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
         def run(c, dest=None):
             return _plans.prepare(NAME, c, input, weight, bias, group, weight_layout, out_dtype, False, dest,
                                   reference)()
-        cand = Candidate.parse(autotune.tune(problem, run, group, input.device)["choice"])
+        def prepare(c):
+            return _plans.prepare(NAME, c, input, weight, bias, group, weight_layout, out_dtype, False, None,
+                                  reference)
+        cand = Candidate.parse(autotune.tune(problem, run, group, input.device, prepare=prepare)["choice"])
     return _plans.run_and_remember(NAME, cand, input, weight, bias, group, weight_layout, out_dtype, False, out,
                                    reference)
 
