@@ -5,7 +5,7 @@ Run (one process per GPU)::
     torchrun --nproc_per_node=2 bench/bench_ops.py                      # public suite, both ops
     torchrun --nproc_per_node=2 bench/bench_ops.py --quick              # 2 shapes per op, few rounds
     torchrun --nproc_per_node=2 bench/bench_ops.py --op gemm_rs --shapes 8192x14336x8192,512x14336x8192
-    torchrun --nproc_per_node=2 bench/bench_ops.py --strategies sequential --out /tmp/r.json
+    torchrun --nproc_per_node=2 bench/bench_ops.py --strategies all --out /tmp/r.json
 
 Shapes (GUIDE.md §3). A shape is ``M x K x N``, M the gathered (full) number of rows.
 The listed shape IS the GEMM that each rank runs at world size W = 2, so that the
@@ -35,19 +35,27 @@ Methods, all measured side by side in one process, on the same tensors:
               gemm_rs: reduce_scatter_tensor of [M, N] (sum).                        = t_comm
     seq       NCCL then cuBLAS (ag_gemm: all_gather_into_tensor, then F.linear) or
               cuBLAS then NCCL (gemm_rs: F.linear, then reduce_scatter_tensor).      = t_seq
-              Its output is the reference for every correctness check.
+              Its output is the reference for every correctness check. Its host time is
+              the budget of every flux strategy's (an NCCL collective plus torch.mm).
     async_tp  PyTorch async-TP (torch.distributed._symmetric_memory):
               torch.ops.symm_mem.fused_all_gather_matmul(A_shard, [W.t()], 0, group_name)
                   (return_A left at its default True: the multimem path, which needs
                   NVLink multicast, is only taken with return_A=False)
               torch.ops.symm_mem.fused_matmul_reduce_scatter(A, W.t(), "sum", 0, group_name)
               If it cannot run, the JSON records "unavailable: <reason>".
-    flux:<s>  every flux strategy s in flux.ops.<op>.available_strategies(device) (or those named
-              by --strategies, with parameters, e.g. 'fused(config=1)'), called
-              through flux.ops.<op>.run_strategy(s, ...) (argument check on the first,
-              correctness call only; check=False while timing).
-    flux:auto the public op (flux.ag_gemm / flux.gemm_rs): the autotuner's choice plus
-              the dispatch; in the JSON only.
+    flux:<s>  the flux strategy s (a name, or a candidate label with parameters, e.g.
+              'fused(config=1,swizzle=8)'), made once with
+              flux.ops.<op>.prepare_strategy(s, ..., check=True) (the arguments checked
+              across the ranks, a C++ plan made), then called as that plan's zero-argument
+              callable. Default methods: one per strategy, with its default parameters:
+              ag_gemm 'sequential,decomposed,oneshot,fused', gemm_rs
+              'sequential,oneshot,decomposed,fused'. --strategies names others;
+              --strategies all runs every candidate of the autotuner's search space valid for
+              the shape (flux.autotune.space.candidates). A strategy missing from
+              flux.ops.<op>.available_strategies(device) is recorded "unavailable".
+    flux:auto the public op (flux.ag_gemm / flux.gemm_rs): the autotuner's choice plus the
+              dispatch. Its first call (the correctness check) checks, chooses and plans;
+              later calls run the plan from C++. Its choice is recorded.
 
 Protocol (GUIDE.md §3):
   * random data (torch.randn; A ~ N(0, 1), W ~ N(0, 1/K)), never zeros; a different seed
@@ -56,34 +64,92 @@ Protocol (GUIDE.md §3):
     ``seq`` output, relative error ||out - ref|| / ||ref|| (fp32 norms, maximum over the
     ranks) < tol (bf16 2e-2, fp16 1e-2, fp32 1e-4; --tol overrides). A method above tol
     is reported "incorrect" and not timed; an exception is reported "error: ...";
-  * timing: --warmup calls, then --iters rounds. Each round: torch.cuda.synchronize();
-    a GPU spin of --queue-ahead-us (default 1000 us, torch.cuda._sleep) during which
-    the host enqueues what follows; an all_reduce of a 1-element tensor (the current
-    stream waits for it, so the GPUs of all ranks start the round together, not only
-    their hosts); CUDA event; one call; CUDA event; synchronize. A method's time is the
-    median over its rounds, then the maximum of that median over the ranks (all_reduce
-    MAX). The spin keeps the host's launch cost out of the GPU time, as in a model where
-    the host runs ahead or a CUDA graph replays the op; without it (--queue-ahead-us 0)
-    the rank whose host arrives last pays its Python/launch overhead inside the timed
-    region and small shapes measure host time. The host time of a call (wall clock in
-    the call, median, max over ranks) is recorded as host_ms; host_bound marks a method
-    whose host time exceeds the head start, so its t_ms includes host time (table: '*').
-    Methods run one after the other (not interleaved per round), so slow drift of clocks
+  * timing: --warmup eager calls, then each method (baselines included) is timed in the
+    four ways users run the ops, plus a diagnostic, one mode after the other. A figure is
+    a median on each rank, then the maximum of that median over the ranks (all_reduce MAX):
+
+      loop    back-to-back eager calls, as a model run eagerly. Per round: synchronize, host
+              barrier, then a rendezvous on the GPU (an all_reduce of one element: the current
+              stream waits for it, so the GPUs of all ranks start the round together, not only
+              their hosts); CUDA event; --loop-calls calls back to back; CUDA event;
+              synchronize. Time per call = the round's time / --loop-calls; loop_ms = median
+              over --iters rounds. A call whose host time exceeds its GPU time shows it here.
+      graph   the same --loop-calls calls captured once in a CUDA graph (after the warm-up,
+              3 more calls on a side stream, then torch.cuda.graph on that stream),
+              replayed once per round after the same rendezvous, CUDA events around the
+              replay: graph_ms = median over --iters rounds of replay time / --loop-calls. No
+              host cost at all: a call's GPU time in a graphed model. When capture or replay
+              fails on any rank, or the last call's output after the replays is off the
+              reference by tol or more, graph_ms is None and graph_status "unavailable:
+              <reason>" (otherwise "ok"); the other modes still count.
+      single  one call on an idle GPU, the latency a lone layer sees. Per round: synchronize,
+              host barrier, synchronize (no GPU op after the barrier); CUDA event; one call;
+              CUDA event; synchronize. The events are enqueued around the call, so its host
+              enqueue time is in single_ms on purpose (and so is the ranks' skew on leaving
+              the barrier). Median over --iters rounds.
+      host    CPU time to enqueue one call while the GPU is kept busy (the host running ahead,
+              as in a model whose GPU is the bottleneck): --host-calls calls in batches of
+              20; before each batch a GPU spin (torch.cuda._sleep) of 2 ms + 0.5 ms per call,
+              which outlasts the batch's enqueue, so no call finds an idle GPU; each call
+              timed on the host (time.perf_counter); synchronize after the batch. host_us =
+              median µs per call over the --host-calls calls. The budget: every flux
+              strategy's host_us <= seq's (NCCL collective + torch.mm); the host table puts
+              them side by side.
+      spin    diagnostic only, never the headline (the protocol of earlier runs, kept to
+              compare with them; --no-spin skips it). Per round: synchronize; a GPU spin of
+              --queue-ahead-us during which the host enqueues what follows; the GPU
+              rendezvous; CUDA event; one call; CUDA event; synchronize. spin_ms = median
+              over --iters rounds. The spin keeps the host's launch cost out unless the host
+              takes longer than --queue-ahead-us to enqueue the rendezvous and the call.
+
+    --flush-l2 writes a 256 MB buffer before every round of loop, graph, single and spin
+    (outside the timed region; in loop and graph only the round's first call finds a cold
+    L2). Methods run one after the other (not interleaved per round), so slow drift of clocks
     or temperature shows as a few percent of noise on large shapes: raise --iters;
-  * overlap efficiency E = (t_seq - t_op) / (t_seq - t_gemm) (None when t_seq <= t_gemm)
-    and speedup t_seq / t_op, for every non-baseline method.
+  * for every non-baseline method and each mode m of loop, graph, single, spin: overlap
+    efficiency E_m = (t_seq_m - t_op_m) / (t_seq_m - t_gemm_m) (None when t_seq_m <=
+    t_gemm_m) and speedup_m = t_seq_m / t_op_m, with the baselines timed in the same mode;
+  * run time: per method and shape about 930 calls (1 check, 5 warm-up, 200 loop, 3 graph
+    warm-up, 200 replayed, 10 single, 10 spin, 500 host) and 25 host-batch spins of 12 ms.
+    On 2xH200 in bf16 one seq call of each of the 13 suite shapes adds up to ~13 ms, and the
+    9 default methods of a shape (3 baselines, async-TP, 4 strategies, auto) cost about 8 seq
+    calls: ~95 s of calls, ~35 s of spins, ~40 s of start-up, planning and graph capture, so
+    about 3 minutes for the public suite at 2 ranks (estimated, not measured; --strategies
+    all runs 14 to 17 strategies per shape: about 2.5 times that; --quick: under a minute);
   * Known limitation: rounds are back to back on the same tensors, so shapes whose
-    operands fit in the 60 MB L2 of an H200 partly run from L2. --flush-l2 writes a 256 MB
-    buffer before every round (outside the timed region) to rule that out.
+    operands fit in the 60 MB L2 of an H200 partly run from L2 (--flush-l2 rules that out
+    for the first call of a round).
 
 Environment hygiene: NVLink multicast (NVLS) is never used: this script forces
 NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1 before
 torch.distributed is imported.
 
 Output: rank 0 writes JSON to --out (default bench/results/bench_ops-<host>-<time>.json):
-metadata (versions, GPU, world size, command line, date), then per op and shape every
-time in ms, E, speedup and relative error per method; and prints a compact table per op
-last. Exit status 0 even if some method is unavailable or incorrect (see the JSON).
+{"metadata": versions, GPU, world size, command line, date, the protocol's parameters;
+"results": {op: {"available_strategies": [...], "shapes": [one record per shape]}}}. A
+shape's record:
+
+    shape, M, K, N, local           the listed shape; this rank's N, K and tensor shapes
+    t_gemm_ms, t_comm_ms, t_seq_ms  the baselines' loop_ms (back-to-back calls)
+    gemm_tflops, comm_algbw_GBps    from t_gemm_ms and t_comm_ms
+    baselines                       {"gemm" | "comm" | "seq": timing}
+    methods                         {"async_tp" | "flux:<s>" | "flux:auto": timing, plus
+                                    "status" ("ok", "incorrect", "unavailable: ...",
+                                    "error: ..."), "rel_err", "E" and "speedup" (each
+                                    {"loop", "graph", "single", "spin": value or None});
+                                    flux:auto also "choice", the candidate it runs}
+    best_flux                       the fastest flux:<s> (auto excluded) by graph_ms, by
+                                    loop_ms when one of them has no graph time:
+                                    {"strategy", "mode", "t_ms", "E", "speedup"}, or None
+    status                          "ok", or why the shape did not run
+
+where a timing is {"loop_ms", "graph_ms", "single_ms", "spin_ms" (ms per call; None where
+not measured), "host_us" (µs per call), "graph_status", "per_rank" (each rank's median of
+each of these), "rank0_min_max_ms" ({mode: [min, max] over rank 0's rounds})}. Printed
+last, per op: a compact table (t_gemm; seq, async-TP and flux:auto in graph, loop and
+single ms and host µs; E and speedup of flux:auto in graph mode and its speedup over
+async-TP) and a host table (host µs per call of seq next to every method's). Exit status 0
+even if some method is unavailable or incorrect (see the JSON).
 """
 import os
 
@@ -117,8 +183,26 @@ QUICK = {
     "ag_gemm": ["4096x8192x14336", "512x8192x14336"],
     "gemm_rs": ["4096x14336x8192", "512x14336x8192"],
 }
+# One method per strategy, with its default parameters (--strategies all: every candidate).
+DEFAULT_STRATEGIES = {
+    "ag_gemm": "sequential,decomposed,oneshot,fused",
+    "gemm_rs": "sequential,oneshot,decomposed,fused",
+}
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 DEFAULT_TOL = {"bf16": 2e-2, "fp16": 1e-2, "fp32": 1e-4}
+MODES = ("loop", "graph", "single", "spin")  # the modes timed in ms (host is in µs)
+# torch.cuda._sleep counts cycles: at the H200's 1.98 GHz boost clock (a lower clock only
+# lengthens a spin, which is harmless).
+CYCLES_PER_US = 1980
+# Host mode: calls per batch, and the GPU spin before each batch. The spin must outlast the
+# batch's enqueue so that no call finds the GPU idle: 2 ms, plus 0.5 ms per call (10x and
+# more what a call's enqueue takes).
+HOST_BATCH = 20
+HOST_SPIN_US = 2000.0
+HOST_SPIN_PER_CALL_US = 500.0
+# Calls on the capture stream before capturing, as PyTorch recommends: lazy per-stream state
+# (a cuBLAS workspace, say) is made there, not inside the capture.
+GRAPH_WARMUP = 3
 
 
 def parse_args(argv=None):
@@ -131,34 +215,41 @@ def parse_args(argv=None):
                         "(M gathered; used for every op selected); default: suite")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="default: bf16")
     p.add_argument("--warmup", type=int, default=5, help="untimed calls per method and shape (default 5)")
-    p.add_argument("--iters", type=int, default=20, help="timed rounds per method and shape (default 20)")
+    p.add_argument("--iters", type=int, default=10,
+                   help="timed rounds per method and shape in each of the loop, graph, single and spin "
+                        "modes (default 10)")
+    p.add_argument("--loop-calls", type=int, default=20,
+                   help="calls per round in loop mode, and captured in the graph (default 20)")
+    p.add_argument("--host-calls", type=int, default=500,
+                   help=f"calls timed on the host in host mode, in batches of {HOST_BATCH} (default 500)")
     p.add_argument("--out", default=None,
                    help="JSON file written by rank 0 (default bench/results/bench_ops-<host>-<time>.json)")
     p.add_argument("--strategies", default=None,
                    help="comma-separated flux strategies to run, each a name or a candidate label with "
-                        "parameters, e.g. 'decomposed,decomposed(wait_barrier=1)' (default: all of "
-                        "available_strategies)")
-    p.add_argument("--ablation", action="store_true",
-                   help="also time the stages of the decomposed strategies alone: 'split' (the W row-block "
-                        "GEMMs, no communication) and, for gemm_rs, 'reduce' (the final reduction pass)")
+                        "parameters, e.g. 'decomposed,fused(config=1,swizzle=8)'; 'all': every candidate "
+                        "of the autotuner's search space valid for the shape (default: ag_gemm "
+                        f"'{DEFAULT_STRATEGIES['ag_gemm']}', gemm_rs '{DEFAULT_STRATEGIES['gemm_rs']}')")
     p.add_argument("--scale-with-world", action=argparse.BooleanOptionalAction, default=True,
                    help="multiply N (ag_gemm) or K (gemm_rs) by 2/W, rounded to a multiple of 128, so the "
                         "total problem is the listed one at W=2 (default: on)")
     p.add_argument("--skip-async-tp", action="store_true", help="do not run PyTorch async-TP")
     p.add_argument("--flush-l2", action="store_true",
                    help="write a 256 MB buffer before every timed round (outside the timed region)")
+    p.add_argument("--no-spin", dest="spin", action="store_false",
+                   help="skip the spin diagnostic (a GPU spin of --queue-ahead-us before each call)")
     p.add_argument("--queue-ahead-us", type=float, default=1000.0,
-                   help="GPU spin (torch.cuda._sleep) at the start of each round, before the rendezvous, "
-                        "during which the host enqueues the call, so that its launch cost is not timed; "
-                        "0 times each call from an empty queue, host overhead included (default 1000)")
+                   help="spin diagnostic: GPU spin (torch.cuda._sleep) at the start of each round, before "
+                        "the rendezvous, during which the host enqueues the call (default 1000)")
     p.add_argument("--tol", type=float, default=None, help="relative-error tolerance (default: bf16 2e-2, fp16 1e-2, fp32 1e-4)")
     p.add_argument("--quick", action="store_true",
-                   help="smoke test: 2 shapes per op (unless --shapes is given), warmup 2, iters 5")
+                   help="smoke test: 2 shapes per op (unless --shapes is given), warmup 2, iters 5, "
+                        "loop-calls 10, host-calls 100")
     args = p.parse_args(argv)
     if args.quick:
         args.warmup, args.iters = min(args.warmup, 2), min(args.iters, 5)
-    if args.warmup < 0 or args.iters < 1 or args.queue_ahead_us < 0:
-        p.error("--warmup must be >= 0, --iters >= 1 and --queue-ahead-us >= 0")
+        args.loop_calls, args.host_calls = min(args.loop_calls, 10), min(args.host_calls, 100)
+    if args.warmup < 0 or min(args.iters, args.loop_calls, args.host_calls) < 1 or args.queue_ahead_us < 0:
+        p.error("--warmup must be >= 0, --iters, --loop-calls and --host-calls >= 1 and --queue-ahead-us >= 0")
     if args.tol is None:
         args.tol = DEFAULT_TOL[args.dtype]
     ops = ["ag_gemm", "gemm_rs"] if args.op == "all" else [args.op]
@@ -179,7 +270,13 @@ def parse_args(argv=None):
                 p.error(f"bad shape {s!r}: every dimension must be positive")
             shapes.append((m, k, n))
         args.shape_lists[op] = shapes
-    args.strategy_filter = split_labels(args.strategies) if args.strategies else None
+    # op -> strategy labels; None: every candidate valid for the shape (made per shape)
+    if args.strategies is None:
+        args.strategy_lists = {op: split_labels(DEFAULT_STRATEGIES[op]) for op in ops}
+    elif args.strategies.strip() == "all":
+        args.strategy_lists = {op: None for op in ops}
+    else:
+        args.strategy_lists = {op: split_labels(args.strategies) for op in ops}
     return args
 
 
@@ -206,7 +303,7 @@ def _short(e: BaseException, limit: int = 300) -> str:
 
 
 def _eff(t_seq, t_gemm, t_op):
-    """(E, speedup) of a method that took t_op ms."""
+    """(E, speedup) of a method that took t_op ms, the baselines t_seq and t_gemm in the same mode."""
     if t_op is None or t_seq is None:
         return None, None
     e = (t_seq - t_op) / (t_seq - t_gemm) if (t_gemm is not None and t_seq - t_gemm > 0) else None
@@ -237,9 +334,9 @@ class Bench:
         self.token = torch.zeros(1, device=self.device)
         self.flush = (torch.empty(256 * 2 ** 20, dtype=torch.uint8, device=self.device)
                       if args.flush_l2 else None)
-        # GPU spin before each timed call; cycles at the H200's 1.98 GHz boost clock (a
-        # lower clock only lengthens the head start, which is harmless).
-        self.spin_cycles = int(args.queue_ahead_us * 1980)
+        self.spin_cycles = int(args.queue_ahead_us * CYCLES_PER_US)
+        self.start = torch.cuda.Event(enable_timing=True)
+        self.end = torch.cuda.Event(enable_timing=True)
 
     def log(self, *a):
         if self.rank == 0:
@@ -258,9 +355,17 @@ class Bench:
         return [float(v) for v in out.tolist()]
 
     def sync(self):
+        """Host rendezvous with idle GPUs: synchronize, barrier, synchronize."""
         self.torch.cuda.synchronize()
         self.dist.barrier(group=self.group, device_ids=[self.local_rank])
         self.torch.cuda.synchronize()
+
+    def gpu_rendezvous(self):
+        """sync(), then a synchronous NCCL op that the current stream waits for, so that what
+        follows starts on the GPUs of all ranks together (a host barrier alone would leave the
+        GPUs skewed by the hosts' launch times)."""
+        self.sync()
+        self.dist.all_reduce(self.token, group=self.group)
 
     def rel_err(self, out, ref) -> float:
         """||out - ref|| / ||ref|| in fp32, maximum over the ranks (NaN -> inf)."""
@@ -277,50 +382,149 @@ class Bench:
                 err = math.inf
         return self.max_all(err)
 
-    def time(self, fn):
-        """Median over --iters rounds of one call, maximum over the ranks (ms), and the
-        host time of the call (median of the wall-clock time spent in ``fn()``)."""
-        torch, dist = self.torch, self.dist
-        for _ in range(self.args.warmup):
-            fn()
-        torch.cuda.synchronize()
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        times, host = [], []
-        for _ in range(self.args.iters):
-            if self.flush is not None:
-                self.flush.fill_(1)
-            torch.cuda.synchronize()
-            if self.spin_cycles:
-                # Head start: while the GPU spins, the host enqueues the rendezvous and the
-                # call, so the call's launch cost stays out of its GPU time (--queue-ahead-us).
-                # The spin comes before the rendezvous: it counts cycles, and the two GPUs'
-                # clocks can differ, so it would skew the ranks if it came after.
-                torch.cuda._sleep(self.spin_cycles)
-            # Rendezvous on the GPU: a synchronous NCCL op makes the current stream wait
-            # for it, so the rounds of all ranks start on the GPUs together (a host barrier
-            # alone would leave the GPUs skewed by the hosts' launch times).
-            dist.all_reduce(self.token, group=self.group)
-            start.record()
-            h0 = time.perf_counter()
-            fn()
-            h1 = time.perf_counter()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-            host.append((h1 - h0) * 1e3)
-        med = statistics.median(times)
-        per_rank = self.gather_all(med)
-        host_ms = self.max_all(statistics.median(host))
-        return {"t_ms": max(per_rank), "t_ms_per_rank": per_rank, "host_ms": host_ms,
-                # the host took longer than the GPU head start: its launch cost is in t_ms
-                "host_bound": bool(self.spin_cycles and host_ms * 1e3 > self.args.queue_ahead_us),
-                "rank0_rounds_min_ms": min(times) if self.rank == 0 else None,
-                "rank0_rounds_max_ms": max(times) if self.rank == 0 else None}
-
     def agree_failed(self, failed: bool) -> bool:
         """True on every rank if any rank failed."""
         return self.max_all(1.0 if failed else 0.0) > 0
+
+    # ------------------------------------------------------------------------- timing
+
+    def time(self, fn, ref=None):
+        """Every timing of one method (module docstring, Protocol): loop_ms, graph_ms,
+        single_ms, spin_ms (ms per call, max over the ranks of the median over the rounds;
+        None where not measured), host_us, graph_status, the per-rank medians and rank 0's
+        range of rounds. ``ref``: the expected output, which the graph's last call must
+        match after the replays (None: not checked)."""
+        torch, args = self.torch, self.args
+        for _ in range(args.warmup):
+            fn()
+        torch.cuda.synchronize()
+        calls = args.loop_calls
+
+        def loop():
+            for _ in range(calls):
+                fn()
+
+        rounds = {"loop": self._rounds(self.gpu_rendezvous, loop, calls),
+                  "single": self._rounds(self.sync, fn),
+                  "spin": self._rounds(self._spin_start, fn) if args.spin else None}
+        # Graph after the modes of few rounds: torch.cuda.graph empties the allocator's cache,
+        # so the next eager call allocates its output with cudaMalloc, an outlier that the
+        # median over --host-calls calls ignores and the median of a few rounds might not.
+        rounds["graph"], graph_status = self._graph_rounds(fn, ref)
+        host = self._host_times(fn)
+        res, per_rank, spread = {}, {}, {}
+        for mode in MODES:
+            times = rounds[mode]
+            res[f"{mode}_ms"] = None
+            if times is not None:
+                res[f"{mode}_ms"], per_rank[f"{mode}_ms"] = self._median_max(times)
+                if self.rank == 0:
+                    spread[mode] = [min(times), max(times)]
+        res["host_us"], per_rank["host_us"] = self._median_max(host)
+        res.update(graph_status=graph_status, per_rank=per_rank, rank0_min_max_ms=spread)
+        return res
+
+    def _median_max(self, samples):
+        """(maximum over the ranks, per-rank list) of each rank's median of ``samples``."""
+        per_rank = self.gather_all(statistics.median(samples))
+        return max(per_rank), per_rank
+
+    def _rounds(self, start_round, body, calls=1):
+        """This rank's time per call (ms) in each of --iters rounds: ``start_round()``, CUDA
+        event, ``body()`` (``calls`` calls), CUDA event, synchronize."""
+        times = []
+        for _ in range(self.args.iters):
+            if self.flush is not None:
+                self.flush.fill_(1)
+            start_round()
+            self.start.record()
+            body()
+            self.end.record()
+            self.end.synchronize()
+            times.append(self.start.elapsed_time(self.end) / calls)
+        return times
+
+    def _spin_start(self):
+        """The spin diagnostic's round start: while the GPU spins, the host enqueues the
+        rendezvous and the call, so the call's launch cost stays out of its GPU time. The
+        spin comes before the rendezvous: it counts cycles, and the two GPUs' clocks can
+        differ, so it would skew the ranks if it came after."""
+        self.torch.cuda.synchronize()
+        if self.spin_cycles:
+            self.torch.cuda._sleep(self.spin_cycles)
+        self.dist.all_reduce(self.token, group=self.group)
+
+    def _host_times(self, fn):
+        """This rank's host time (µs) of each of --host-calls calls, enqueued in batches
+        behind a GPU spin that outlasts the batch's enqueue."""
+        torch = self.torch
+        times, left = [], self.args.host_calls
+        torch.cuda.synchronize()
+        while left:
+            n = min(HOST_BATCH, left)
+            torch.cuda._sleep(int((HOST_SPIN_US + HOST_SPIN_PER_CALL_US * n) * CYCLES_PER_US))
+            for _ in range(n):
+                h0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - h0) * 1e6)
+            torch.cuda.synchronize()
+            left -= n
+        return times
+
+    def _graph_rounds(self, fn, ref):
+        """(this rank's graph-mode times or None, graph_status): --loop-calls calls captured
+        once, replayed once per round after the GPU rendezvous. Every rank takes the same
+        path: a capture that fails on one rank is abandoned on all of them (the peers'
+        replays would wait for its collectives and signals)."""
+        torch, calls = self.torch, self.args.loop_calls
+        graph, side, prev = torch.cuda.CUDAGraph(), torch.cuda.Stream(), torch.cuda.current_stream()
+        out, failure = None, None
+        try:
+            side.wait_stream(prev)
+            with torch.cuda.stream(side):
+                for _ in range(GRAPH_WARMUP):
+                    fn()
+            prev.wait_stream(side)
+            # thread_local: the default, global mode would also fail the capture on an unsafe
+            # CUDA call from another thread (NCCL's watchdog queries events), which says
+            # nothing about the op.
+            with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
+                for _ in range(calls):
+                    out = fn()
+        except Exception as e:  # noqa: BLE001  (recorded, never fatal)
+            failure = f"capture: {_short(e, 200)}"
+            self._leave_capture(graph, side, prev)
+        if self.agree_failed(failure is not None):
+            return None, f"unavailable: {failure or 'capture failed on another rank'}"
+        times = None
+        try:
+            times = self._rounds(self.gpu_rendezvous, graph.replay, calls)
+        except Exception as e:  # noqa: BLE001
+            failure = f"replay: {_short(e, 200)}"
+            torch.cuda.synchronize()
+        if self.agree_failed(failure is not None):
+            return None, f"unavailable: {failure or 'replay failed on another rank'}"
+        if ref is not None:
+            # Replays run the captured kernels on the captured addresses and arguments: a
+            # call that depends on per-call host state computes wrong results, silently.
+            err = self.rel_err(out, ref)
+            if not err < self.args.tol:
+                return None, f"unavailable: the output after the replays is off the reference (rel err {err:.2g})"
+        return times, "ok"
+
+    def _leave_capture(self, graph, stream, prev):
+        """Clean up after a failed capture: torch.cuda.graph's exit skips restoring the current
+        stream when capture_end raises, and ``stream`` must not stay in capture mode (every
+        later synchronize would fail)."""
+        torch = self.torch
+        torch.cuda.set_stream(prev)
+        with torch.cuda.stream(stream):
+            if torch.cuda.is_current_stream_capturing():
+                try:
+                    graph.capture_end()
+                except RuntimeError:
+                    pass  # an invalidated capture ends all the same (cudaStreamEndCapture)
+        torch.cuda.synchronize()
 
 
 # ----------------------------------------------------------------------------- one shape
@@ -365,7 +569,7 @@ def _method(bench, name, make_fn, ref, results):
     timing = None
     try:
         bench.sync()
-        timing = bench.time(lambda: call())
+        timing = bench.time(call, ref)
     except Exception as e:  # noqa: BLE001
         failure = _short(e)
     if bench.agree_failed(failure is not None):
@@ -398,6 +602,8 @@ def _async_tp_available(bench):
 
 
 def run_shape(bench, op, shape, strategies):
+    """One shape of one op: the baselines, then every method. ``strategies``: flux strategy
+    labels, or None for every candidate of the search space valid for the shape."""
     torch, dist, F = bench.torch, bench.dist, bench.torch.nn.functional
     import flux
 
@@ -441,16 +647,7 @@ def run_shape(bench, op, shape, strategies):
             f = torch.ops.symm_mem.fused_all_gather_matmul
             return (lambda: f(a_shard, [w_kn], 0, bench.group_name)[1][0]), None
 
-        def make_flux(s):
-            c = Candidate.parse(s)
-            mod.run_strategy(c.strategy, a_shard, weight, group=bench.group, weight_layout="nk", check=True,
-                             **c.kwargs)
-            return (lambda: mod.run_strategy(c.strategy, a_shard, weight, group=bench.group, weight_layout="nk",
-                                             check=False, **c.kwargs)), None
-
-        def make_auto():
-            return (lambda: flux.ag_gemm(a_shard, weight, group=bench.group)), None
-        auto_input = a_shard
+        op_input, public = a_shard, flux.ag_gemm
         comm_bytes = m * k_loc * a_shard.element_size()
     else:
         a = torch.randn((m, k_loc), device=dev, dtype=dt, generator=gen)
@@ -478,16 +675,30 @@ def run_shape(bench, op, shape, strategies):
             f = torch.ops.symm_mem.fused_matmul_reduce_scatter
             return (lambda: f(a, w_kn, "sum", 0, bench.group_name)), None
 
-        def make_flux(s):
-            c = Candidate.parse(s)
-            mod.run_strategy(c.strategy, a, weight, group=bench.group, weight_layout="nk", check=True, **c.kwargs)
-            return (lambda: mod.run_strategy(c.strategy, a, weight, group=bench.group, weight_layout="nk",
-                                             check=False, **c.kwargs)), None
-
-        def make_auto():
-            return (lambda: flux.gemm_rs(a, weight, group=bench.group)), None
-        auto_input = a
+        op_input, public = a, flux.gemm_rs
         comm_bytes = m * n_loc * a.element_size()
+
+    def make_flux(label):
+        c = Candidate.parse(label)
+        if c.strategy not in mod.available_strategies(dev):
+            return None, f"not in flux.ops.{op}.available_strategies({dev})"
+        # Checked and planned once, here; each call then enqueues the plan from C++.
+        call = mod.prepare_strategy(c.strategy, op_input, weight, group=bench.group, weight_layout="nk",
+                                    check=True, **c.kwargs)
+        if op == "ag_gemm":  # (out, gathered or None)
+            return (lambda: call()[0]), None
+        return call, None
+
+    def make_auto():
+        return (lambda: public(op_input, weight, group=bench.group)), None
+
+    from flux.ops._common import problem_of
+
+    problem = problem_of(op, op_input, weight, "nk", None, W, m)
+    if strategies is None:
+        from flux.autotune.space import candidates
+
+        strategies = [c.label for c in candidates(problem)]
 
     # Baselines: the reference output first (also a check that NCCL and cuBLAS run).
     bench.sync()
@@ -498,17 +709,14 @@ def run_shape(bench, op, shape, strategies):
         rec["status"] = "error: the sequential reference is not finite"
         return rec
     base = {}
-    for name, fn in (("gemm", gemm), ("comm", comm), ("seq", seq)):
+    for name, fn, expect in (("gemm", gemm, None), ("comm", comm, None), ("seq", seq, ref)):
         bench.sync()
-        base[name] = bench.time(fn)
-    t_gemm, t_comm, t_seq = base["gemm"]["t_ms"], base["comm"]["t_ms"], base["seq"]["t_ms"]
+        base[name] = bench.time(fn, expect)
+    t_gemm, t_comm, t_seq = (base[b]["loop_ms"] for b in ("gemm", "comm", "seq"))
     rec.update(t_gemm_ms=t_gemm, t_comm_ms=t_comm, t_seq_ms=t_seq,
                gemm_tflops=flop / t_gemm / 1e9 if t_gemm > 0 else None,
                comm_algbw_GBps=comm_bytes / t_comm / 1e6 if t_comm > 0 else None,
                baselines=base)
-
-    if args.ablation:
-        rec["ablation"] = ablation(bench, op, m, k_loc, n_loc, weight)
 
     methods = {}
     if args.skip_async_tp:
@@ -517,141 +725,31 @@ def run_shape(bench, op, shape, strategies):
         _method(bench, "async_tp", make_async_tp, ref, methods)
         bench.sync()
     for s in strategies:
-        def mk(s=s):
-            name = Candidate.parse(s).strategy
-            if name not in mod.available_strategies(dev):
-                return None, f"not in flux.ops.{op}.available_strategies({dev})"
-            return make_flux(s)
-        _method(bench, f"flux:{s}", mk, ref, methods)
+        _method(bench, f"flux:{s}", lambda s=s: make_flux(s), ref, methods)
         bench.sync()
     _method(bench, "flux:auto", make_auto, ref, methods)
     if methods["flux:auto"].get("status") == "ok":  # what the automatic choice ran
         from flux import autotune
-        from flux.ops._common import problem_of
 
-        methods["flux:auto"]["choice"] = autotune.choose(
-            problem_of(op, auto_input, weight, "nk", None, W, m), dev).label
+        methods["flux:auto"]["choice"] = autotune.choose(problem, dev).label
     for entry in methods.values():
         if entry.get("status") == "ok":
-            entry["E"], entry["speedup"] = _eff(t_seq, t_gemm, entry["t_ms"])
+            eff = {md: _eff(base["seq"][f"{md}_ms"], base["gemm"][f"{md}_ms"], entry[f"{md}_ms"]) for md in MODES}
+            entry["E"] = {md: e for md, (e, _) in eff.items()}
+            entry["speedup"] = {md: sp for md, (_, sp) in eff.items()}
     rec["methods"] = methods
     flux_ok = {nm: e for nm, e in methods.items()
                if nm.startswith("flux:") and nm != "flux:auto" and e.get("status") == "ok"}
+    rec["best_flux"] = None
     if flux_ok:
-        nm, e = min(flux_ok.items(), key=lambda kv: kv[1]["t_ms"])
-        rec["best_flux"] = {"strategy": nm[len("flux:"):], "t_ms": e["t_ms"], "E": e["E"],
-                            "speedup": e["speedup"]}
-    else:
-        rec["best_flux"] = None
+        # Graph mode is the GPU time alone; loop only when some strategy could not be graphed,
+        # so that all are compared in one mode.
+        mode = "graph" if all(e["graph_ms"] is not None for e in flux_ok.values()) else "loop"
+        nm, e = min(flux_ok.items(), key=lambda kv: kv[1][f"{mode}_ms"])
+        rec["best_flux"] = {"strategy": nm[len("flux:"):], "mode": mode, "t_ms": e[f"{mode}_ms"],
+                            "E": e["E"][mode], "speedup": e["speedup"][mode]}
     rec["status"] = "ok"
     return rec
-
-
-def ablation(bench, op, m, k, n, weight):
-    """The decomposed strategies' stages alone, on this rank's shapes (no communication):
-    'split' = the W row-block GEMMs of m/W rows each, as the strategies issue them (cuBLAS
-    through flux.ops._common.gemm_into); ag_gemm at W = 2 also 'first<c>' = a GEMM of c rows,
-    then one of the other m - c (other splits of the same rows: the first GEMM can only hold
-    local rows, c < m/W); gemm_rs also 'reduce' = flux::reduce_chunks_ over
-    [W, m/W, n] into [m/W, n]. Subtracted from a strategy's time they leave what the
-    communication, the signals and the launches add."""
-    torch, W, dev, dt = bench.torch, bench.world, bench.device, bench.dtype
-    from flux.ops._common import gemm_into
-
-    rows = m // W
-    gen = torch.Generator(device=dev)
-    gen.manual_seed(3000 + bench.rank)
-    a = torch.randn((m, k), device=dev, dtype=dt, generator=gen)
-    out = torch.empty((m, n), device=dev, dtype=dt)
-
-    def split():
-        for p in range(W):
-            gemm_into(out[p * rows:(p + 1) * rows], a[p * rows:(p + 1) * rows], weight, None, "nk")
-        return out
-
-    res = {}
-    bench.sync()
-    res["split"] = bench.time(split)
-    if op == "ag_gemm" and W == 2:
-        for c in sorted({rows - 128, rows - 256, rows - 512, rows - 1024, rows // 2}):
-            if 0 < c < rows:
-                def first(c=c):
-                    gemm_into(out[:c], a[:c], weight, None, "nk")
-                    gemm_into(out[c:], a[c:], weight, None, "nk")
-                    return out
-
-                bench.sync()
-                res[f"first{c}"] = bench.time(first)
-    if op == "gemm_rs" and hasattr(torch.ops.flux, "reduce_chunks_"):
-        red = torch.empty((rows, n), device=dev, dtype=dt)
-        parts = out.view(W, rows, n)
-
-        def reduce():
-            torch.ops.flux.reduce_chunks_(red, parts, None)
-            return red
-
-        bench.sync()
-        res["reduce"] = bench.time(reduce)
-    res.update(_fused_ablation(bench, op, m, k, n, weight, a, out))
-    return res
-
-
-def _fused_ablation(bench, op, m, k, n, weight, a, out):
-    """The fused strategies' compute alone, every flag already set (no communication, no
-    barrier): AG 'fused_kernel' = the fused kernel over all m rows, 'fused_copy_kernel' = the
-    own rows' copy into place, then the kernel (what the strategy runs on its stream);
-    RS (world size 2) 'fused_kernel' = the own-block kernel with the peer's partial (random)
-    folded in, 'fused_compute' = the peer rows' cuBLAS GEMM, then that kernel."""
-    torch, W, dev, dt = bench.torch, bench.world, bench.device, bench.dtype
-    from flux.ops._common import _fused_kernels_built, gemm_into
-
-    if dt != torch.bfloat16 or not _fused_kernels_built() or torch.cuda.get_device_capability(dev) != (9, 0):
-        return {}
-    rows = m // W
-    res = {}
-    if op == "ag_gemm":
-        from flux.ops.ag_gemm import _fused_swizzle
-
-        flags = torch.ones(W, dtype=torch.int32, device=dev)
-        full = torch.empty_like(a)
-        full.copy_(a)
-        swz = _fused_swizzle(m, n)
-
-        def kernel():
-            torch.ops.flux.ag_gemm_fused_(out, full, weight, None, flags, bench.rank, W, rows, 10000, 0, 1, swz, 0)
-            return out
-
-        def copy_kernel():
-            full[bench.rank * rows:(bench.rank + 1) * rows].copy_(a[:rows])
-            return kernel()
-
-        bench.sync()
-        res["fused_kernel"] = bench.time(kernel)
-        bench.sync()
-        res["fused_copy_kernel"] = bench.time(copy_kernel)
-    elif W == 2:
-        segments = 8
-        flags = torch.ones(segments, dtype=torch.int32, device=dev)
-        src = torch.randn((rows, n), device=dev, dtype=dt)
-        res_out = torch.empty((rows, n), device=dev, dtype=dt)
-        staging = torch.empty((rows, n), device=dev, dtype=dt)
-        swz = 8 if rows >= 16 * 128 else 1
-        own = a[:rows]
-
-        def kernel():
-            torch.ops.flux.gemm_rs_fused_(res_out, own, weight, None, src, flags, -(-rows // segments), 0, 1, 10000,
-                                          0, 1, swz, 0)
-            return res_out
-
-        def compute():
-            gemm_into(staging, a[rows:], weight, None, "nk")
-            return kernel()
-
-        bench.sync()
-        res["fused_kernel"] = bench.time(kernel)
-        bench.sync()
-        res["fused_compute"] = bench.time(compute)
-    return res
 
 
 # ----------------------------------------------------------------------------- output
@@ -677,6 +775,7 @@ def metadata(bench, argv):
 
     commit = _try(lambda: _git("rev-parse", "--verify", "-q", "HEAD"))
     dirty = _try(lambda: None if commit is None else bool(_git("status", "--porcelain", "--untracked-files=no")))
+    args = bench.args
     return {
         "command": f"torchrun --nproc_per_node={bench.world} " + shlex.join(argv),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -699,69 +798,119 @@ def metadata(bench, argv):
                                                 "NVSHMEM_DISABLE_NVLS", "CUDA_VISIBLE_DEVICES",
                                                 "FLUX_STRATEGY_AG_GEMM", "FLUX_STRATEGY_GEMM_RS", "FLUX_CACHE_DIR",
                                                 "FLUX_AUTOTUNE")},
-        "protocol": {"dtype": bench.args.dtype, "warmup": bench.args.warmup, "iters": bench.args.iters,
-                     "tol": bench.args.tol, "scale_with_world": bench.args.scale_with_world,
-                     "flush_l2": bench.args.flush_l2, "quick": bench.args.quick,
-                     "queue_ahead_us": bench.args.queue_ahead_us,
-                     "time": "median over rounds of CUDA-event time of one call, max over ranks",
-                     "E": "(t_seq - t_op) / (t_seq - t_gemm)", "speedup": "t_seq / t_op"},
+        "protocol": {"dtype": args.dtype, "warmup": args.warmup, "iters": args.iters,
+                     "loop_calls": args.loop_calls, "host_calls": args.host_calls, "host_batch": HOST_BATCH,
+                     "host_spin_us": [HOST_SPIN_US, HOST_SPIN_PER_CALL_US], "graph_warmup": GRAPH_WARMUP,
+                     "spin": args.spin, "queue_ahead_us": args.queue_ahead_us,
+                     "tol": args.tol, "scale_with_world": args.scale_with_world,
+                     "flush_l2": args.flush_l2, "quick": args.quick, "skip_async_tp": args.skip_async_tp,
+                     "strategies": args.strategies or DEFAULT_STRATEGIES,
+                     "modes": {
+                         "loop": "CUDA events around loop_calls back-to-back calls after a GPU rendezvous; "
+                                 "ms per call",
+                         "graph": "CUDA events around one replay of a CUDA graph of loop_calls calls after a "
+                                  "GPU rendezvous; ms per call",
+                         "single": "CUDA events around one call on an idle GPU after a host barrier, host "
+                                   "enqueue time included; ms",
+                         "host": "host wall-clock time of one call, the GPU kept busy by a spin; us",
+                         "spin": "diagnostic: CUDA events around one call enqueued behind a GPU spin of "
+                                 "queue_ahead_us and a GPU rendezvous; ms"},
+                     "time": "median over the rounds (host: over the calls) on each rank, max over the ranks",
+                     "t_gemm_ms, t_comm_ms, t_seq_ms": "loop mode",
+                     "E": "(t_seq_m - t_op_m) / (t_seq_m - t_gemm_m), the baselines in the same mode m",
+                     "speedup": "t_seq_m / t_op_m"},
     }
 
 
-def _fmt_t(t):
-    return f"{t:7.3f}" if isinstance(t, (int, float)) else f"{'-':>7}"
+def _num(v, fmt, width, suffix=""):
+    """``v`` in format ``fmt`` (then ``suffix``), or '-' where it was not measured,
+    right-aligned in ``width``."""
+    return f"{format(v, fmt) + suffix if isinstance(v, (int, float)) else '-':>{width}}"
 
 
-def _cell(e):
-    """'t E x' of a method entry, or its status in short."""
-    if not e:
-        return "-"
-    if e.get("status") != "ok":
-        st = e.get("status") or "?"
-        return "incorrect" if st == "incorrect" else st.split(":")[0]
-    E = e.get("E")
-    sp = e.get("speedup")
-    star = "*" if e.get("host_bound") else ""
-    return f"{e['t_ms']:.3f}{star} {('%+.2f' % E) if E is not None else '  n/a'} {('%.2fx' % sp) if sp else '-'}"
+# The compact table's method groups: the four figures of seq, async-TP and flux:auto.
+TABLE_GROUPS = (("seq", "seq (NCCL + cuBLAS)"), ("async_tp", "async-TP"), ("flux:auto", "flux (auto)"))
+_GROUP_W = 33  # "   graph    loop  single  host µs "
 
 
-def table(op, recs, strategies, world, dtype):
-    cols = ["async_tp"] + [f"flux:{s}" for s in strategies]
-    heads = ["async-TP"] + list(strategies)
-    lines = [f"{op}  (W={world}, {dtype}; ms; cells: time E speedup-vs-seq; "
-             "E=(seq-t)/(seq-gemm); *: host-bound, launch time included)"]
-    width = 18
-    hdr = f"{'shape':<16} {'gemm':>7}  {'comm':>7}  {'seq':>7} "
-    for h in heads:
-        hdr += f" | {h[:width]:<{width}}"
-    hdr += f" | {'best flux':<{width + 12}} | auto (its choice; vs best)"
-    lines.append(hdr)
-    lines.append("-" * len(hdr))
+def _group_cells(e):
+    if not e or e.get("status", "ok") != "ok":
+        e = {}
+    return (f" {_num(e.get('graph_ms'), '.3f', 7)} {_num(e.get('loop_ms'), '.3f', 7)}"
+            f" {_num(e.get('single_ms'), '.3f', 7)} {_num(e.get('host_us'), '.1f', 8)} ")
+
+
+def table(op, recs, world, dtype):
+    lines = [f"{op}  (W={world}, {dtype})  ms per call: graph = CUDA-graph replay, loop = back-to-back eager calls, "
+             "single = one call on an idle GPU (host time included);",
+             "    host = CPU µs per call, the GPU busy; E = (seq - t) / (seq - gemm) and the speedups (x seq, "
+             "x async-TP) in graph mode; -: unavailable"]
+    hdr1 = f"{'':<16} {'':>7} "
+    hdr2 = f"{'shape':<16} {'gemm':>7} "
+    for _, title in TABLE_GROUPS:
+        hdr1 += f"|{title:^{_GROUP_W}}"
+        hdr2 += f"| {'graph':>7} {'loop':>7} {'single':>7} {'host µs':>8} "
+    hdr1 += "| flux (auto), graph"
+    hdr2 += f"| {'E':>6} {'x seq':>7} {'x aTP':>7}  choice"
+    lines += [hdr1, hdr2, "-" * len(hdr2)]
     for r in recs:
         row = f"{r['shape']:<16}"
         if r.get("status") != "ok":
             lines.append(f"{row} {r.get('status')}")
             continue
-        for b in ("gemm", "comm", "seq"):
-            e = r.get("baselines", {}).get(b, {})
-            row += f" {_fmt_t(r[f't_{b}_ms'])}{'*' if e.get('host_bound') else ' '}"
-        for c in cols:
-            row += f" | {_cell(r['methods'].get(c)):<{width}}"
-        b = r.get("best_flux")
-        if b:
-            E = b["E"]
-            best = f"{b['strategy']} {b['t_ms']:.3f} {('%+.2f' % E) if E is not None else 'n/a'} {b['speedup']:.2f}x"
-            row += f" | {best:<{width + 12}}"
-        else:
-            row += f" | {'-':<{width + 12}}"
-        a = r["methods"].get("flux:auto") or {}
-        if a.get("status") == "ok":
-            vs = f"; {100 * (a['t_ms'] / b['t_ms'] - 1):+.1f}%" if b else ""
-            row += f" | {a['t_ms']:.3f} ({a.get('choice', '?')}{vs})"
-        else:
-            row += " | -"
+        entries = {"seq": r["baselines"]["seq"], **r["methods"]}
+        row += f" {_num(r['baselines']['gemm']['graph_ms'], '.3f', 7)} "
+        for name, _ in TABLE_GROUPS:
+            row += "|" + _group_cells(entries.get(name))
+        auto, atp = entries.get("flux:auto") or {}, entries.get("async_tp") or {}
+        E = sp = vs = None
+        if auto.get("status") == "ok":
+            E, sp = auto["E"]["graph"], auto["speedup"]["graph"]
+            if atp.get("status") == "ok" and atp["graph_ms"] is not None and auto["graph_ms"]:
+                vs = atp["graph_ms"] / auto["graph_ms"]
+        row += f"| {_num(E, '+.2f', 6)} {_num(sp, '.2f', 7, 'x')} {_num(vs, '.2f', 7, 'x')}  {auto.get('choice', '-')}"
         lines.append(row)
     return "\n".join(lines)
+
+
+def host_table(op, recs):
+    """Host µs per call of seq (the budget: an NCCL collective + torch.mm) next to every method's."""
+    names = ["seq"]
+    for r in recs:
+        names += [nm for nm in r.get("methods", {}) if nm not in names]
+    widths = [max(len(nm), 8) for nm in names]
+    lines = [f"{op}  host µs per call (CPU time to enqueue, the GPU busy; !: a flux method over seq's, "
+             "the budget; -: unavailable)"]
+    hdr = f"{'shape':<16}" + "".join(f" {nm:>{w}} " for nm, w in zip(names, widths))
+    lines += [hdr, "-" * len(hdr)]
+    for r in recs:
+        row = f"{r['shape']:<16}"
+        if r.get("status") != "ok":
+            lines.append(f"{row} {r.get('status')}")
+            continue
+        budget = r["baselines"]["seq"]["host_us"]
+        for nm, w in zip(names, widths):
+            e = r["baselines"]["seq"] if nm == "seq" else r["methods"].get(nm) or {}
+            v = e.get("host_us") if e.get("status", "ok") == "ok" else None
+            over = nm.startswith("flux:") and v is not None and v > budget
+            row += f" {_num(v, '.1f', w)}{'!' if over else ' '}"
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def _summary(e, seq_host=None):
+    """One progress line's worth of a method entry or a baseline timing."""
+    if e.get("status", "ok") != "ok":
+        return e.get("status") or "?"
+    s = " ".join(f"{md} {_num(e[f'{md}_ms'], '.3f', 0)}" for md in MODES) + f" host {e['host_us']:.1f}us"
+    if seq_host is not None:
+        s += f" (seq {seq_host:.1f}us)"
+    if "E" in e:
+        s += "  E/speedup " + " ".join(f"{md} {_num(e['E'][md], '+.2f', 0)}/{_num(e['speedup'][md], '.2f', 0, 'x')}"
+                                       for md in ("graph", "loop"))
+    if e["graph_status"] != "ok":
+        s += f"  [graph {e['graph_status']}]"
+    return s
 
 
 def default_out():
@@ -796,25 +945,23 @@ def main(argv=None):
         bench.log(f"bench_ops: W={bench.world} {meta['gpu']} torch {meta['torch']} NCCL {meta['nccl']} "
                   f"flux {meta['flux']} (CUDA kernels: {meta['flux_cuda_kernels_available']})")
         results = {}
-        strategy_lists = {}
         for op in args.ops:
             mod = importlib.import_module(f"flux.ops.{op}")
             avail = list(mod.available_strategies(bench.device))
-            strategies = avail if args.strategy_filter is None else list(args.strategy_filter)
-            strategy_lists[op] = strategies
             recs = []
             for shape in args.shape_lists[op]:
                 bench.log(f"[{op}] {shape[0]}x{shape[1]}x{shape[2]} ...")
                 try:
-                    rec = run_shape(bench, op, shape, strategies)
+                    rec = run_shape(bench, op, shape, args.strategy_lists[op])
                 except torch.cuda.OutOfMemoryError as e:
                     rec = {"shape": "x".join(map(str, shape)), "status": f"error: {_short(e, 200)}"}
                 recs.append(rec)
                 if rec.get("status") == "ok":
-                    abl = "".join(f"{k} {v['t_ms']:.3f}  " for k, v in rec.get("ablation", {}).items())
-                    bench.log(f"    gemm {rec['t_gemm_ms']:.3f}  comm {rec['t_comm_ms']:.3f}  "
-                              f"seq {rec['t_seq_ms']:.3f}  {abl}" +
-                              "  ".join(f"{k} [{_cell(v)}]" for k, v in rec["methods"].items()))
+                    for name, e in rec["baselines"].items():
+                        bench.log(f"    {name:<12} {_summary(e)}")
+                    seq_host = rec["baselines"]["seq"]["host_us"]
+                    for name, e in rec["methods"].items():
+                        bench.log(f"    {name:<12} {_summary(e, seq_host)}")
                 else:
                     bench.log(f"    {rec.get('status')}")
                 gc.collect()
@@ -827,7 +974,9 @@ def main(argv=None):
                 json.dump({"metadata": meta, "results": results}, f, indent=1)
             print(f"\nwrote {out_path}\n")
             for op in args.ops:
-                print(table(op, results[op]["shapes"], strategy_lists[op], bench.world, args.dtype))
+                print(table(op, results[op]["shapes"], bench.world, args.dtype))
+                print()
+                print(host_table(op, results[op]["shapes"]))
                 print()
     finally:
         try:
