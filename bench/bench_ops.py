@@ -945,10 +945,18 @@ def main(argv=None):
         bench.log(f"bench_ops: W={bench.world} {meta['gpu']} torch {meta['torch']} NCCL {meta['nccl']} "
                   f"flux {meta['flux']} (CUDA kernels: {meta['flux_cuda_kernels_available']})")
         results = {}
+
+        def dump(complete):  # after every shape, so that a run cut short keeps what it measured
+            if bench.rank == 0:
+                os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+                with open(out_path, "w") as f:
+                    json.dump({"metadata": dict(meta, complete=complete), "results": results}, f, indent=1)
+
         for op in args.ops:
             mod = importlib.import_module(f"flux.ops.{op}")
             avail = list(mod.available_strategies(bench.device))
             recs = []
+            results[op] = {"available_strategies": avail, "shapes": recs}
             for shape in args.shape_lists[op]:
                 bench.log(f"[{op}] {shape[0]}x{shape[1]}x{shape[2]} ...")
                 try:
@@ -964,14 +972,12 @@ def main(argv=None):
                         bench.log(f"    {name:<12} {_summary(e, seq_host)}")
                 else:
                     bench.log(f"    {rec.get('status')}")
+                dump(False)
                 gc.collect()
                 torch.cuda.empty_cache()
                 bench.sync()
-            results[op] = {"available_strategies": avail, "shapes": recs}
+        dump(True)
         if bench.rank == 0:
-            os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-            with open(out_path, "w") as f:
-                json.dump({"metadata": meta, "results": results}, f, indent=1)
             print(f"\nwrote {out_path}\n")
             for op in args.ops:
                 print(table(op, results[op]["shapes"], bench.world, args.dtype))

@@ -3,8 +3,10 @@
 # carried in .ext/ when csrc/ and setup.py are unchanged), run the GPU tests and the main
 # benchmark, and leave logs and JSON in OUTDIR.
 #
-#   bench/run_gpu.sh OUTDIR [--quick] [--skip-tests] [--skip-bench] [--tune] [--shared W[,W...]]
+#   bench/run_gpu.sh OUTDIR [--quick] [--skip-tests] [--tests EXPR] [--skip-bench] [--tune] [--shared W[,W...]]
 #                    [-- extra bench_ops.py args]
+#
+# --tests EXPR: only the GPU tests that pytest -k EXPR selects (default: "gpu and not shared").
 #
 # --tune: before the benchmark, tune the public suite (torchrun -m flux.autotune --suite) into
 # OUTDIR/cache and let the benchmark's flux:auto use that cache (FLUX_CACHE_DIR).
@@ -23,11 +25,12 @@
 set -uo pipefail
 OUTDIR=${1:?usage: bench/run_gpu.sh OUTDIR [--quick] [--skip-tests] [--skip-bench] [-- bench args]}
 shift
-QUICK=0; TESTS=1; BENCH=1; TUNE=0; SHARED=""; BENCH_ARGS=()
+QUICK=0; TESTS=1; TEST_EXPR="gpu and not shared"; BENCH=1; TUNE=0; SHARED=""; BENCH_ARGS=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1 ;;
     --skip-tests) TESTS=0 ;;
+    --tests) shift; TEST_EXPR=${1:?--tests needs a pytest -k expression} ;;
     --skip-bench) BENCH=0 ;;
     --tune) TUNE=1 ;;
     --shared) shift; SHARED=${1:?--shared needs world sizes, e.g. 4,8} ;;
@@ -74,7 +77,7 @@ echo "HGMMA instructions in flux._C: $(cuobjdump --dump-sass flux/_C*.so 2>/dev/
 
 rc_tests=0
 if [ $TESTS -eq 1 ]; then
-  timeout 900 $PY -m pytest -q -rs tests -k "gpu and not shared" 2>&1 | tee "$OUTDIR/tests.log"
+  timeout 900 $PY -m pytest -q -rs tests -k "$TEST_EXPR" 2>&1 | tee "$OUTDIR/tests.log"
   rc_tests=${PIPESTATUS[0]}
 fi
 for w in ${SHARED//,/ }; do

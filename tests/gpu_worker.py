@@ -515,7 +515,7 @@ def _rs_fused_fwd(rank, world, dev):
     buf = torch.empty(64 * 264 + 1, dtype=BF16, device=dev)
     for name, dest in (("out aligned", buf[:64 * 264].view(64, 264)), ("out unaligned", buf[1:].view(64, 264))):
         dest.fill_(float("nan"))
-        res = rs_mod._fused(prob.x, prob.w, prob.b, dist.group.WORLD, "nk", None, dest)
+        res = rs_mod.prepare_strategy("fused", prob.x, prob.w, prob.b, out=dest)()
         assert res.data_ptr() == dest.data_ptr(), f"fused did not return the caller's out ({name})"
         result[name] = prob.check(dest, f"fused into {name}")[0]
     return result
@@ -558,9 +558,11 @@ def _host_us(call, calls=200, batch=20):
 def _host_cost(op):
     """The per-call path's host cost: every strategy through the public function (its plan, from
     C++) enqueues a call in at most 1.5x the host time of NCCL + torch.mm measured here, in the
-    same process (GPU kept busy; a ratio, not an absolute time). Also: of 20 public calls of one
-    problem only the first takes the slow path."""
+    same process (GPU kept busy; a ratio, not an absolute time; the maximum over the ranks of
+    each). Also: of 20 public calls of one problem only the first takes the slow path. Reports
+    the C++ entry alone (``runtime.call``) too, to show what the Python wrapper adds."""
     from flux import autotune
+    from flux.ops import _plans
 
     def fn(rank, world, dev):
         mod = ag_mod if op == "ag" else rs_mod
@@ -568,9 +570,9 @@ def _host_cost(op):
         public = flux.ag_gemm if op == "ag" else flux.gemm_rs
         if op == "ag":
             prob = AgProblem(rank, world, dev, 512, 1024, 1024, BF16, seed=80)
-            gathered = torch.empty((512 * world, 1024), dtype=BF16, device=dev)
 
-            def baseline():
+            def baseline():  # what flux replaces: NCCL all-gather into a new tensor, then torch.mm
+                gathered = torch.empty((512 * world, 1024), dtype=BF16, device=dev)
                 dist.all_gather_into_tensor(gathered, prob.x)
                 return torch.mm(gathered, prob.w.t())
         else:
@@ -580,26 +582,34 @@ def _host_cost(op):
                 out = torch.empty((512, 1024), dtype=BF16, device=dev)
                 dist.reduce_scatter_tensor(out, torch.mm(prob.x, prob.w.t()))
                 return out
-        base_us = _host_us(baseline)
-        result = {"nccl+mm": round(base_us, 1)}
+        measured = {"nccl+mm": _host_us(baseline)}
+        slow_calls = {}
         slow = []
         impl_name = "_ag_gemm_impl" if op == "ag" else "_gemm_rs_impl"
         orig = getattr(mod, impl_name)
         setattr(mod, impl_name, lambda *a, **k: (slow.append(1), orig(*a, **k))[1])
+        strategies = mod.available_strategies(dev)
         try:
-            for strategy in mod.available_strategies(dev):
+            for strategy in strategies:
                 autotune.force(name, strategy)
                 slow.clear()
                 outs = [public(prob.x, prob.w) for _ in range(20)]
-                assert len(slow) == 1, f"{strategy}: {len(slow)} of 20 calls took the slow path"
+                slow_calls[strategy] = len(slow)
                 prob.check(outs[-1], f"{strategy}, 20th call")
-                us = _host_us(lambda: public(prob.x, prob.w))
-                result[strategy] = round(us, 1)
-                assert us <= 1.5 * base_us, (f"{strategy}: {us:.1f} us of host time per call, more than 1.5x "
-                                             f"NCCL + torch.mm ({base_us:.1f} us)")
+                measured[strategy] = _host_us(lambda: public(prob.x, prob.w))
+                rt = _plans.hot_runtime(None)
+                measured[f"{strategy} (C++ entry)"] = _host_us(
+                    lambda: rt.call(0 if op == "ag" else 1, prob.x, prob.w, None, None, 0, -1, False))
         finally:
             setattr(mod, impl_name, orig)
             autotune.force(name, None)
+        # Every rank asserts on the same numbers: the maximum over the ranks.
+        t = torch.tensor(list(measured.values()), dtype=torch.float64, device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        result = {k: round(v, 1) for k, v in zip(measured, t.tolist())}
+        assert all(n == 1 for n in slow_calls.values()), f"slow-path calls of 20: {slow_calls}"
+        over = {s: result[s] for s in strategies if result[s] > 1.5 * result["nccl+mm"]}
+        assert not over, f"host us per call over 1.5x NCCL + torch.mm: {over}; all: {result}"
         return result
 
     return fn
