@@ -28,10 +28,15 @@ at::Tensor Runtime::rs_sequential(const Plan& p, const at::Tensor& input, const 
   at::Tensor a = input.view({-1, p.k});
   auto cur = at::cuda::getCurrentCUDAStream(device_.index()).stream();
   // The token check (see ag_sequential): a divergent call fails instead of meeting another
-  // call's reduce-scatter.
-  if (!ws_ptrs_.empty()) barrier(cur, p.token, false);
+  // call's reduce-scatter. On the signal stream, launched before the GEMM (so it holds an SM
+  // first) and waited for only by the reduce-scatter: its latency hides behind the GEMM.
+  if (!ws_ptrs_.empty()) {
+    join(signal_, cur);
+    barrier(signal_, p.token, false);
+  }
   at::Tensor partial = at::empty({world_ * p.rows, p.n}, a.options().dtype(p.out_dtype));
   gemm_into(partial, a, weight, std::nullopt, p.nk);
+  if (!ws_ptrs_.empty()) join(cur, signal_);
   at::Tensor out = output(out_arg, p.rows, p.n, a, p.out_dtype);
   pg_->_reduce_scatter_base(out, partial)->wait();  // the current stream waits for NCCL's
   if (bias.has_value()) out.add_(*bias);  // once, after the reduction
@@ -136,8 +141,11 @@ at::Tensor Runtime::rs_fused(const Plan& p, const at::Tensor& input, const at::T
   const int64_t prev = (r - 1 + W) % W, nxt = (r + 1) % W;
   at::Tensor a = input.view({-1, p.k});
   const size_t es = a.element_size();
-  const int64_t seg_rows = (rows + std::max<int64_t>(1, std::min(p.segments, rows)) - 1) /
-                           std::max<int64_t>(1, std::min(p.segments, rows));
+  // Segments of at least one tile of rows (a tile's epilogue waits for every segment it reads, so
+  // a thinner segment lands no earlier for it and only adds a copy and a flag to enqueue).
+  constexpr int64_t kMinSegmentRows = 128;
+  const int64_t want = std::max<int64_t>(1, std::min(p.segments, rows));
+  const int64_t seg_rows = std::min(rows, std::max((rows + want - 1) / want, kMinSegmentRows));
   const int64_t nseg = (rows + seg_rows - 1) / seg_rows;
   FLUX_CHECK((W - 1) * nseg <= pad_words_ - kSegmentChannel * W, op, (W - 1) * nseg,
              " segment flags needed, the signal pads hold ", pad_words_ - kSegmentChannel * W);
@@ -166,12 +174,12 @@ at::Tensor Runtime::rs_fused(const Plan& p, const at::Tensor& input, const at::T
   join(comm_, cur);
   barrier(comm_, p.token, /*started=*/true);  // rank + 1's previous GEMMs no longer read its inbox
   wait_started(cur);
+  char* const staged = static_cast<char*>(staging.data_ptr());
   auto push = [&](int64_t step) {  // step's result to rank + 1's inbox slot `step`, in flagged segments
     join(comm_, cur);
     for (int64_t j = 0; j < (drop_transfers_ ? 0 : nseg); ++j) {
       const int64_t r0 = j * seg_rows, r1 = std::min(rows, (j + 1) * seg_rows);
-      copy(outbox + (step * rows + r0) * n * es, static_cast<char*>(staging[step].data_ptr()) + r0 * n * es,
-           (r1 - r0) * n * es, comm_);
+      copy(outbox + (step * rows + r0) * n * es, staged + (step * rows + r0) * n * es, (r1 - r0) * n * es, comm_);
       write_slot(comm_, nxt, kSegmentChannel * W + step * nseg + j, 1u);  // no SM: the GEMM holds them
     }
   };

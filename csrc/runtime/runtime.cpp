@@ -236,6 +236,10 @@ std::tuple<at::Tensor, at::Tensor> Runtime::run(const Plan& plan, const at::Tens
                                                 const std::optional<at::Tensor>& out) {
   const c10::cuda::CUDAGuard guard(device_);
   begin_call();
+  // Every stream of a call joins the current stream's capture, if any: one query serves them all.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  FLUX_CUDA(cudaStreamIsCapturing(at::cuda::getCurrentCUDAStream(device_.index()).stream(), &capture));
+  capturing_ = capture != cudaStreamCaptureStatusNone;
   if (plan.op == OpKind::AgGemm) {
     switch (plan.strategy) {
       case StrategyKind::Sequential: return ag_sequential(plan, input, weight, bias, out);
@@ -293,10 +297,8 @@ void Runtime::wait_signal(cudaStream_t s, int64_t src, int channel) {
 
 void Runtime::write_slot(cudaStream_t s, int64_t peer, int64_t slot, uint32_t value) {
   auto addr = reinterpret_cast<CUdeviceptr>(pads_[peer] + slot);
-  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-  FLUX_CUDA(cudaStreamIsCapturing(s, &capturing));
   CUresult r;
-  if (capturing == cudaStreamCaptureStatusNone) {
+  if (!capturing_) {
     // cuStreamWriteValue32's default flags put a system-wide memory fence before the write:
     // everything earlier on the stream (a copy-engine transfer, a kernel's stores) is visible
     // to whoever sees the value.

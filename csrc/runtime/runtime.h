@@ -164,6 +164,7 @@ class Runtime {
   int64_t buffers_dev_ = 0, base_offset_ = 0, pad_words_ = 0, ws_bytes_ = 0;
   at::Tensor own_pad_;
   bool drop_transfers_ = false, push_before_fused_ = false;
+  bool capturing_ = false;  // the current call is being captured into a CUDA graph (set by run)
 
   struct KeyHash {
     size_t operator()(const std::vector<int64_t>& v) const noexcept;
