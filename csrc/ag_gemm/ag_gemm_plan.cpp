@@ -34,6 +34,28 @@ int64_t fused_swizzle(int64_t m, int64_t n) {
 
 }  // namespace
 
+void Runtime::push_shard(const at::Tensor& a, size_t bytes, int channel, cudaEvent_t first) {
+  for (int64_t step = 1; step < (drop_transfers_ ? 1 : world_); ++step) {
+    const int64_t peer = (rank_ + step) % world_;
+    copy(buffer(peer) + rank_ * bytes, a.data_ptr(), bytes, comm_);  // copy engine, over NVLink
+    put(comm_, peer, channel);
+    if (step == 1 && first != nullptr) record(first, comm_);
+  }
+  if (drop_transfers_ && first != nullptr) record(first, comm_);
+}
+
+void Runtime::gather_into_workspace(const Plan& p, const at::Tensor& a, size_t bytes, int channel, cudaStream_t cur) {
+  join(comm_, cur);
+  barrier(comm_, p.token, false);
+  cudaEvent_t after_barrier = event();
+  record(after_barrier, comm_);
+  push_shard(a, bytes, channel, nullptr);
+  // The own rows land only after the barrier: a peer may still read this region of the workspace
+  // for an earlier call (gemm_rs oneshot reads it over NVLink).
+  wait_event(cur, after_barrier);
+  copy(buffer(rank_) + rank_ * bytes, a.data_ptr(), bytes, cur);
+}
+
 std::tuple<at::Tensor, at::Tensor> Runtime::ag_sequential(const Plan& p, const at::Tensor& input,
                                                           const at::Tensor& weight,
                                                           const std::optional<at::Tensor>& bias,
@@ -71,13 +93,7 @@ std::tuple<at::Tensor, at::Tensor> Runtime::ag_decomposed(const Plan& p, const a
   join(comm_, cur);
   barrier(comm_, p.token, /*started=*/true);
   cudaEvent_t first_pushed = event();
-  for (int64_t step = 1; step < (drop_transfers_ ? 1 : W); ++step) {
-    const int64_t peer = (r + step) % W;
-    copy(buffer(peer) + r * shard, a.data_ptr(), shard, comm_);  // copy engine, over NVLink
-    put(comm_, peer, kDataChannel);
-    if (step == 1) record(first_pushed, comm_);
-  }
-  if (drop_transfers_) record(first_pushed, comm_);
+  push_shard(a, shard, kDataChannel, first_pushed);
   // first8 (world size 2): the first GEMM takes `lead` local rows (rank 0 its first, rank 1 its
   // last), the second every other row; the rest of the local rows is copied into the own slot next
   // to the peer's (after the barrier: nobody reads this slot of an earlier call by then).
@@ -138,19 +154,7 @@ std::tuple<at::Tensor, at::Tensor> Runtime::ag_oneshot(const Plan& p, const at::
   at::Tensor slots = view(buffer(r), {W * rows, k}, a.scalar_type());
   at::Tensor out = output(out_arg, W * rows, p.n, a, p.out_dtype);
   cudaStream_t cur = at::cuda::getCurrentCUDAStream(device_.index()).stream();
-  join(comm_, cur);
-  barrier(comm_, p.token, false);
-  cudaEvent_t after_barrier = event();
-  record(after_barrier, comm_);
-  for (int64_t step = 1; step < (drop_transfers_ ? 1 : W); ++step) {
-    const int64_t peer = (r + step) % W;
-    copy(buffer(peer) + r * shard, a.data_ptr(), shard, comm_);
-    put(comm_, peer, kDataChannel);
-  }
-  // The own slot is written only after the barrier: a peer may still read this region of the
-  // workspace for an earlier call of another op (gemm_rs oneshot reads it over NVLink).
-  wait_event(cur, after_barrier);
-  copy(buffer(r) + r * shard, a.data_ptr(), shard, cur);
+  gather_into_workspace(p, a, shard, kDataChannel, cur);
   for (int64_t step = 1; step < W; ++step) wait_signal(cur, (r - step + W) % W, kDataChannel);
   gemm_into(out, slots, weight, bias, p.nk);
   at::Tensor gathered = p.gathered ? slots.clone().view(p.gathered_shape) : at::Tensor();
@@ -178,20 +182,10 @@ std::tuple<at::Tensor, at::Tensor> Runtime::ag_fused(const Plan& p, const at::Te
   // Zeroed after this rank's previous fused GEMM (their only reader) in stream order, and before
   // the barrier, which every peer passes before it sets any of them for this call.
   FLUX_CUDA(cudaMemsetAsync(flags.data_ptr(), 0, W * sizeof(uint32_t), cur));
-  join(comm_, cur);
-  barrier(comm_, p.token, false);
-  cudaEvent_t barrier_done = event();
-  record(barrier_done, comm_);
-  for (int64_t step = 1; step < (drop_transfers_ ? 1 : W); ++step) {
-    const int64_t peer = (r + step) % W;
-    copy(buffer(peer) + r * shard, a.data_ptr(), shard, comm_);
-    // A level flag (many tiles read it), set by a stream write: no SM, the GEMM holds them all.
-    write_slot(comm_, peer, kFlagChannel * W + r, 1u);
-  }
-  // The GEMM starts after the barrier (a barrier kernel could not get an SM once the persistent
-  // GEMM runs); the own rows land only then, as a peer may still read this region.
-  wait_event(cur, barrier_done);
-  copy(buffer(r) + r * shard, a.data_ptr(), shard, cur);
+  // Each push announced by a level flag (many tiles read it), set by a stream write: no SM, the
+  // GEMM holds them all. The GEMM starts after the barrier (a barrier kernel could not get an SM
+  // once the persistent GEMM runs).
+  gather_into_workspace(p, a, shard, kFlagChannel, cur);
   if (push_before_fused_) join(cur, comm_);  // ranks sharing a GPU: a same-GPU copy needs SMs
   ag_gemm_fused_(res, full, w, b, flags, r, W, rows, timeout_ms_, reinterpret_cast<int64_t>(error_record_), 1,
                  p.swizzle > 0 ? p.swizzle : fused_swizzle(W * rows, p.n), p.config);

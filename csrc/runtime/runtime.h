@@ -140,6 +140,13 @@ class Runtime {
   void write_slot(cudaStream_t s, int64_t peer, int64_t slot, uint32_t value);
   void put(cudaStream_t s, int64_t peer, int channel) { write_slot(s, peer, channel * world_ + rank_, 1u); }
   void wait_signal(cudaStream_t s, int64_t src, int channel);  // consumes src's put on ``channel``
+  // comm: this rank's shard ``a`` (``bytes``) into slot ``rank`` of every peer's workspace, rank + 1
+  // first, each copy followed by a put on ``channel`` (a data signal, or the fused kernel's level
+  // flag); ``first`` (if any) recorded after the first push.
+  void push_shard(const at::Tensor& a, size_t bytes, int channel, cudaEvent_t first);
+  // comm: the entry barrier, then push_shard; current: this rank's own rows into its slot once
+  // the barrier has passed (the one-shot and fused all-gathers).
+  void gather_into_workspace(const Plan& p, const at::Tensor& a, size_t bytes, int channel, cudaStream_t cur);
   void copy(void* dst, const void* src, size_t bytes, cudaStream_t s);
   char* buffer(int64_t peer) const { return ws_ptrs_[peer]; }
   at::Tensor view(void* p, at::IntArrayRef sizes, at::ScalarType dtype) const;
