@@ -978,7 +978,7 @@ def test_gpu_timeout(strategy):
 def test_gpu_timeout_shared(strategy):
     """test_gpu_timeout with FLUX_TEST_SHARED_WORLD ranks sharing the GPUs (see test_gpu_shared).
     At 4 ranks on 2 GPUs (run 32) 'decomposed' passed and 'fused' (AG, rank 1 skipping) did not
-    end within 170 s, not yet diagnosed (docs/design.md §6); so bench/run_gpu.sh --shared leaves
+    end within 170 s, not yet diagnosed (docs/design.md §9); so bench/run_gpu.sh --shared leaves
     these out: select them with -k timeout_shared."""
     if SHARED_WORLD < 2 or not torch.cuda.is_available():
         pytest.skip("set FLUX_TEST_SHARED_WORLD=W (W >= 2) on a machine with a CUDA device")
