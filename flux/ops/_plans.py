@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from flux import autotune
 from flux.autotune.space import Candidate, strategy_params
-from flux.ops._common import fused_ineligible, overlap_ineligible, weight_nk_shape
+from flux.ops._common import fused_ineligible, overlap_ineligible
 from flux.runtime import runtime, symm
 
 OP_CODES = {"ag_gemm": 0, "gemm_rs": 1}
@@ -164,5 +164,4 @@ def run_and_remember(op: str, cand: Candidate, input, weight, bias, group, weigh
     return rt.run(plan, input, weight, bias, out)
 
 
-__all__ = ["DTYPE_CODES", "LAYOUT_CODES", "OP_CODES", "forget", "hot_runtime", "prepare", "run_and_remember",
-           "weight_nk_shape"]
+__all__ = ["DTYPE_CODES", "LAYOUT_CODES", "OP_CODES", "forget", "hot_runtime", "prepare", "run_and_remember"]
