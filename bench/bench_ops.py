@@ -388,12 +388,13 @@ class Bench:
 
     # ------------------------------------------------------------------------- timing
 
-    def time(self, fn, ref=None):
-        """Every timing of one method (module docstring, Protocol): loop_ms, graph_ms,
-        single_ms, spin_ms (ms per call, max over the ranks of the median over the rounds;
-        None where not measured), host_us, graph_status, the per-rank medians and rank 0's
-        range of rounds. ``ref``: the expected output, which the graph's last call must
-        match after the replays (None: not checked)."""
+    def time(self, fn, ref=None, modes=MODES + ("host",), tol=None):
+        """The timings of one method (module docstring, Protocol) in ``modes`` (spin only with
+        --spin): loop_ms, graph_ms, single_ms, spin_ms (ms per call, max over the ranks of the
+        median over the rounds; None where not measured), host_us (None where not measured),
+        graph_status, the per-rank medians and rank 0's range of rounds. ``ref``: the
+        expected output, which the graph's last call must match within ``tol`` (default
+        --tol) after the replays (None: not checked)."""
         torch, args = self.torch, self.args
         for _ in range(args.warmup):
             fn()
@@ -404,14 +405,19 @@ class Bench:
             for _ in range(calls):
                 fn()
 
-        rounds = {"loop": self._rounds(self.gpu_rendezvous, loop, calls),
-                  "single": self._rounds(self.sync, fn),
-                  "spin": self._rounds(self._spin_start, fn) if args.spin else None}
+        rounds = {mode: None for mode in MODES}
+        if "loop" in modes:
+            rounds["loop"] = self._rounds(self.gpu_rendezvous, loop, calls)
+        if "single" in modes:
+            rounds["single"] = self._rounds(self.sync, fn)
+        if "spin" in modes and args.spin:
+            rounds["spin"] = self._rounds(self._spin_start, fn)
         # Graph after the modes of few rounds: torch.cuda.graph empties the allocator's cache,
         # so the next eager call allocates its output with cudaMalloc, an outlier that the
         # median over --host-calls calls ignores and the median of a few rounds might not.
-        rounds["graph"], graph_status = self._graph_rounds(fn, ref)
-        host = self._host_times(fn)
+        graph_status = "not measured"
+        if "graph" in modes:
+            rounds["graph"], graph_status = self._graph_rounds(fn, ref, args.tol if tol is None else tol)
         res, per_rank, spread = {}, {}, {}
         for mode in MODES:
             times = rounds[mode]
@@ -420,7 +426,9 @@ class Bench:
                 res[f"{mode}_ms"], per_rank[f"{mode}_ms"] = self._median_max(times)
                 if self.rank == 0:
                     spread[mode] = [min(times), max(times)]
-        res["host_us"], per_rank["host_us"] = self._median_max(host)
+        res["host_us"] = None
+        if "host" in modes:
+            res["host_us"], per_rank["host_us"] = self._median_max(self._host_times(fn))
         res.update(graph_status=graph_status, per_rank=per_rank, rank0_min_max_ms=spread)
         return res
 
@@ -471,11 +479,12 @@ class Bench:
             left -= n
         return times
 
-    def _graph_rounds(self, fn, ref):
+    def _graph_rounds(self, fn, ref, tol):
         """(this rank's graph-mode times or None, graph_status): --loop-calls calls captured
-        once, replayed once per round after the GPU rendezvous. Every rank takes the same
-        path: a capture that fails on one rank is abandoned on all of them (the peers'
-        replays would wait for its collectives and signals)."""
+        once, replayed once per round after the GPU rendezvous; the last call's output must
+        then be within relative error ``tol`` of ``ref`` (None: not checked). Every rank takes
+        the same path: a capture that fails on one rank is abandoned on all of them (the
+        peers' replays would wait for its collectives and signals)."""
         torch, calls = self.torch, self.args.loop_calls
         graph, side, prev = torch.cuda.CUDAGraph(), torch.cuda.Stream(), torch.cuda.current_stream()
         out, failure = None, None
@@ -508,7 +517,7 @@ class Bench:
             # Replays run the captured kernels on the captured addresses and arguments: a
             # call that depends on per-call host state computes wrong results, silently.
             err = self.rel_err(out, ref)
-            if not err < self.args.tol:
+            if not err < tol:
                 return None, f"unavailable: the output after the replays is off the reference (rel err {err:.2g})"
         return times, "ok"
 

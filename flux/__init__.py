@@ -9,6 +9,7 @@ Public API:
     flux.FluxInputError                      bad arguments, raised alike on every rank
     flux.cuda_kernels_available()            whether the CUDA extension flux._C is loaded
     flux.nn.ColumnParallelLinear, flux.nn.RowParallelLinear    tensor-parallel layers
+                                             (flux.nn is imported on first use)
 """
 from flux._version import __version__
 from flux.runtime import cuda_kernels_available
@@ -18,6 +19,17 @@ cuda_kernels_available()  # load flux._C (if built) before the ops are used
 from flux.ops._checks import FluxInputError  # noqa: E402
 from flux.ops.ag_gemm import ag_gemm, ag_gemm_ref  # noqa: E402
 from flux.ops.gemm_rs import gemm_rs, gemm_rs_ref  # noqa: E402
+
+
+
+def __getattr__(name):
+    # Submodules imported on first use: ``import flux`` then ``flux.nn.ColumnParallelLinear``.
+    if name == "nn":
+        import importlib
+
+        return importlib.import_module("flux.nn")
+    raise AttributeError(f"module 'flux' has no attribute {name!r}")
+
 
 __all__ = [
     "FluxInputError",

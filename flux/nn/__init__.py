@@ -8,6 +8,7 @@ dim 0 (the sequence); a Column -> activation -> Row pair is an MLP whose only co
 the all-gather and the reduce-scatter that flux overlaps with the GEMMs. Both layers are
 ordinary nn.Modules with autograd (the backward of one op is the other op).
 """
+import math
 from typing import Optional
 
 import torch
@@ -26,17 +27,70 @@ def _shard(t: torch.Tensor, dim: int, group: dist.ProcessGroup, what: str) -> to
     return t.chunk(world, dim=dim)[rank].contiguous()
 
 
+def _shared_seed(seed: Optional[int], group: dist.ProcessGroup) -> int:
+    """``seed``, or the group's first rank's draw from its default generator (broadcast, so that
+    the ranks need not share a seed)."""
+    if seed is not None:
+        return int(seed)
+    box = [int(torch.randint(0, 2 ** 62, (1,)).item())]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    return box[0]
+
+
+def uniform_lines(seed: int, first: int, count: int, length: int, bound: float) -> torch.Tensor:
+    """Lines ``first .. first + count`` of a [lines, length] matrix of U(-bound, bound) values in
+    which line i depends only on (seed, i): a shard of any group size is the same slice of the
+    same full matrix, made without making the rest of it (float32, CPU)."""
+    out = torch.empty(count, length)
+    gen = torch.Generator()
+    for i in range(count):
+        gen.manual_seed((seed * 1_000_003 + first + i) % (2 ** 63))
+        out[i].uniform_(-bound, bound, generator=gen)
+    return out
+
+
 class _ParallelLinear(nn.Module):
     """The shared part: a (sharded) weight, an optional bias, the group. ``_weight_dim`` is the
-    weight dimension split over the group; ``_bias_split`` whether the bias is split too."""
+    weight dimension split over the group; ``_bias_split`` whether the bias is split too.
+
+    Initialisation is nn.Linear's distribution (U(-1/sqrt(in_features), 1/sqrt(in_features)) for
+    the weight and the bias), made shard by shard: each rank allocates and draws only its own
+    shard, and for a given ``seed`` the shards of any group size are slices of the same full
+    layer (the weight drawn line by line along the split dimension). ``seed=None``: the group's
+    first rank draws one from its default generator and broadcasts it (a collective)."""
 
     _weight_dim: int
     _bias_split: bool
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
-                 group: Optional[dist.ProcessGroup] = None, device=None, dtype=None):
+                 group: Optional[dist.ProcessGroup] = None, device=None, dtype=None, seed: Optional[int] = None):
         super().__init__()
-        self._take(nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype), group)
+        name = f"flux.nn.{type(self).__name__}"
+        self.group = resolve_group(group, name)
+        self.in_features, self.out_features = in_features, out_features
+        world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        self._check_split(name, world)
+        seed = _shared_seed(seed, self.group)
+        bound = 1.0 / math.sqrt(in_features) if in_features > 0 else 0.0
+        opts = dict(device=device, dtype=dtype if dtype is not None else torch.get_default_dtype())
+        if self._weight_dim == 0:  # [out/W, in]: this rank's lines (rows) of the full weight
+            per = out_features // world
+            w = uniform_lines(seed, rank * per, per, in_features, bound)
+        else:  # [out, in/W]: drawn as lines of the transposed weight, [in/W, out]
+            per = in_features // world
+            w = uniform_lines(seed, rank * per, per, out_features, bound).t()
+        self.weight = nn.Parameter(w.to(**opts).contiguous())
+        if not bias:
+            self.bias = None
+        else:
+            full = uniform_lines(seed ^ 0x5BD1E995, 0, 1, out_features, bound)[0]  # the full bias, O(out)
+            b = full.chunk(world)[rank] if self._bias_split else full
+            self.bias = nn.Parameter(b.to(**opts).contiguous())
+
+    def _check_split(self, name: str, world: int) -> None:
+        split = (self.out_features, "out_features") if self._weight_dim == 0 else (self.in_features, "in_features")
+        if split[0] % world:
+            raise ValueError(f"{name}: {split[1]}={split[0]} is not divisible by the group size {world}")
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: Optional[dist.ProcessGroup] = None):
@@ -50,10 +104,7 @@ class _ParallelLinear(nn.Module):
         name = f"flux.nn.{type(self).__name__}"
         self.group = resolve_group(group, name)
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        world = dist.get_world_size(self.group)
-        split = (self.out_features, "out_features") if self._weight_dim == 0 else (self.in_features, "in_features")
-        if split[0] % world:
-            raise ValueError(f"{name}: {split[1]}={split[0]} is not divisible by the group size {world}")
+        self._check_split(name, dist.get_world_size(self.group))
         self.weight = nn.Parameter(_shard(linear.weight.data, self._weight_dim, self.group, "weight"))
         if linear.bias is None:
             self.bias = None
