@@ -6,6 +6,8 @@ Run (one process per GPU)::
     torchrun --nproc_per_node=2 bench/bench_ops.py --quick              # 2 shapes per op, few rounds
     torchrun --nproc_per_node=2 bench/bench_ops.py --op gemm_rs --shapes 8192x14336x8192,512x14336x8192
     torchrun --nproc_per_node=2 bench/bench_ops.py --strategies all --out /tmp/r.json
+    torchrun --nproc_per_node=2 bench/bench_ops.py --matrix             # argument matrix only (below)
+    torchrun --nproc_per_node=2 bench/bench_ops.py --matrix --shapes suite   # the suite, then the matrix
 
 Shapes (GUIDE.md §3). A shape is ``M x K x N``, M the gathered (full) number of rows.
 The listed shape IS the GEMM that each rank runs at world size W = 2, so that the
@@ -120,14 +122,55 @@ Protocol (GUIDE.md §3):
     operands fit in the 60 MB L2 of an H200 partly run from L2 (--flush-l2 rules that out
     for the first call of a round).
 
+Matrix (--matrix): is the automatic choice at least as fast as NCCL then cuBLAS for every
+documented argument, not only the suite's (bf16, "nk", no bias, 2-D, out_dtype None)? The
+public op (flux.ag_gemm / flux.gemm_rs, as flux:auto) against a baseline doing the same,
+at one shape per op: --matrix-shape, MxKxN as the suite's shapes (N or K scaled with the
+world size as above), one for both ops or "AGSHAPE,RSSHAPE"; default 4096x8192x8192 for
+both. --matrix alone runs only the matrix (the suite runs too when --shapes is given, e.g.
+--shapes suite, and then first); --dtype does not apply to it. Cells, 32 per op, every
+combination of:
+
+    dtype          bf16, fp16 (input and weight)
+    weight_layout  "nk" (weight [N, K]), "kn" (weight [K, N], contiguous): the same matrix
+    bias           no, yes ([N], in the output dtype, as flux requires: fp32 with out_dtype fp32)
+    input_dim      2: [rows, K];  3: [rows/2, 2, K] (Megatron's [s, b, h]; dim 0 is gathered or
+                   scattered, so M must be divisible by 2W)
+    out_dtype      None (the input dtype), torch.float32
+
+  * baseline ("NCCL then cuBLAS doing the same"), on the input viewed as [rows, K]:
+      ag_gemm  all_gather_into_tensor into a [M, K] buffer, then torch.mm(gathered, w_kn)
+               (w_kn: "nk" weight.t(), the view F.linear multiplies by; "kn" the weight
+               itself), then bias added in place; viewed as the op's output shape
+      gemm_rs  torch.mm(input, w_kn), then reduce_scatter_tensor in the output dtype, then
+               bias added in place to this rank's rows (once, after the sum); viewed likewise
+    with out_dtype float32 the GEMM is torch.mm(a, w_kn, out_dtype=torch.float32) (tensor
+    cores, fp32 output, as flux); where that raises on some rank (probed once per dtype at
+    the start) every rank multiplies fp32 copies instead, torch.mm(a.float(), w_kn.float()),
+    and the cell records "baseline upcast: ..." in baseline_gemm;
+  * per cell: the baseline's output, then the op's first call (which checks, chooses and
+    plans), compared with it: relative error as in the suite, tol by the input dtype (bf16
+    2e-2, fp16 1e-2; --tol overrides both). Above tol the cell is "incorrect" and nothing is
+    timed; an exception is "error: ..." (every rank takes the same path). The op's choice is
+    recorded (flux.autotune.choose of the call's problem, out_dtype included). Then the
+    baseline and the op are timed in loop and graph mode only (as above; the graph's output
+    checked against the baseline's), and ratio_m = flux_m / baseline_m; a ratio over
+    1.02 in either mode (flux more than 2% slower) marks the cell '!';
+  * run time: per cell about 820 calls (per side: 1 check, 5 warm-up, 200 loop, 3 graph
+    warm-up, 200 replayed). At the default shape on 2xH200 a call is about 1 ms (each rank's
+    0.55 TFLOP GEMM takes ~0.7 ms, plus the collective; fp32 outputs move twice the bytes), so
+    ~0.8 s of calls per cell, plus ~0.5 s of rendezvous, graph capture and the first call's
+    planning: ~85 s for the 64 cells, about 2 minutes with start-up (estimated, not measured;
+    every further ms per call adds ~50 s; --quick: under a minute).
+
 Environment hygiene: NVLink multicast (NVLS) is never used: this script forces
 NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1 before
 torch.distributed is imported.
 
 Output: rank 0 writes JSON to --out (default bench/results/bench_ops-<host>-<time>.json):
 {"metadata": versions, GPU, world size, command line, date, the protocol's parameters;
-"results": {op: {"available_strategies": [...], "shapes": [one record per shape]}}}. A
-shape's record:
+"results": {op: {"available_strategies": [...], "shapes": [one record per shape] (empty
+with --matrix and no --shapes), "matrix": (with --matrix) {...}}}}. A shape's record:
 
     shape, M, K, N, local           the listed shape; this rank's N, K and tensor shapes
     t_gemm_ms, t_comm_ms, t_seq_ms  the baselines' loop_ms (back-to-back calls)
@@ -148,7 +191,27 @@ not measured), "host_us" (µs per call), "graph_status", "per_rank" (each rank's
 each of these), "rank0_min_max_ms" ({mode: [min, max] over rank 0's rounds})}. Printed
 last, per op: a compact table (t_gemm; seq, async-TP and flux:auto in graph, loop and
 single ms and host µs; E and speedup of flux:auto in graph mode and its speedup over
-async-TP) and a host table (host µs per call of seq next to every method's). Exit status 0
+async-TP) and a host table (host µs per call of seq next to every method's).
+
+results[op]["matrix"] is {"shape", "M", "K", "N", "local": {"N", "K"}, "cells": [one record
+per cell]}; a cell's record:
+
+    dtype, weight_layout, bias,     its labels ("bf16", "nk", false, 2, null, ...)
+    input_dim, out_dtype
+    local                           this rank's input, weight and output shapes
+    baseline_gemm                   "torch.mm", "torch.mm(out_dtype=torch.float32)" or
+                                    "baseline upcast: ..."
+    status                          "ok", "incorrect", "error: ...", "error while timing:
+                                    ...", or "skipped: ..." (M not divisible)
+    rel_err, choice                 the op's first output against the baseline's; the
+                                    candidate the automatic choice runs
+    baseline, flux                  timing (loop_ms and graph_ms measured; the other modes
+                                    None, graph_status "not measured" where not graphed)
+    ratio                           {"loop", "graph": flux / baseline or None}
+    slower                          a ratio > 1.02 (marked '!')
+
+Printed after the suite's tables, per op: the matrix table, one row per cell (the five
+labels; baseline and flux loop and graph ms; the ratios; '!'; the choice). Exit status 0
 even if some method is unavailable or incorrect (see the JSON).
 """
 import os
@@ -203,6 +266,13 @@ HOST_SPIN_PER_CALL_US = 500.0
 # Calls on the capture stream before capturing, as PyTorch recommends: lazy per-stream state
 # (a cuBLAS workspace, say) is made there, not inside the capture.
 GRAPH_WARMUP = 3
+# --matrix: one shape per op (M x K x N as the suite's), the dtypes of its cells, the modes
+# timed (host, single and spin left out to keep the 64 cells short), and the ratio
+# flux / baseline above which a cell is marked '!' (more than 2% slower in some mode).
+MATRIX_SHAPE = "4096x8192x8192"
+MATRIX_DTYPES = ("bf16", "fp16")
+MATRIX_MODES = ("loop", "graph")
+MATRIX_SLOWER = 1.02
 
 
 def parse_args(argv=None):
@@ -210,10 +280,19 @@ def parse_args(argv=None):
         description="Benchmark flux.ag_gemm / flux.gemm_rs against cuBLAS, NCCL and PyTorch async-TP "
                     "(run with torchrun --nproc_per_node=N; the protocol is in the module docstring).")
     p.add_argument("--op", choices=["ag_gemm", "gemm_rs", "all"], default="all", help="default: all")
-    p.add_argument("--shapes", default="suite",
+    p.add_argument("--shapes", default=None,
                    help="'suite' (the public suite of GUIDE.md §3) or a comma-separated list MxKxN,... "
-                        "(M gathered; used for every op selected); default: suite")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="default: bf16")
+                        "(M gathered; used for every op selected); default: suite, or none with --matrix")
+    p.add_argument("--matrix", action="store_true",
+                   help="measure the public ops against NCCL then cuBLAS doing the same on the matrix of "
+                        "documented arguments (dtype bf16/fp16 x weight_layout x bias x 2-D/3-D input x out_dtype "
+                        "None/float32), loop and graph mode, at --matrix-shape; the shape suite then runs only "
+                        "if --shapes is given (e.g. --shapes suite)")
+    p.add_argument("--matrix-shape", default=MATRIX_SHAPE,
+                   help=f"--matrix: MxKxN for both ops, or AGSHAPE,RSSHAPE (default {MATRIX_SHAPE}; N (ag_gemm) "
+                        "or K (gemm_rs) scaled with the world size as the suite's)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
+                   help="the suite's dtype (the matrix runs both bf16 and fp16); default: bf16")
     p.add_argument("--warmup", type=int, default=5, help="untimed calls per method and shape (default 5)")
     p.add_argument("--iters", type=int, default=10,
                    help="timed rounds per method and shape in each of the loop, graph, single and spin "
@@ -240,7 +319,9 @@ def parse_args(argv=None):
     p.add_argument("--queue-ahead-us", type=float, default=1000.0,
                    help="spin diagnostic: GPU spin (torch.cuda._sleep) at the start of each round, before "
                         "the rendezvous, during which the host enqueues the call (default 1000)")
-    p.add_argument("--tol", type=float, default=None, help="relative-error tolerance (default: bf16 2e-2, fp16 1e-2, fp32 1e-4)")
+    p.add_argument("--tol", type=float, default=None,
+                   help="relative-error tolerance, of the suite and of every matrix cell (default by the input "
+                        "dtype: bf16 2e-2, fp16 1e-2, fp32 1e-4)")
     p.add_argument("--quick", action="store_true",
                    help="smoke test: 2 shapes per op (unless --shapes is given), warmup 2, iters 5, "
                         "loop-calls 10, host-calls 100")
@@ -250,26 +331,37 @@ def parse_args(argv=None):
         args.loop_calls, args.host_calls = min(args.loop_calls, 10), min(args.host_calls, 100)
     if args.warmup < 0 or min(args.iters, args.loop_calls, args.host_calls) < 1 or args.queue_ahead_us < 0:
         p.error("--warmup must be >= 0, --iters, --loop-calls and --host-calls >= 1 and --queue-ahead-us >= 0")
+    # The matrix's cells are of both dtypes: each its own default, unless --tol is given.
+    args.matrix_tol = {d: DEFAULT_TOL[d] if args.tol is None else args.tol for d in MATRIX_DTYPES}
     if args.tol is None:
         args.tol = DEFAULT_TOL[args.dtype]
     ops = ["ag_gemm", "gemm_rs"] if args.op == "all" else [args.op]
     args.ops = ops
+
+    def shape_of(s):
+        try:
+            m, k, n = (int(v) for v in s.strip().lower().split("x"))
+        except ValueError:
+            p.error(f"bad shape {s!r}: expected MxKxN, e.g. 8192x8192x14336")
+        if min(m, k, n) <= 0:
+            p.error(f"bad shape {s!r}: every dimension must be positive")
+        return m, k, n
+
+    # --matrix alone measures the matrix only: the suite takes minutes and answers another question.
+    args.run_suite = args.shapes is not None or not args.matrix
     args.shape_lists = {}
     for op in ops:
-        if args.shapes == "suite":
+        if not args.run_suite:
+            names = []
+        elif args.shapes in (None, "suite"):
             names = (QUICK if args.quick else SUITE)[op]
         else:
             names = [s.strip() for s in args.shapes.split(",") if s.strip()]
-        shapes = []
-        for s in names:
-            try:
-                m, k, n = (int(v) for v in s.lower().split("x"))
-            except ValueError:
-                p.error(f"bad shape {s!r}: expected MxKxN, e.g. 8192x8192x14336")
-            if min(m, k, n) <= 0:
-                p.error(f"bad shape {s!r}: every dimension must be positive")
-            shapes.append((m, k, n))
-        args.shape_lists[op] = shapes
+        args.shape_lists[op] = [shape_of(s) for s in names]
+    mshapes = [shape_of(s) for s in args.matrix_shape.split(",")]
+    if len(mshapes) not in (1, 2):
+        p.error(f"bad --matrix-shape {args.matrix_shape!r}: expected MxKxN or AGSHAPE,RSSHAPE")
+    args.matrix_shapes = {"ag_gemm": mshapes[0], "gemm_rs": mshapes[-1]}
     # op -> strategy labels; None: every candidate valid for the shape (made per shape)
     if args.strategies is None:
         args.strategy_lists = {op: split_labels(DEFAULT_STRATEGIES[op]) for op in ops}
@@ -761,6 +853,165 @@ def run_shape(bench, op, shape, strategies):
     return rec
 
 
+# ----------------------------------------------------------------------------- the matrix
+
+
+def matrix_cells():
+    """The 32 cells of one op (module docstring, Matrix): every combination of the documented
+    arguments that change what a call runs."""
+    return [{"dtype": dt, "weight_layout": wl, "bias": b, "input_dim": d, "out_dtype": od}
+            for dt in MATRIX_DTYPES for wl in ("nk", "kn") for b in (False, True) for d in (2, 3)
+            for od in (None, "float32")]
+
+
+def mm_out_dtype_unavailable(bench, dtype_name):
+    """Why torch.mm(a, b, out_dtype=torch.float32) cannot run for inputs of ``dtype_name``
+    on some rank (None: it runs on every rank). Where it cannot, the matrix's baseline
+    multiplies fp32 copies instead ("baseline upcast"); every rank runs the same baseline."""
+    torch = bench.torch
+    why = None
+    try:
+        a = torch.ones((16, 16), device=bench.device, dtype=getattr(torch, DTYPES[dtype_name]))
+        torch.mm(a, a, out_dtype=torch.float32)
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001  (recorded in the cells, never fatal)
+        why = _short(e, 200)
+    if bench.agree_failed(why is not None):
+        return why or "failed on another rank"
+    return None
+
+
+def run_cell(bench, op, shape, cell, upcast):
+    """One cell of the matrix: the public op and the baseline (NCCL then cuBLAS doing the
+    same), the op's output checked against the baseline's, then both timed in loop and
+    graph mode. ``upcast``: dtype name -> mm_out_dtype_unavailable's answer."""
+    torch, dist = bench.torch, bench.dist
+    import flux
+    from flux import autotune
+    from flux.ops._common import problem_of
+
+    W, dev, group = bench.world, bench.device, bench.group
+    m, k, n = shape
+    rec = dict(cell)
+    # A 3-D input is [rows/2, 2, K]: dim 0, the one gathered or scattered, must still split
+    # evenly over the ranks.
+    div = 2 * W if cell["input_dim"] == 3 else W
+    if m % div:
+        rec["status"] = f"skipped: M={m} is not divisible by {div}"
+        return rec
+    n_loc, k_loc = per_rank_shape(op, m, k, n, W, bench.args.scale_with_world)
+    dt = getattr(torch, DTYPES[cell["dtype"]])
+    out_dtype = getattr(torch, cell["out_dtype"]) if cell["out_dtype"] else None
+    layout, tol = cell["weight_layout"], bench.args.matrix_tol[cell["dtype"]]
+    rows_in, rows_out = (m // W, m) if op == "ag_gemm" else (m, m // W)
+
+    def shaped(rows, cols):
+        return (rows // 2, 2, cols) if cell["input_dim"] == 3 else (rows, cols)
+
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(1000 + bench.rank)
+    wgen = torch.Generator(device=dev)
+    wgen.manual_seed(2000 + bench.rank)
+    inp = torch.randn(shaped(rows_in, k_loc), device=dev, dtype=dt, generator=gen)
+    w_nk = torch.randn((n_loc, k_loc), device=dev, dtype=dt, generator=wgen) * (1.0 / math.sqrt(k_loc))
+    # The same matrix in either layout; "kn" stores it [K, N], contiguous as the op requires.
+    weight = w_nk if layout == "nk" else w_nk.t().contiguous()
+    w_kn = weight.t() if layout == "nk" else weight  # [K, N] for torch.mm ("nk": a view, as F.linear)
+    # flux takes the bias in the output dtype (fp32 with out_dtype=torch.float32).
+    bias = (torch.randn(n_loc, device=dev, dtype=out_dtype or dt, generator=wgen) if cell["bias"] else None)
+    rec["local"] = {"input": list(inp.shape), "weight": list(weight.shape), "out": list(shaped(rows_out, n_loc))}
+    why_upcast = upcast[cell["dtype"]] if out_dtype is not None else None
+    if out_dtype is None:
+        rec["baseline_gemm"] = "torch.mm"
+    elif why_upcast is None:
+        rec["baseline_gemm"] = "torch.mm(out_dtype=torch.float32)"
+    else:
+        rec["baseline_gemm"] = f"baseline upcast: torch.mm of fp32 copies (torch.mm(out_dtype=) failed: {why_upcast})"
+
+    def gemm(a2d):
+        if out_dtype is None:
+            return torch.mm(a2d, w_kn)
+        if why_upcast is None:  # tensor cores, fp32 output, as flux computes it
+            return torch.mm(a2d, w_kn, out_dtype=out_dtype)
+        return torch.mm(a2d.float(), w_kn.float())
+
+    # The bias is added in place, after the collective for gemm_rs (once, to the summed rows).
+    if op == "ag_gemm":
+        gathered = torch.empty((m, k_loc), device=dev, dtype=dt)
+
+        def baseline():
+            dist.all_gather_into_tensor(gathered, inp.view(-1, k_loc), group=group)
+            out = gemm(gathered)
+            if bias is not None:
+                out.add_(bias)
+            return out.view(shaped(rows_out, n_loc))
+
+        public = flux.ag_gemm
+    else:
+        def baseline():
+            out = torch.empty((rows_out, n_loc), device=dev, dtype=out_dtype or dt)
+            dist.reduce_scatter_tensor(out, gemm(inp.view(-1, k_loc)), group=group)
+            if bias is not None:
+                out.add_(bias)
+            return out.view(shaped(rows_out, n_loc))
+
+        public = flux.gemm_rs
+
+    def call():
+        return public(inp, weight, bias, group=group, weight_layout=layout, out_dtype=out_dtype)
+
+    # Correctness first, every rank on the same path (agree_failed after each step).
+    ref = out = failure = None
+    try:
+        bench.sync()
+        ref = baseline()
+        torch.cuda.synchronize()
+        if not bool(torch.isfinite(ref).all().item()):
+            failure = "the baseline's output is not finite"
+    except Exception as e:  # noqa: BLE001  (recorded, never fatal)
+        failure = f"baseline: {_short(e)}"
+    if bench.agree_failed(failure is not None):
+        rec["status"] = f"error: {failure or 'failed on another rank'}"
+        return rec
+    try:
+        bench.sync()
+        out = call()
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001
+        failure = _short(e)
+        if os.environ.get("BENCH_TRACEBACK"):
+            traceback.print_exc()
+    if bench.agree_failed(failure is not None):
+        rec["status"] = f"error: {failure or 'failed on another rank'}"
+        return rec
+    # What the automatic choice ran (after the first call, which may have tuned the problem).
+    rec["choice"] = autotune.choose(problem_of(op, inp, weight, layout, out_dtype, W, m), dev).label
+    err = bench.rel_err(out, ref)
+    del out
+    rec["rel_err"] = err if math.isfinite(err) else None
+    if not err < tol:
+        rec["status"] = "incorrect"
+        return rec
+    timing = {}
+    try:
+        for name, fn in (("baseline", baseline), ("flux", call)):
+            bench.sync()
+            timing[name] = bench.time(fn, ref, modes=MATRIX_MODES, tol=tol)
+    except Exception as e:  # noqa: BLE001
+        failure = _short(e)
+    if bench.agree_failed(failure is not None):
+        rec["status"] = f"error while timing: {failure or 'failed on another rank'}"
+        return rec
+    rec.update(timing)
+    rec["ratio"] = {}
+    for md in MATRIX_MODES:
+        t_base, t_flux = timing["baseline"][f"{md}_ms"], timing["flux"][f"{md}_ms"]
+        rec["ratio"][md] = t_flux / t_base if t_base and t_flux is not None else None
+    rec["slower"] = any(r is not None and r > MATRIX_SLOWER for r in rec["ratio"].values())
+    rec["status"] = "ok"
+    return rec
+
+
 # ----------------------------------------------------------------------------- output
 
 
@@ -827,7 +1078,16 @@ def metadata(bench, argv):
                      "time": "median over the rounds (host: over the calls) on each rank, max over the ranks",
                      "t_gemm_ms, t_comm_ms, t_seq_ms": "loop mode",
                      "E": "(t_seq_m - t_op_m) / (t_seq_m - t_gemm_m), the baselines in the same mode m",
-                     "speedup": "t_seq_m / t_op_m"},
+                     "speedup": "t_seq_m / t_op_m",
+                     "suite": args.run_suite,
+                     "matrix": None if not args.matrix else {
+                         "shapes": {op: "x".join(map(str, args.matrix_shapes[op])) for op in args.ops},
+                         "cells": "dtype (bf16, fp16) x weight_layout (nk, kn) x bias (no, yes) x input_dim "
+                                  "(2: [rows, K], 3: [rows/2, 2, K]) x out_dtype (None, float32)",
+                         "modes": list(MATRIX_MODES), "tol": args.matrix_tol,
+                         "baseline": "ag_gemm: all_gather_into_tensor, torch.mm, + bias; gemm_rs: torch.mm, "
+                                     "reduce_scatter_tensor in the output dtype, + bias",
+                         "ratio": "flux_m / baseline_m", "slower": f"ratio > {MATRIX_SLOWER} in some mode"}},
     }
 
 
@@ -907,6 +1167,48 @@ def host_table(op, recs):
     return "\n".join(lines)
 
 
+def _cell_labels(c):
+    """A matrix cell's five labels, in the matrix table's columns."""
+    return (f"{c['dtype']:<5} {c['weight_layout']:<6} {'yes' if c['bias'] else 'no':<4} "
+            f"{c['input_dim']}-D{'':<3} {c['out_dtype'] or 'None':<9}")
+
+
+def matrix_table(op, mrec, world):
+    """One row per cell: baseline and flux (auto) in loop and graph ms, their ratios."""
+    lines = [f"{op} matrix  {mrec['shape']} (W={world}; local {mrec['local']})  ms per call: loop = back-to-back "
+             "eager calls, graph = CUDA-graph replay;",
+             "    baseline = NCCL then cuBLAS doing the same; flux = the public op; ratio = flux / baseline; "
+             f"!: flux over {MATRIX_SLOWER:.2f}x the baseline in some mode; -: unavailable"]
+    labels = f"{'dtype':<5} {'layout':<6} {'bias':<4} {'input':<6} {'out_dtype':<9}"
+    hdr1 = f"{'':<{len(labels)}} |{'baseline':^17}|{'flux (auto)':^17}|{'ratio':^17}|"
+    hdr2 = labels + " |" + f" {'loop':>7} {'graph':>7} |" * 3 + "   choice"
+    lines += [hdr1, hdr2, "-" * len(hdr2)]
+    for c in mrec["cells"]:
+        row = _cell_labels(c)
+        if c.get("status") != "ok":
+            err = f" (rel err {c['rel_err']:.2g})" if c.get("rel_err") is not None else ""
+            lines.append(f"{row} | {c.get('status')}{err}")
+            continue
+        b, f, r = c["baseline"], c["flux"], c["ratio"]
+        row += f" | {_num(b['loop_ms'], '.3f', 7)} {_num(b['graph_ms'], '.3f', 7)}"
+        row += f" | {_num(f['loop_ms'], '.3f', 7)} {_num(f['graph_ms'], '.3f', 7)}"
+        row += f" | {_num(r['loop'], '.3f', 7)} {_num(r['graph'], '.3f', 7)} |"
+        row += f" {'!' if c['slower'] else ' '} {c.get('choice', '-')}"
+        if c["baseline_gemm"].startswith("baseline upcast"):
+            row += "  (baseline upcast)"
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def _cell_summary(c):
+    """One progress line's worth of a matrix cell."""
+    if c.get("status") != "ok":
+        return c.get("status") or "?"
+    return (" ".join(f"{md} {_num(c['baseline'][f'{md}_ms'], '.3f', 0)}/{_num(c['flux'][f'{md}_ms'], '.3f', 0)}"
+                     f" ({_num(c['ratio'][md], '.3f', 0)})" for md in MATRIX_MODES)
+            + f"  {c['choice']}{'  !' if c['slower'] else ''}")
+
+
 def _summary(e, seq_host=None):
     """One progress line's worth of a method entry or a baseline timing."""
     if e.get("status", "ok") != "ok":
@@ -961,10 +1263,12 @@ def main(argv=None):
                 with open(out_path, "w") as f:
                     json.dump({"metadata": dict(meta, complete=complete), "results": results}, f, indent=1)
 
+        # The matrix's baseline GEMM for out_dtype=torch.float32, decided once per dtype.
+        upcast = {d: mm_out_dtype_unavailable(bench, d) for d in MATRIX_DTYPES} if args.matrix else None
         for op in args.ops:
             mod = importlib.import_module(f"flux.ops.{op}")
             avail = list(mod.available_strategies(bench.device))
-            recs = []
+            recs = []  # left empty by --matrix without --shapes (report.py reads the key)
             results[op] = {"available_strategies": avail, "shapes": recs}
             for shape in args.shape_lists[op]:
                 bench.log(f"[{op}] {shape[0]}x{shape[1]}x{shape[2]} ...")
@@ -985,14 +1289,38 @@ def main(argv=None):
                 gc.collect()
                 torch.cuda.empty_cache()
                 bench.sync()
+            if not args.matrix:
+                continue
+            m, k, n = args.matrix_shapes[op]
+            n_loc, k_loc = per_rank_shape(op, m, k, n, bench.world, args.scale_with_world)
+            cells = []
+            results[op]["matrix"] = {"shape": f"{m}x{k}x{n}", "M": m, "K": k, "N": n,
+                                     "local": {"N": n_loc, "K": k_loc}, "cells": cells}
+            bench.log(f"[{op}] matrix at {m}x{k}x{n}: baseline/flux ms per call (flux / baseline)")
+            for cell in matrix_cells():
+                try:
+                    c = run_cell(bench, op, (m, k, n), cell, upcast)
+                except torch.cuda.OutOfMemoryError as e:
+                    c = dict(cell, status=f"error: {_short(e, 200)}")
+                cells.append(c)
+                bench.log(f"    {_cell_labels(c)} {_cell_summary(c)}")
+                dump(False)
+                gc.collect()
+                torch.cuda.empty_cache()
+                bench.sync()
         dump(True)
         if bench.rank == 0:
             print(f"\nwrote {out_path}\n")
-            for op in args.ops:
-                print(table(op, results[op]["shapes"], bench.world, args.dtype))
-                print()
-                print(host_table(op, results[op]["shapes"]))
-                print()
+            if args.run_suite:
+                for op in args.ops:
+                    print(table(op, results[op]["shapes"], bench.world, args.dtype))
+                    print()
+                    print(host_table(op, results[op]["shapes"]))
+                    print()
+            if args.matrix:
+                for op in args.ops:
+                    print(matrix_table(op, results[op]["matrix"], bench.world))
+                    print()
     finally:
         try:
             dist.destroy_process_group()

@@ -7,14 +7,15 @@ Public API:
                                              reduce_scatter(input @ W, dim=0) (+ bias)
     flux.ag_gemm_ref, flux.gemm_rs_ref       their unfused references
     flux.FluxInputError                      bad arguments, raised alike on every rank
-    flux.cuda_kernels_available()            whether the CUDA extension flux._C is loaded
+    flux.cuda_kernels_available()            whether flux's CUDA kernels can run here (flux._C
+                                             loaded and a GPU visible)
     flux.nn.ColumnParallelLinear, flux.nn.RowParallelLinear    tensor-parallel layers
                                              (flux.nn is imported on first use)
 """
 from flux._version import __version__
-from flux.runtime import cuda_kernels_available
+from flux.runtime import cuda_kernels_available, extension_error
 
-cuda_kernels_available()  # load flux._C (if built) before the ops are used
+extension_error()  # load flux._C (if built) before the ops are used
 
 from flux.ops._checks import FluxInputError  # noqa: E402
 from flux.ops.ag_gemm import ag_gemm, ag_gemm_ref  # noqa: E402

@@ -316,3 +316,21 @@ def test_cli_on_cpu(tmp_path):
     assert len(files) == 1, files
     data = json.load(open(files[0]))
     assert data["topology"] == "cpu|sm0|2r|1n|cpu" and len(data["entries"]) == 2, data
+
+
+def test_cli_suite_on_cpu(tmp_path):
+    """`-m flux.autotune --suite --cpu` tunes the public suite divided by 16 (a CPU times it in
+    seconds) and writes the cache: every shape has its entry."""
+    import subprocess
+    import sys
+
+    from _dist import free_port
+
+    env = dict(os.environ, FLUX_CACHE_DIR=str(tmp_path), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           "-m", "flux.autotune", "--suite", "--cpu", "--iters", "2"]
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "13 shapes in" in proc.stdout and "512x512x896" in proc.stdout, proc.stdout[-3000:]
+    files = list(tmp_path.glob("tune-*.json"))
+    assert len(files) == 1 and len(json.load(open(files[0]))["entries"]) == 13, files

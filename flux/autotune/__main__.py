@@ -10,8 +10,9 @@ The suite's shapes are scaled with the world size as bench_ops.py scales them (N
 --no-scale-with-world tunes them unscaled; --shapes are taken as given. Every rank times every valid
 candidate of a shape together (flux/autotune/tuner.py); the choice, the default and all
 times go to the cache of this topology (flux/autotune/cache.py), or with --ship to the
-shipped defaults in the source tree. Prints what it chose and by how much it beat the
-analytic default.
+shipped defaults in the source tree, written after every shape. Prints what it chose and by
+how much it beat the analytic default. --cpu (gloo) tunes the suite divided by 16 in every
+dimension (--scale-down), which a CPU times in seconds.
 """
 import os
 
@@ -33,11 +34,15 @@ def _parse_shapes(args, world):
     from flux.autotune.space import PUBLIC_SUITE, per_rank_shape
 
     if args.suite:
+        d = args.scale_down
         out = []
         for op in args.ops:
             for s in PUBLIC_SUITE[op]:
                 m, k, n = (int(x) for x in s.split("x"))
                 n, k = per_rank_shape(op, m, k, n, world, args.scale_with_world)
+                if d > 1:  # every dimension divided, M kept a multiple of W, N and K of 8
+                    m = max(world, m // d // world * world)
+                    k, n = max(8, k // d // 8 * 8), max(8, n // d // 8 * 8)
                 out.append((op, f"{m}x{k}x{n}"))
         return out
     out = []
@@ -65,7 +70,12 @@ def main(argv=None):
     p.add_argument("--scale-with-world", action=argparse.BooleanOptionalAction, default=True,
                    help="--suite: scale N (ag_gemm) or K (gemm_rs) by 2/W as bench_ops.py does")
     p.add_argument("--cpu", action="store_true", help="gloo on CPU (tests the tool; only 'sequential' runs there)")
+    p.add_argument("--scale-down", type=int, default=None,
+                   help="--suite: divide M, K and N by this (default 16 with --cpu, where the full suite "
+                        "takes many minutes, else 1)")
     args = p.parse_args(argv)
+    if args.scale_down is None:
+        args.scale_down = 16 if args.cpu else 1
     args.ops = args.ops.split(",")
 
     if args.cpu:
@@ -88,6 +98,10 @@ def main(argv=None):
     if rank == 0:
         print(f"flux.autotune: {topo}\n  topology key {topo.key!r}, flux {flux.__version__}, {len(shapes)} shapes",
               flush=True)
+    cache = autotune.cache_for(topo)
+    target = os.path.join(cache_mod.SHIPPED_DIR, cache_mod.file_name(topo.key)) if args.ship else None
+    writer = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    path = None
     start, rows = time.time(), []
     for i, (op, shape) in enumerate(shapes, 1):
         m, k, n = (int(x) for x in shape.lower().split("x"))
@@ -116,12 +130,11 @@ def main(argv=None):
         if rank == 0:
             print(f"  [{i}/{len(shapes)}] {op} {shape}: {entry['choice']} {t[entry['choice']]:.3f} ms"
                   f" (default {entry['default']} {t[entry['default']]:.3f} ms, {100 * gain:+.1f}%)", flush=True)
+        if writer:  # after every shape: an interrupted run keeps what it tuned
+            path = cache.save(target)
         del x, w
         if cuda:
             torch.cuda.empty_cache()
-    cache = autotune.cache_for(topo)
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        path = cache.save(os.path.join(cache_mod.SHIPPED_DIR, cache_mod.file_name(topo.key)) if args.ship else None)
     if rank == 0:
         print(f"\nflux.autotune: {len(shapes)} shapes in {time.time() - start:.1f} s; wrote {path}")
         print(f"{'op':8} {'shape':>16} {'choice':>22} {'ms':>8} {'default':>22} {'ms':>8} {'gain':>7}")

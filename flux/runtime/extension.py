@@ -2,6 +2,8 @@
 import functools
 import logging
 
+import torch
+
 log = logging.getLogger("flux")
 
 
@@ -15,10 +17,12 @@ def _load():
 
 
 def cuda_kernels_available() -> bool:
-    """True when flux._C is built and loaded (torch.ops.flux.reduce_chunks_ and friends exist)."""
-    return _load() is None
+    """True when flux's CUDA kernels can run here: flux._C is built and loaded and a CUDA device
+    is visible. On a machine without a GPU it is False even where the extension was built
+    (``extension_error()`` is None there)."""
+    return _load() is None and torch.cuda.is_available()
 
 
 def extension_error():
-    """Why flux._C could not be loaded, or None when it was."""
+    """Why flux._C could not be loaded, or None when it was (built and importable, GPU or not)."""
     return _load()
