@@ -60,6 +60,8 @@ def strategies(path):
     d = json.load(open(path))
     lines = []
     for op, v in d["results"].items():
+        if not v.get("shapes"):  # a --matrix-only run
+            continue
         names = [k for k in v["shapes"][0].get("methods", {}) if k.startswith("flux:") and k != "flux:auto"]
         head = ["M×K×N", "NCCL+cuBLAS"] + [n[5:] for n in names]
         lines += [f"**{op}**, ms per call, graph / loop", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
