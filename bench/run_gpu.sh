@@ -3,13 +3,16 @@
 # carried in .ext/ when csrc/ and setup.py are unchanged), run the GPU tests and the main
 # benchmark, and leave logs and JSON in OUTDIR.
 #
-#   bench/run_gpu.sh OUTDIR [--quick] [--skip-tests] [--tests EXPR] [--skip-bench] [--tune] [--shared W[,W...]]
-#                    [-- extra bench_ops.py args]
+#   bench/run_gpu.sh OUTDIR [--quick] [--skip-tests] [--tests EXPR] [--skip-bench] [--tune] [--matrix] [--mlp]
+#                    [--shared W[,W...]] [-- extra bench_ops.py args]
 #
 # --tests EXPR: only the GPU tests that pytest -k EXPR selects (default: "gpu and not shared").
 #
 # --tune: before the benchmark, tune the public suite (torchrun -m flux.autotune --suite) into
 # OUTDIR/cache and let the benchmark's flux:auto use that cache (FLUX_CACHE_DIR).
+# --matrix: after the benchmark, bench_ops.py --matrix (every documented argument against NCCL then
+# cuBLAS doing the same) into OUTDIR/matrix.json. --mlp: bench/bench_mlp.py (the sequence-parallel
+# MLP block, forward + backward) into OUTDIR/mlp.json. Their output goes to bench.log too.
 # --shared 4,8: also run the GPU cases with 4, then 8 ranks sharing this machine's GPUs
 # (tests/test_ops.py::test_gpu_shared: gloo, FLUX_GLOO_CUDA=1; correctness only), into
 # OUTDIR/tests-shared-W.log.
@@ -17,15 +20,17 @@
 # On a machine without network, carry the nvidia-cutlass wheel in .whl/ (git-ignored), made here with:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux2014_x86_64 -d .whl nvidia-cutlass==4.2.0.0
-# and a previous build's flux_C.so + flux_C.hash in .ext/ to skip the build (~85 s on 32 cores).
+# A build made elsewhere for the same torch and Python can be carried as .ext/flux_C.so with
+# .ext/flux_C.hash (this script's hash of setup.py and csrc/) to skip the build (~70 s on 32 cores);
+# the device returns no file over 16 MiB, so a build made there does not come back.
 #
-# Writes (at most 8 files): build.log (the machine and versions first), flux_C.so + flux_C.hash
-# (reusable: copy both into .ext/; not written when the carried build was reused), tests.log, bench.log, bench_ops.json,
-# with --tune autotune.log and cache/tune-<topology>.json.
+# Writes (at most 8 files): build.log (the machine and versions first), tests.log, bench.log,
+# bench_ops.json, with --tune autotune.log and cache/tune-<topology>.json, with --matrix
+# matrix.json, with --mlp mlp.json.
 set -uo pipefail
 OUTDIR=${1:?usage: bench/run_gpu.sh OUTDIR [--quick] [--skip-tests] [--skip-bench] [-- bench args]}
 shift
-QUICK=0; TESTS=1; TEST_EXPR="gpu and not shared"; BENCH=1; TUNE=0; SHARED=""; BENCH_ARGS=()
+QUICK=0; TESTS=1; TEST_EXPR="gpu and not shared"; BENCH=1; TUNE=0; MATRIX=0; MLP=0; SHARED=""; BENCH_ARGS=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1 ;;
@@ -33,6 +38,8 @@ while [ $# -gt 0 ]; do
     --tests) shift; TEST_EXPR=${1:?--tests needs a pytest -k expression} ;;
     --skip-bench) BENCH=0 ;;
     --tune) TUNE=1 ;;
+    --matrix) MATRIX=1 ;;
+    --mlp) MLP=1 ;;
     --shared) shift; SHARED=${1:?--shared needs world sizes, e.g. 4,8} ;;
     --) shift; BENCH_ARGS=("$@"); break ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
@@ -71,7 +78,6 @@ else
   grep -E "error|warning.*C7510" "$OUTDIR/build.log" | head -20
   [ $rc -eq 0 ] || exit $rc
 fi
-[ "${REUSED:-0}" = 1 ] || { cp flux/_C*.so "$OUTDIR/flux_C.so" && echo "$hash" > "$OUTDIR/flux_C.hash"; }
 # The fused GEMMs must use Hopper's warpgroup MMA (HGMMA in SASS), not a fallback path.
 echo "HGMMA instructions in flux._C: $(cuobjdump --dump-sass flux/_C*.so 2>/dev/null | grep -c HGMMA)" | tee -a "$OUTDIR/build.log"
 
@@ -99,6 +105,16 @@ if [ $BENCH -eq 1 ]; then
   timeout 1200 torchrun --nproc_per_node="$NPROC" \
     bench/bench_ops.py "${args[@]}" "${BENCH_ARGS[@]}" 2>&1 | tee "$OUTDIR/bench.log"
   rc_bench=${PIPESTATUS[0]}
+fi
+if [ $MATRIX -eq 1 ]; then
+  args=(--matrix --out "$OUTDIR/matrix.json")
+  [ $QUICK -eq 1 ] && args+=(--quick)
+  timeout 600 torchrun --nproc_per_node="$NPROC" bench/bench_ops.py "${args[@]}" 2>&1 | tee -a "$OUTDIR/bench.log"
+  rc=${PIPESTATUS[0]}; [ $rc -eq 0 ] || rc_bench=$rc
+fi
+if [ $MLP -eq 1 ]; then
+  timeout 600 torchrun --nproc_per_node="$NPROC" bench/bench_mlp.py --out "$OUTDIR/mlp.json" 2>&1 | tee -a "$OUTDIR/bench.log"
+  rc=${PIPESTATUS[0]}; [ $rc -eq 0 ] || rc_bench=$rc
 fi
 echo "run_gpu: tests rc=$rc_tests tune rc=$rc_tune bench rc=$rc_bench"
 [ $rc_tests -eq 0 ] && [ $rc_tune -eq 0 ] && [ $rc_bench -eq 0 ]
