@@ -476,6 +476,35 @@ def _graph(op, names=None):
     return fn
 
 
+@gcase("graph-first-call-refused")
+def _graph_first_call(rank, world, dev):
+    """A problem's first call inside a CUDA graph capture raises a clear FluxInputError (its slow
+    path cannot be captured) on every rank; once called eagerly, the same call captures and
+    replays right."""
+    if SHARED_GPUS:
+        raise Skip("the automatic choice here is 'sequential', which runs on gloo there: no plan, no capture")
+    prob = AgProblem(rank, world, dev, 100, 264, 136, BF16, seed=95)  # a shape used nowhere else
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            flux.ag_gemm(prob.x, prob.w)
+    except flux.FluxInputError as e:
+        msg = str(e)
+    else:
+        raise AssertionError("capturing a problem's first call raised nothing")
+    assert msg.startswith("flux.ag_gemm:") and "call it once eagerly" in msg, msg
+    torch.cuda.synchronize()
+    prob.check(flux.ag_gemm(prob.x, prob.w), "eager call after the refused capture")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = flux.ag_gemm(prob.x, prob.w)
+    graph.replay()
+    torch.cuda.synchronize()
+    prob.check(static_out.clone(), "replay after an eager call")
+    return msg
+
+
 gcase("graph-ag")(_graph("ag"))
 gcase("graph-rs")(_graph("rs"))
 

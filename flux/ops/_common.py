@@ -167,6 +167,18 @@ def fused_ineligible(op: str, input: torch.Tensor, weight: torch.Tensor, group, 
     return None
 
 
+def refuse_capture(op: str) -> None:
+    """The slow path (checks through the store, the choice, workspace growth) cannot run inside a
+    CUDA graph capture: raise a clear error there instead of breaking the capture."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        from flux.ops._checks import FluxInputError
+
+        raise FluxInputError(
+            f"{op}: this call has no plan yet, and its first call (argument check across ranks, strategy "
+            "choice, workspace) cannot be captured in a CUDA graph: call it once eagerly with the same "
+            "shapes, dtypes and options before capturing (with FLUX_CHECK_EVERY_CALL=1 no call can be captured)")
+
+
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # Parameter disables __torch_function__: a plain tensor here
 
 

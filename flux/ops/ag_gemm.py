@@ -66,7 +66,7 @@ from flux.autotune.space import Candidate
 from flux.ops import _plans
 from flux.ops._checks import FluxInputError, Signature, check_collectively
 from flux.ops._common import (call_mode, check_gemm_args, check_out_arg, check_same_device, choose_and_check,
-                              deliver, local_gemm, weight_nk_shape)
+                              deliver, local_gemm, refuse_capture, weight_nk_shape)
 from flux.runtime import (all_gather_dim0, group_device, group_from_name, group_name, reduce_scatter_dim0,
                           resolve_group, traceable_all_gather_dim0, traceable_reduce_scatter_dim0)
 
@@ -145,6 +145,7 @@ def _ag_gemm_impl(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
                   weight_layout: str, out_dtype: Optional[torch.dtype], return_gathered: bool,
                   out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The slow path: check, exchange, choose (or tune), run, and leave a plan for the hot path."""
+    refuse_capture(OP)
     world = dist.get_world_size(group)
     sig = _signature(input, weight, bias, group, weight_layout, out_dtype)
     if sig.error is None:
