@@ -44,26 +44,24 @@ import flux  # noqa: E402
 from flux.runtime import all_gather_dim0, reduce_scatter_dim0  # noqa: E402
 
 
-class _AllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return all_gather_dim0(x, group)
+def _collective(forward, backward):
+    """An autograd function running ``forward(x, group)``, whose backward is ``backward`` (the
+    other collective): Megatron's sequence-parallel regions."""
+    class _Collective(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            return forward(x, group)
 
-    @staticmethod
-    def backward(ctx, g):
-        return reduce_scatter_dim0(g.contiguous(), ctx.group), None
+        @staticmethod
+        def backward(ctx, g):
+            return backward(g.contiguous(), ctx.group), None
+
+    return _Collective
 
 
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return reduce_scatter_dim0(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return all_gather_dim0(g.contiguous(), ctx.group), None
+_AllGather = _collective(all_gather_dim0, reduce_scatter_dim0)
+_ReduceScatter = _collective(reduce_scatter_dim0, all_gather_dim0)
 
 
 def nccl_block(x, w1, b1, w2, b2, group):

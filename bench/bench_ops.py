@@ -631,12 +631,28 @@ class Bench:
 # ----------------------------------------------------------------------------- one shape
 
 
+def _first_call(bench, call):
+    """One untimed call, every rank taking the same path: (its output, None), or (None, the
+    failure seen on this or another rank)."""
+    out, failure = None, None
+    try:
+        bench.sync()
+        out = call()
+        bench.torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001  (recorded, never fatal)
+        failure = _short(e)
+        if os.environ.get("BENCH_TRACEBACK"):
+            traceback.print_exc()
+    if bench.agree_failed(failure is not None):
+        return None, failure or "failed on another rank"
+    return out, None
+
+
 def _method(bench, name, make_fn, ref, results):
     """Correctness check, then timing, of one non-baseline method; fills results[name].
 
     make_fn() -> (call, unavailable_reason): ``call()`` returns the op's output tensor.
     """
-    torch = bench.torch
     entry = {"status": None}
     results[name] = entry
     call, why = None, None
@@ -648,17 +664,9 @@ def _method(bench, name, make_fn, ref, results):
     if bench.agree_failed(call is None):
         entry["status"] = f"unavailable: {why or 'unavailable on another rank'}"
         return entry
-    out, failure = None, None
-    try:
-        bench.sync()
-        out = call()
-        torch.cuda.synchronize()
-    except Exception as e:  # noqa: BLE001
-        failure = _short(e)
-        if os.environ.get("BENCH_TRACEBACK"):
-            traceback.print_exc()
-    if bench.agree_failed(failure is not None):
-        entry["status"] = f"error: {failure or 'failed on another rank'}"
+    out, failure = _first_call(bench, call)
+    if failure is not None:
+        entry["status"] = f"error: {failure}"
         return entry
     err = bench.rel_err(out, ref)
     del out
@@ -973,16 +981,9 @@ def run_cell(bench, op, shape, cell, upcast):
     if bench.agree_failed(failure is not None):
         rec["status"] = f"error: {failure or 'failed on another rank'}"
         return rec
-    try:
-        bench.sync()
-        out = call()
-        torch.cuda.synchronize()
-    except Exception as e:  # noqa: BLE001
-        failure = _short(e)
-        if os.environ.get("BENCH_TRACEBACK"):
-            traceback.print_exc()
-    if bench.agree_failed(failure is not None):
-        rec["status"] = f"error: {failure or 'failed on another rank'}"
+    out, failure = _first_call(bench, call)
+    if failure is not None:
+        rec["status"] = f"error: {failure}"
         return rec
     # What the automatic choice ran (after the first call, which may have tuned the problem).
     rec["choice"] = autotune.choose(problem_of(op, inp, weight, layout, out_dtype, W, m), dev).label
