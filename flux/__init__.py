@@ -11,6 +11,7 @@ Public API:
                                              loaded and a GPU visible)
     flux.nn.ColumnParallelLinear, flux.nn.RowParallelLinear    tensor-parallel layers
                                              (flux.nn is imported on first use)
+    flux.integrations.megatron / .compile / .vllm    framework adapters (imported on first use)
 """
 from flux._version import __version__
 from flux.runtime import cuda_kernels_available, extension_error
@@ -25,10 +26,10 @@ from flux.ops.gemm_rs import gemm_rs, gemm_rs_ref  # noqa: E402
 
 def __getattr__(name):
     # Submodules imported on first use: ``import flux`` then ``flux.nn.ColumnParallelLinear``.
-    if name == "nn":
+    if name in ("nn", "integrations"):
         import importlib
 
-        return importlib.import_module("flux.nn")
+        return importlib.import_module(f"flux.{name}")
     raise AttributeError(f"module 'flux' has no attribute {name!r}")
 
 
