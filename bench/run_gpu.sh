@@ -4,7 +4,7 @@
 # benchmark, and leave logs and JSON in OUTDIR.
 #
 #   bench/run_gpu.sh OUTDIR [--quick] [--skip-tests] [--tests EXPR] [--skip-bench] [--tune] [--matrix] [--mlp]
-#                    [--shared W[,W...]] [-- extra bench_ops.py args]
+#                    [--host-profile] [--shared W[,W...]] [-- extra bench_ops.py args]
 #
 # --tests EXPR: only the GPU tests that pytest -k EXPR selects (default: "gpu and not shared").
 #
@@ -12,7 +12,8 @@
 # OUTDIR/cache and let the benchmark's flux:auto use that cache (FLUX_CACHE_DIR).
 # --matrix: after the benchmark, bench_ops.py --matrix (every documented argument against NCCL then
 # cuBLAS doing the same) into OUTDIR/matrix.json. --mlp: bench/bench_mlp.py (the sequence-parallel
-# MLP block, forward + backward) into OUTDIR/mlp.json. Their output goes to bench.log too.
+# MLP block, forward + backward) into OUTDIR/mlp.json. --host-profile: bench/profile_host.py (the CUDA
+# API calls and ATen ops of one call, per strategy) into OUTDIR/host.json. Their output goes to bench.log too.
 # --shared 4,8: also run the GPU cases with 4, then 8 ranks sharing this machine's GPUs
 # (tests/test_ops.py::test_gpu_shared: gloo, FLUX_GLOO_CUDA=1; correctness only), into
 # OUTDIR/tests-shared-W.log.
@@ -26,11 +27,11 @@
 #
 # Writes (at most 8 files): build.log (the machine and versions first), tests.log, bench.log,
 # bench_ops.json, with --tune autotune.log and cache/tune-<topology>.json, with --matrix
-# matrix.json, with --mlp mlp.json.
+# matrix.json, with --mlp mlp.json, with --host-profile host.json.
 set -uo pipefail
 OUTDIR=${1:?usage: bench/run_gpu.sh OUTDIR [--quick] [--skip-tests] [--skip-bench] [-- bench args]}
 shift
-QUICK=0; TESTS=1; TEST_EXPR="gpu and not shared"; BENCH=1; TUNE=0; MATRIX=0; MLP=0; SHARED=""; BENCH_ARGS=()
+QUICK=0; TESTS=1; TEST_EXPR="gpu and not shared"; BENCH=1; TUNE=0; MATRIX=0; MLP=0; HOSTPROF=0; SHARED=""; BENCH_ARGS=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1 ;;
@@ -40,6 +41,7 @@ while [ $# -gt 0 ]; do
     --tune) TUNE=1 ;;
     --matrix) MATRIX=1 ;;
     --mlp) MLP=1 ;;
+    --host-profile) HOSTPROF=1 ;;
     --shared) shift; SHARED=${1:?--shared needs world sizes, e.g. 4,8} ;;
     --) shift; BENCH_ARGS=("$@"); break ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
@@ -106,14 +108,18 @@ if [ $BENCH -eq 1 ]; then
     bench/bench_ops.py "${args[@]}" "${BENCH_ARGS[@]}" 2>&1 | tee "$OUTDIR/bench.log"
   rc_bench=${PIPESTATUS[0]}
 fi
-if [ $MATRIX -eq 1 ]; then
-  args=(--matrix --out "$OUTDIR/matrix.json")
-  [ $QUICK -eq 1 ] && args+=(--quick)
-  timeout 600 torchrun --nproc_per_node="$NPROC" bench/bench_ops.py "${args[@]}" 2>&1 | tee -a "$OUTDIR/bench.log"
+if [ $HOSTPROF -eq 1 ]; then
+  timeout 300 torchrun --nproc_per_node="$NPROC" bench/profile_host.py --out "$OUTDIR/host.json" 2>&1 | tee -a "$OUTDIR/bench.log"
   rc=${PIPESTATUS[0]}; [ $rc -eq 0 ] || rc_bench=$rc
 fi
 if [ $MLP -eq 1 ]; then
   timeout 600 torchrun --nproc_per_node="$NPROC" bench/bench_mlp.py --out "$OUTDIR/mlp.json" 2>&1 | tee -a "$OUTDIR/bench.log"
+  rc=${PIPESTATUS[0]}; [ $rc -eq 0 ] || rc_bench=$rc
+fi
+if [ $MATRIX -eq 1 ]; then
+  args=(--matrix --out "$OUTDIR/matrix.json")
+  [ $QUICK -eq 1 ] && args+=(--quick)
+  timeout 600 torchrun --nproc_per_node="$NPROC" bench/bench_ops.py "${args[@]}" 2>&1 | tee -a "$OUTDIR/bench.log"
   rc=${PIPESTATUS[0]}; [ $rc -eq 0 ] || rc_bench=$rc
 fi
 echo "run_gpu: tests rc=$rc_tests tune rc=$rc_tune bench rc=$rc_bench"
