@@ -119,18 +119,18 @@ std::tuple<at::Tensor, at::Tensor> Runtime::ag_decomposed(const Plan& p, const a
   // current: the local GEMM may not start before the barrier kernel holds an SM, or it can take
   // them all and hold this rank's pushes (and so the peers' GEMMs) back by a whole GEMM.
   wait_started(cur);
-  gemm_into(out.narrow(0, r * rows + lo, hi - lo), a.narrow(0, lo, hi - lo), weight, bias, p.nk);
+  gemm_into(rows_of(out, r * rows + lo, hi - lo), rows_of(a, lo, hi - lo), weight, bias, p.nk);
   for (int64_t step = 1; step < W; ++step) {
     const int64_t src = (r - step + W) % W;
     wait_event(cur, arrived[step]);
     if (own_copied == nullptr) {
-      gemm_into(out.narrow(0, src * rows, rows), slots.narrow(0, src * rows, rows), weight, bias, p.nk);
+      gemm_into(rows_of(out, src * rows, rows), rows_of(slots, src * rows, rows), weight, bias, p.nk);
     }
   }
   if (own_copied != nullptr) {  // one GEMM over the peer's rows and the rest of this rank's
     wait_event(cur, own_copied);
     const int64_t g0 = r == 0 ? lead : 0, g1 = r == 0 ? W * rows : W * rows - lead;
-    gemm_into(out.narrow(0, g0, g1 - g0), slots.narrow(0, g0, g1 - g0), weight, bias, p.nk);
+    gemm_into(rows_of(out, g0, g1 - g0), rows_of(slots, g0, g1 - g0), weight, bias, p.nk);
   }
   at::Tensor gathered;
   if (p.gathered) {

@@ -58,7 +58,7 @@ at::Tensor Runtime::rs_decomposed(const Plan& p, const at::Tensor& input, const 
   // a signal half sent. The staging blocks are freed after the current stream has waited for the
   // copies that read them (join below), in stream order.
   at::Tensor out = output(out_arg, rows, n, a, p.out_dtype);
-  at::Tensor staging = p2p ? at::Tensor() : at::empty({W - 1, rows, n}, a.options().dtype(pdt));
+  at::Tensor staging = p2p ? at::Tensor() : at::empty({(W - 1) * rows, n}, a.options().dtype(pdt));
   const int64_t chunks = std::max<int64_t>(1, std::min(p.chunks, rows));
   cudaStream_t cur = at::cuda::getCurrentCUDAStream(device_.index()).stream();
   cudaEvent_t after_barrier = nullptr, first_pushed = nullptr;
@@ -78,12 +78,12 @@ at::Tensor Runtime::rs_decomposed(const Plan& p, const at::Tensor& input, const 
     char* dest = buffer(peer) + r * block_bytes;  // slot r of the peer's workspace
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t r0 = rows * c / chunks, r1 = rows * (c + 1) / chunks;
-      at::Tensor block = a.narrow(0, peer * rows + r0, r1 - r0);
+      at::Tensor block = rows_of(a, peer * rows + r0, r1 - r0);
       if (p2p) {
         gemm_into(view(dest + r0 * n * es, {r1 - r0, n}, pdt), block, weight, std::nullopt, p.nk);
         put(cur, peer, kDataChannel + (int)c);  // stores over NVLink, then the signal
       } else {
-        at::Tensor staged = staging[step - 1].narrow(0, r0, r1 - r0);
+        at::Tensor staged = rows_of(staging, (step - 1) * rows + r0, r1 - r0);
         gemm_into(staged, block, weight, std::nullopt, p.nk);
         join(comm_, cur);
         copy(dest + r0 * n * es, staged.data_ptr(), (r1 - r0) * n * es, comm_);  // copy engine, over NVLink
@@ -104,7 +104,8 @@ at::Tensor Runtime::rs_decomposed(const Plan& p, const at::Tensor& input, const 
     record(arrived, signal_);
     wait_event(cur, after_barrier);  // long passed: a peer may read this workspace until then
   }
-  gemm_into(slots[r], a.narrow(0, r * rows, rows), weight, std::nullopt, p.nk);  // own block, into own slot
+  gemm_into(view(buffer(r) + r * block_bytes, {rows, n}, pdt), rows_of(a, r * rows, rows), weight, std::nullopt,
+            p.nk);  // own block, into own slot
   if (!p2p) {
     wait_event(cur, arrived);
   } else {
@@ -152,7 +153,7 @@ at::Tensor Runtime::rs_fused(const Plan& p, const at::Tensor& input, const at::T
   // The ring (flux/ops/gemm_rs.py ring_steps): at step s this rank computes block b_s = r - s - 1,
   // its GEMM adding (s >= 1) the sum so far of that block from rank - 1 (inbox slot s - 1), and
   // passes the result to rank + 1 (its inbox slot s); the last block is this rank's own.
-  at::Tensor inbox = view(buffer(r), {W - 1, rows, n}, a.scalar_type());
+  at::Tensor inbox = view(buffer(r), {(W - 1) * rows, n}, a.scalar_type());
   char* outbox = buffer(nxt);
   at::Tensor flags = own_pad_slots(kSegmentChannel * W, (W - 1) * nseg);  // [(s-1) nseg + j]: segment j in
   // Everything is allocated, and operands at odd offsets copied to 16-byte aligned buffers (TMA),
@@ -162,11 +163,11 @@ at::Tensor Runtime::rs_fused(const Plan& p, const at::Tensor& input, const at::T
   std::vector<at::Tensor> a_blocks;
   for (int64_t s = 1; s < W; ++s) {
     const int64_t b = ((r - s - 1) % W + W) % W;
-    a_blocks.push_back(*aligned16(a.narrow(0, b * rows, rows)));
+    a_blocks.push_back(*aligned16(rows_of(a, b * rows, rows)));
   }
   const at::Tensor w = *aligned16(weight);
   const std::optional<at::Tensor> bias16 = aligned16(bias);
-  at::Tensor staging = at::empty({W - 1, rows, n}, a.options());
+  at::Tensor staging = at::empty({(W - 1) * rows, n}, a.options());
   cudaStream_t cur = at::cuda::getCurrentCUDAStream(device_.index()).stream();
   // Zeroed after this rank's previous fused GEMMs (the flags' only readers) and before the
   // barrier, which rank - 1 passes before it sets any of them for this call.
@@ -184,13 +185,13 @@ at::Tensor Runtime::rs_fused(const Plan& p, const at::Tensor& input, const at::T
     }
   };
   const int64_t b0 = (r - 1 + W) % W;
-  gemm_into(staging[0], a.narrow(0, b0 * rows, rows), weight, std::nullopt, p.nk);
+  gemm_into(rows_of(staging, 0, rows), rows_of(a, b0 * rows, rows), weight, std::nullopt, p.nk);
   push(0);
   for (int64_t step = 1; step < W; ++step) {
     const bool last = step == W - 1;
-    at::Tensor dst = last ? res : staging[step];
-    gemm_rs_fused_(dst, a_blocks[step - 1], w, last ? bias16 : std::nullopt, inbox[step - 1],
-                   flags.narrow(0, (step - 1) * nseg, nseg), seg_rows, r, prev, timeout_ms_,
+    at::Tensor dst = last ? res : rows_of(staging, step * rows, rows);
+    gemm_rs_fused_(dst, a_blocks[step - 1], w, last ? bias16 : std::nullopt, rows_of(inbox, (step - 1) * rows, rows),
+                   rows_of(flags, (step - 1) * nseg, nseg), seg_rows, r, prev, timeout_ms_,
                    reinterpret_cast<int64_t>(error_record_), 1, p.swizzle > 0 ? p.swizzle : 1, p.config);
     if (!last) push(step);
   }

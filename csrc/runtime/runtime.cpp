@@ -8,6 +8,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/util/strides.h>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
@@ -235,6 +236,9 @@ std::tuple<at::Tensor, at::Tensor> Runtime::run(const Plan& plan, const at::Tens
                                                 const std::optional<at::Tensor>& bias,
                                                 const std::optional<at::Tensor>& out) {
   const c10::cuda::CUDAGuard guard(device_);
+  // Plans run on tensors that need no gradient (the autograd path calls them from a Function's
+  // forward): the ATen ops below skip the autograd layer of the dispatcher.
+  const at::AutoDispatchBelowAutograd below_autograd;
   begin_call();
   // Every stream of a call joins the current stream's capture, if any: one query serves them all.
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
@@ -320,16 +324,36 @@ at::Tensor Runtime::view(void* p, at::IntArrayRef sizes, at::ScalarType dtype) c
       .make_tensor();
 }
 
-at::Tensor Runtime::own_pad_slots(int64_t first, int64_t count) const { return own_pad_.narrow(0, first, count); }
+at::Tensor Runtime::own_pad_slots(int64_t first, int64_t count) const { return rows_of(own_pad_, first, count); }
 
 void Runtime::check_workspace(const Plan& plan, const char* op) const {
   FLUX_CHECK(ws_bytes_ >= plan.workspace_bytes && !ws_ptrs_.empty(), op, "the workspace holds ", ws_bytes_,
              " B, the plan needs ", plan.workspace_bytes, " B (plans are made by flux/ops/_plans.py)");
 }
 
+at::Tensor strided_view(const at::Tensor& t, at::IntArrayRef sizes, at::IntArrayRef strides, int64_t offset) {
+  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::TensorImpl::VIEW, c10::Storage(t.storage()), t.key_set(),
+                                                   t.dtype());
+  impl->set_sizes_and_strides(sizes, strides, t.storage_offset() + offset);
+  // Writes through the view count as writes to ``t`` (as through a narrow()).
+  impl->set_version_counter(t.unsafeGetTensorImpl()->version_counter());
+  return at::Tensor(std::move(impl));
+}
+
+at::Tensor rows_of(const at::Tensor& t, int64_t first, int64_t count) {
+  std::vector<int64_t> sizes(t.sizes().begin(), t.sizes().end());
+  const int64_t row = t.numel() / std::max<int64_t>(1, sizes[0]);
+  FLUX_CHECK(t.is_contiguous() && first >= 0 && count >= 0 && first + count <= sizes[0], kOp, "rows ", first, "..",
+             first + count, " of a tensor of ", sizes[0], " rows");
+  sizes[0] = count;
+  return strided_view(t, sizes, c10::contiguous_strides(sizes), first * row);
+}
+
 void gemm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                bool nk) {
-  const at::Tensor w_kn = nk ? weight.t() : weight;
+  // W^T as a [K, N] view of the [N, K] weight (column-major), as weight.t() makes it.
+  const at::Tensor w_kn =
+      nk ? strided_view(weight, {weight.size(1), weight.size(0)}, {1, weight.size(1)}, 0) : weight;
   if (out.scalar_type() != a.scalar_type()) {
     // A wider output (fp32 from bf16/fp16): the tensor cores multiply the inputs' dtype and
     // write fp32 (aten::mm.dtype_out); the bias (fp32) is added after.

@@ -184,6 +184,13 @@ void launch_barrier(uint32_t** pads_dev, int channel, int rank, int world, uint6
                     uint32_t token, uint32_t* error_record, cudaStream_t stream);
 void launch_wait(uint32_t* slot, int channel, int rank, int peer, uint64_t timeout_ms, cudaStream_t stream);
 
+// Views made without the dispatcher (a narrow() is three dispatched ops, ~1 µs each on the host):
+// a tensor sharing ``t``'s storage and version counter, with the given sizes, strides and element
+// offset from ``t``'s first element. The callers only view contiguous tensors within their bounds.
+at::Tensor strided_view(const at::Tensor& t, at::IntArrayRef sizes, at::IntArrayRef strides, int64_t offset);
+// Rows [first, first + count) of a contiguous tensor of rows (dim 0), as [count, rest...].
+at::Tensor rows_of(const at::Tensor& t, int64_t first, int64_t count);
+
 // The GEMM of every strategy: out = a @ W (+ bias), W [N, K] (nk) or [K, N]; written into ``out``.
 void gemm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                bool nk);
