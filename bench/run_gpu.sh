@@ -3,7 +3,7 @@
 # carried in .ext/ when csrc/ and setup.py are unchanged), run the GPU tests and the main
 # benchmark, and leave logs and JSON in OUTDIR.
 #
-#   bench/run_gpu.sh OUTDIR [--quick] [--skip-tests] [--tests EXPR] [--skip-bench] [--tune] [--matrix] [--mlp]
+#   bench/run_gpu.sh OUTDIR [--quick] [--skip-tests] [--tests EXPR] [--skip-bench] [--tune] [--matrix] [--layers]
 #                    [--host-profile] [--shared W[,W...]] [-- extra bench_ops.py args]
 #
 # --tests EXPR: only the GPU tests that pytest -k EXPR selects (default: "gpu and not shared").
@@ -11,8 +11,9 @@
 # --tune: before the benchmark, tune the public suite (torchrun -m flux.autotune --suite) into
 # OUTDIR/cache and let the benchmark's flux:auto use that cache (FLUX_CACHE_DIR).
 # --matrix: after the benchmark, bench_ops.py --matrix (every documented argument against NCCL then
-# cuBLAS doing the same) into OUTDIR/matrix.json. --mlp: bench/bench_mlp.py (the sequence-parallel
-# MLP block, forward + backward) into OUTDIR/mlp.json. --host-profile: bench/profile_host.py (the CUDA
+# cuBLAS doing the same) into OUTDIR/matrix.json. --layers: bench/bench_layers.py (the sequence-parallel
+# MLP block and a Megatron layer, flux against NCCL + cuBLAS and async-TP; arguments in $LAYERS_ARGS) into
+# OUTDIR/layers.json. --host-profile: bench/profile_host.py (the CUDA
 # API calls and ATen ops of one call, per strategy) into OUTDIR/host.json. Their output goes to bench.log too.
 # --shared 4,8: also run the GPU cases with 4, then 8 ranks sharing this machine's GPUs
 # (tests/test_ops.py::test_gpu_shared: gloo, FLUX_GLOO_CUDA=1; correctness only), into
@@ -27,11 +28,11 @@
 #
 # Writes (at most 8 files): build.log (the machine and versions first), tests.log, bench.log,
 # bench_ops.json, with --tune autotune.log and cache/tune-<topology>.json, with --matrix
-# matrix.json, with --mlp mlp.json, with --host-profile host.json.
+# matrix.json, with --layers layers.json, with --host-profile host.json.
 set -uo pipefail
 OUTDIR=${1:?usage: bench/run_gpu.sh OUTDIR [--quick] [--skip-tests] [--skip-bench] [-- bench args]}
 shift
-QUICK=0; TESTS=1; TEST_EXPR="gpu and not shared"; BENCH=1; TUNE=0; MATRIX=0; MLP=0; HOSTPROF=0; SHARED=""; BENCH_ARGS=()
+QUICK=0; TESTS=1; TEST_EXPR="gpu and not shared"; BENCH=1; TUNE=0; MATRIX=0; LAYERS=0; HOSTPROF=0; SHARED=""; BENCH_ARGS=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1 ;;
@@ -40,7 +41,7 @@ while [ $# -gt 0 ]; do
     --skip-bench) BENCH=0 ;;
     --tune) TUNE=1 ;;
     --matrix) MATRIX=1 ;;
-    --mlp) MLP=1 ;;
+    --layers) LAYERS=1 ;;
     --host-profile) HOSTPROF=1 ;;
     --shared) shift; SHARED=${1:?--shared needs world sizes, e.g. 4,8} ;;
     --) shift; BENCH_ARGS=("$@"); break ;;
@@ -112,8 +113,8 @@ if [ $HOSTPROF -eq 1 ]; then
   timeout 300 torchrun --nproc_per_node="$NPROC" bench/profile_host.py --out "$OUTDIR/host.json" 2>&1 | tee -a "$OUTDIR/bench.log"
   rc=${PIPESTATUS[0]}; [ $rc -eq 0 ] || rc_bench=$rc
 fi
-if [ $MLP -eq 1 ]; then
-  timeout 600 torchrun --nproc_per_node="$NPROC" bench/bench_mlp.py --out "$OUTDIR/mlp.json" 2>&1 | tee -a "$OUTDIR/bench.log"
+if [ $LAYERS -eq 1 ]; then
+  timeout 600 torchrun --nproc_per_node="$NPROC" bench/bench_layers.py --out "$OUTDIR/layers.json" ${LAYERS_ARGS:-} 2>&1 | tee -a "$OUTDIR/bench.log"
   rc=${PIPESTATUS[0]}; [ $rc -eq 0 ] || rc_bench=$rc
 fi
 if [ $MATRIX -eq 1 ]; then

@@ -1,0 +1,443 @@
+"""Tensor-parallel layers end to end: flux against NCCL + cuBLAS and PyTorch async-TP.
+
+    torchrun --nproc_per_node=2 bench/bench_layers.py --out layers.json
+    torchrun --nproc_per_node=2 bench/bench_layers.py --blocks mlp --sizes 4096x14336 --tokens 2048,16384
+    torchrun --nproc_per_node=2 bench/bench_layers.py --cpu --sizes 64x128 --tokens 32 --steps 2   # gloo smoke run
+    python3 bench/bench_layers.py --plot layers.json --png layers.png      # the plot, from the JSON
+
+Blocks (bf16 on GPU, sequence parallel: activations [T/W, H] between layers, T tokens, W ranks):
+
+    mlp       Megatron's sequence-parallel MLP: x -> all-gather -> FC1 (W1 [F/W, H], b1) -> GELU
+              -> FC2 (W2 [H, F/W]) -> reduce-scatter (+ b2)
+    megatron  a whole megatron-core GPT TransformerLayer (attention and MLP, sequence parallel;
+              needs megatron-core; GPU only): its stock local spec against the flux spec of
+              flux.integrations.megatron
+
+Variants, side by side in one process on the same tensors and weights:
+
+    nccl      NCCL all_gather_into_tensor / reduce_scatter_tensor as autograd functions (the
+              backward of each is the other) around F.linear: the NCCL + cuBLAS block
+              (megatron: the stock layer)
+    flux      flux.ag_gemm / flux.gemm_rs (megatron: the flux layer spec)
+    asynctp   (mlp, GPU) the same block written with functional collectives and compiled by
+              torch.compile with Inductor's micro-pipeline TP pass (PyTorch async-TP), which
+              turns all-gather -> mm and mm -> reduce-scatter into symmetric-memory fused ops
+
+Modes: fwd (the forward under torch.no_grad: prefill / inference) and fwdbwd (forward and
+``y.backward(g)`` with g random, gradients set to None first: a training step without the
+optimizer). Protocol: random inputs; every variant's output and gradients are compared with
+nccl's first (relative error, bf16 tolerance 2e-2); then per variant and mode, after warm-up:
+  loop   CUDA events around --steps back-to-back steps after a GPU rendezvous; ms per step,
+         median of --rounds, maximum over the ranks (an eager loop: host cost shows where it
+         exceeds the GPU time);
+  graph  the --steps steps captured once in a CUDA graph and replayed (median of --rounds
+         replays, maximum over ranks): no host cost; a capture that fails on any rank is
+         recorded as the variant's graph_status and not replayed;
+  host   CPU ms to enqueue one step while a GPU spin keeps the device busy; median, maximum
+         over ranks.
+The JSON (--out) records every figure and the command; the table printed last gives each
+variant's ms and the speedup of flux over nccl and over asynctp. --plot draws the JSON as a
+PNG (step time per configuration, one bar per variant; needs matplotlib).
+On the CPU (--cpu: gloo, fp32) it only checks that the script runs and the variants agree.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+
+os.environ["NCCL_NVLS_ENABLE"] = "0"  # never NVLink multicast
+os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import flux  # noqa: E402
+from flux.runtime import all_gather_dim0, reduce_scatter_dim0  # noqa: E402
+
+MODES = ("fwd", "fwdbwd")
+
+
+def _collective(forward, backward):
+    """An autograd function running ``forward(x, group)``, whose backward is ``backward`` (the
+    other collective): Megatron's sequence-parallel regions."""
+    class _Collective(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            return forward(x, group)
+
+        @staticmethod
+        def backward(ctx, g):
+            return backward(g.contiguous(), ctx.group), None
+
+    return _Collective
+
+
+_AllGather = _collective(all_gather_dim0, reduce_scatter_dim0)
+_ReduceScatter = _collective(reduce_scatter_dim0, all_gather_dim0)
+
+
+def nccl_mlp(x, w1, b1, w2, b2, group):
+    h = F.gelu(F.linear(_AllGather.apply(x, group), w1, b1))
+    return _ReduceScatter.apply(F.linear(h, w2), group) + b2
+
+
+def flux_mlp(x, w1, b1, w2, b2, group):
+    return flux.gemm_rs(F.gelu(flux.ag_gemm(x, w1, b1, group=group)), w2, b2, group=group)
+
+
+def asynctp_mlp(group):
+    """The MLP on functional collectives (differentiable ones), compiled with Inductor's
+    micro-pipeline TP pass; None and the reason where this torch cannot."""
+    try:
+        import torch._inductor.config as inductor_config
+        import torch.distributed._functional_collectives as fc
+        import torch.distributed._symmetric_memory as symm_mem
+    except Exception as e:  # noqa: BLE001
+        return None, f"unavailable: {e}"
+    ag = getattr(fc, "all_gather_tensor_autograd", None)
+    rs = getattr(fc, "reduce_scatter_tensor_autograd", None)
+    if ag is None or rs is None:
+        return None, f"torch {torch.__version__} has no differentiable functional collectives"
+    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+    if enable is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            enable(group.group_name)
+    inductor_config._micro_pipeline_tp = True
+
+    def block(x, w1, b1, w2, b2):
+        h = F.gelu(F.linear(ag(x, 0, group), w1, b1))
+        return rs(F.linear(h, w2), "sum", 0, group) + b2
+
+    compiled = torch.compile(block, fullgraph=True)
+    return (lambda x, w1, b1, w2, b2, _group: compiled(x, w1, b1, w2, b2)), None
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--blocks", default="mlp,megatron", help="mlp, megatron (comma-separated)")
+    p.add_argument("--sizes", default="8192x28672,4096x14336", help="HIDDENxFFN,... (FFN split over the ranks)")
+    p.add_argument("--tokens", default="2048,8192", help="tokens (all ranks together), comma-separated")
+    p.add_argument("--variants", default="nccl,flux,asynctp")
+    p.add_argument("--modes", default="fwd,fwdbwd")
+    p.add_argument("--heads", type=int, default=0, help="megatron: attention heads (default hidden / 128)")
+    p.add_argument("--steps", type=int, default=10, help="steps per timed loop and per graph")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--cpu", action="store_true", help="gloo on the CPU, fp32 (a smoke run)")
+    p.add_argument("--out", default=None, help="JSON path (rank 0)")
+    p.add_argument("--plot", default=None, help="draw this JSON as a PNG (no torchrun needed) and exit")
+    p.add_argument("--png", default=None, help="--plot: the PNG path (default: the JSON's, .png)")
+    return p.parse_args(argv)
+
+
+def rel_err(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+class Bench:
+    """Timing of one step function (``step()`` enqueues a step and returns its output)."""
+
+    def __init__(self, args, dev):
+        self.args, self.dev = args, dev
+        self.cuda = dev.type == "cuda"
+        self.one = torch.zeros(1, device=dev)
+
+    def max_all(self, v):
+        t = torch.tensor([float("nan") if v is None else v], dtype=torch.float64, device=self.dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return None if t.isnan().item() else float(t.item())
+
+    def loop_ms(self, step):
+        samples = []
+        for _ in range(self.args.rounds):
+            if self.cuda:
+                torch.cuda.synchronize()
+                dist.all_reduce(self.one)  # both GPUs start together
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(self.args.steps):
+                    step()
+                end.record()
+                end.synchronize()
+                samples.append(start.elapsed_time(end) / self.args.steps)
+            else:
+                dist.barrier()
+                t0 = time.perf_counter()
+                for _ in range(self.args.steps):
+                    step()
+                samples.append((time.perf_counter() - t0) * 1e3 / self.args.steps)
+        return self.max_all(statistics.median(samples))
+
+    def host_ms(self, step):
+        samples = []
+        for _ in range(self.args.rounds):
+            if self.cuda:
+                torch.cuda.synchronize()
+                torch.cuda._sleep(1980 * 20_000)  # ~20 ms of spin: the step is enqueued behind it
+            t0 = time.perf_counter()
+            step()
+            samples.append((time.perf_counter() - t0) * 1e3)
+            if self.cuda:
+                torch.cuda.synchronize()
+        return self.max_all(statistics.median(samples))
+
+    def graph_ms(self, step):
+        """(ms per step in graph replay, status); every rank takes the same path."""
+        if not self.cuda:
+            return None, "cpu"
+        graph, side, failure = torch.cuda.CUDAGraph(), torch.cuda.Stream(), None
+        try:
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                step()  # warm-up on a side stream, as torch.cuda.graph asks
+            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                for _ in range(self.args.steps):
+                    step()
+        except Exception as e:  # noqa: BLE001
+            failure = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        torch.cuda.synchronize()
+        failed = torch.tensor([0.0 if failure is None else 1.0], device=self.dev)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if failed.item():
+            return None, failure or "capture failed on another rank"
+        samples = []
+        for _ in range(self.args.rounds):
+            torch.cuda.synchronize()
+            dist.all_reduce(self.one)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / self.args.steps)
+        del graph
+        return self.max_all(statistics.median(samples)), "ok"
+
+
+def mlp_case(args, dev, dtype, group, hidden, ffn, tokens):
+    """(inputs, {variant: fn(x) -> y}, params) of the MLP block."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    gen = torch.Generator(device=dev).manual_seed(100 + rank)
+    # The weights are the same on every rank's view of the full layer only where they are
+    # replicated (b2); the shards are independent draws, as a sharded model holds them.
+    w1 = (torch.randn(ffn // world, hidden, generator=gen, device=dev) / hidden ** 0.5).to(dtype)
+    b1 = torch.randn(ffn // world, generator=gen, device=dev).to(dtype) * 0.1
+    w2 = (torch.randn(hidden, ffn // world, generator=gen, device=dev) / ffn ** 0.5).to(dtype)
+    b2 = (torch.randn(hidden, generator=torch.Generator(device=dev).manual_seed(7), device=dev) * 0.1).to(dtype)
+    params = [t.requires_grad_() for t in (w1, b1, w2, b2)]
+    fns, skipped = {}, {}
+    for name in args.variants.split(","):
+        if name == "nccl":
+            fns[name] = lambda x: nccl_mlp(x, *params, group)
+        elif name == "flux":
+            fns[name] = lambda x: flux_mlp(x, *params, group)
+        elif name == "asynctp":
+            if dev.type != "cuda":
+                skipped[name] = "GPU only"
+                continue
+            fn, why = asynctp_mlp(group)
+            if fn is None:
+                skipped[name] = why
+            else:
+                fns[name] = (lambda f: lambda x: f(x, *params, group))(fn)
+    return params, fns, skipped
+
+
+def megatron_case(args, dev, dtype, group, hidden, ffn, tokens):
+    """(params per variant, {variant: fn(x) -> y}, skipped) of a megatron-core TransformerLayer,
+    stock (nccl) and flux spec, the same weights."""
+    if dev.type != "cuda":
+        return None, {}, {"*": "GPU only"}
+    try:
+        from flux.integrations import megatron as fm
+    except Exception as e:  # noqa: BLE001
+        return None, {}, {"*": f"megatron-core unavailable: {type(e).__name__}: {e}"}
+    heads = args.heads or hidden // 128
+    try:
+        stock, flux_layer = fm.build_layer_pair(hidden, ffn, heads, dtype=dtype, group=group)
+    except Exception as e:  # noqa: BLE001
+        return None, {}, {"*": f"could not build the layers: {type(e).__name__}: {str(e)[:300]}"}
+    x_shape = (tokens // dist.get_world_size(group), 1, hidden)  # [s/W, b, h]
+    fns = {"nccl": lambda x: stock(x.view(x_shape), attention_mask=None)[0],
+           "flux": lambda x: flux_layer(x.view(x_shape), attention_mask=None)[0]}
+    params = {"nccl": list(stock.parameters()), "flux": list(flux_layer.parameters())}
+    return params, {k: v for k, v in fns.items() if k in args.variants.split(",")}, {}
+
+
+def run(args):
+    if args.cpu:
+        dist.init_process_group("gloo")
+        dev, dtype = torch.device("cpu"), torch.float32
+    else:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        dev, dtype = torch.device("cuda", local), torch.bfloat16
+        dist.init_process_group("nccl", device_id=dev)
+    group, rank, world = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
+    bench = Bench(args, dev)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    records = []
+    for block in args.blocks.split(","):
+        for size in args.sizes.split(","):
+            hidden, ffn = (int(v) for v in size.split("x"))
+            for tokens in (int(t) for t in args.tokens.split(",")):
+                rec = {"block": block, "hidden": hidden, "ffn": ffn, "tokens": tokens, "variants": {}}
+                records.append(rec)
+                case = mlp_case if block == "mlp" else megatron_case
+                params, fns, skipped = case(args, dev, dtype, group, hidden, ffn, tokens)
+                rec["skipped"] = skipped
+                if not fns:
+                    rec["status"] = f"skipped: {skipped}"
+                    continue
+                plist = params if isinstance(params, dict) else {k: params for k in fns}
+                gen = torch.Generator(device=dev).manual_seed(200 + rank)
+                x = torch.randn(tokens // world, hidden, generator=gen, device=dev).to(dtype).requires_grad_()
+                g = torch.randn(tokens // world, hidden, generator=gen, device=dev).to(dtype)
+
+                def train_step(fn, ps):
+                    def step():
+                        for p in ps:
+                            p.grad = None
+                        x.grad = None
+                        y = fn(x)
+                        y.backward(g.view_as(y))
+                        return y
+                    return step
+
+                def fwd_step(fn):
+                    def step():
+                        with torch.no_grad():
+                            return fn(x)
+                    return step
+
+                # Correctness: every variant against nccl (output and gradients of x and weights;
+                # megatron's two layers hold the same weights, compared parameter by parameter).
+                ref_y = train_step(fns["nccl"], plist["nccl"])().detach().float()
+                ref_g = [x.grad.clone()] + [p.grad.clone() for p in plist["nccl"]]
+                rec["rel_err"] = {}
+                for name, fn in fns.items():
+                    if name == "nccl":
+                        continue
+                    try:
+                        y = train_step(fn, plist[name])().detach()
+                        errs = [rel_err(y, ref_y)] + [rel_err(a, b) for a, b in
+                                                      zip([x.grad] + [p.grad for p in plist[name]], ref_g)]
+                        err = max(errs)
+                    except Exception as e:  # noqa: BLE001
+                        err, skipped[name] = float("inf"), f"{type(e).__name__}: {str(e)[:200]}"
+                    rec["rel_err"][name] = bench.max_all(err)
+                    if not rec["rel_err"][name] < tol:
+                        skipped.setdefault(name, f"incorrect: differs from nccl by {rec['rel_err'][name]:.3g}")
+                fns = {k: v for k, v in fns.items() if k not in skipped}
+                for name, fn in fns.items():
+                    res = {}
+                    for mode in args.modes.split(","):
+                        step = train_step(fn, plist[name]) if mode == "fwdbwd" else fwd_step(fn)
+                        for _ in range(args.warmup):
+                            step()
+                        gms, gstat = bench.graph_ms(step)
+                        res[mode] = {"loop_ms": bench.loop_ms(step), "graph_ms": gms, "graph_status": gstat,
+                                     "host_ms": bench.host_ms(step)}
+                    rec["variants"][name] = res
+                    if rank == 0:
+                        print(f"{block} H={hidden} F={ffn} T={tokens} {name}: " + "; ".join(
+                            f"{m} loop {r['loop_ms']:.3f} graph {_f(r['graph_ms'])} host {r['host_ms']:.3f}"
+                            for m, r in res.items()), flush=True)
+                rec["status"] = "ok"
+    if rank == 0:
+        meta = {"command": " ".join(["torchrun", f"--nproc_per_node={world}"] + sys.argv), "world_size": world,
+                "torch": torch.__version__, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+                "dtype": str(dtype), "steps": args.steps, "rounds": args.rounds}
+        if args.out:
+            with open(args.out, "w") as fh:
+                json.dump({"metadata": meta, "results": records}, fh, indent=1)
+        print("\n" + table(records))
+    ok = all(r.get("status", "").startswith(("ok", "skipped")) for r in records)
+    dist.destroy_process_group()
+    return 0 if ok else 1
+
+
+def _f(v, fmt=".3f"):
+    return "-" if v is None else format(v, fmt)
+
+
+def table(records):
+    """One line per (configuration, mode): each variant's loop / graph ms, flux's speedups."""
+    lines = [f"{'block':<9} {'H x F':>11} {'tokens':>6} {'mode':<6} {'nccl loop/graph':>16} {'flux loop/graph':>16} "
+             f"{'asynctp loop/graph':>19} {'flux/nccl l,g':>14} {'flux/atp l,g':>13} {'host ms n/f':>12}"]
+    for r in records:
+        head = f"{r['block']:<9} {r['hidden']:>5}x{r['ffn']:<5} {r['tokens']:>6}"
+        if r.get("status") != "ok":
+            lines.append(f"{head} {r.get('status')}")
+            continue
+        v = r["variants"]
+        for mode in MODES:
+            if not any(mode in e for e in v.values()):
+                continue
+
+            def lg(name, mode=mode):
+                e = v.get(name, {}).get(mode)
+                return "-" if e is None else f"{_f(e['loop_ms'])}/{_f(e['graph_ms'])}"
+
+            def sp(base, mode=mode):
+                b, f = v.get(base, {}).get(mode), v.get("flux", {}).get(mode)
+                if b is None or f is None:
+                    return "-"
+                def one(key):
+                    return "-" if b[key] is None or f[key] is None else f"{b[key] / f[key]:.2f}"
+                return f"{one('loop_ms')},{one('graph_ms')}"
+
+            hosts = "/".join(_f(v.get(n, {}).get(mode, {}).get("host_ms"), ".2f") for n in ("nccl", "flux"))
+            lines.append(f"{head} {mode:<6} {lg('nccl'):>16} {lg('flux'):>16} {lg('asynctp'):>19} "
+                         f"{sp('nccl'):>14} {sp('asynctp'):>13} {hosts:>12}")
+    return "\n".join(lines)
+
+
+def plot(path, png):
+    """Bars of ms per step (graph timing where measured, else loop) per configuration and mode."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = json.load(open(path))
+    recs = [r for r in data["results"] if r.get("status") == "ok"]
+    names = ["nccl", "flux", "asynctp"]
+    rows = [(r, m) for r in recs for m in MODES if any(m in e for e in r["variants"].values())]
+    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.2 * len(rows)), 4.5))
+    for ax, key in zip(axes, ("loop_ms", "graph_ms")):
+        width = 0.8 / len(names)
+        for i, nm in enumerate(names):
+            vals = [(r["variants"].get(nm, {}).get(m) or {}).get(key) or 0.0 for r, m in rows]
+            ax.bar([j + i * width for j in range(len(rows))], vals, width, label=nm)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))])
+        ax.set_xticklabels([f"{r['block']}\n{r['hidden']}x{r['ffn']}\nT={r['tokens']}\n{m}" for r, m in rows],
+                           fontsize=7)
+        ax.set_ylabel("ms per step")
+        ax.set_yscale("log")
+        ax.set_title(f"{key.split('_')[0]} timing ({data['metadata'].get('device')}, W={data['metadata']['world_size']})")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    print(f"wrote {png}")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.plot:
+        plot(args.plot, args.png or os.path.splitext(args.plot)[0] + ".png")
+        return 0
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
