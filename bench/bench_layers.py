@@ -253,18 +253,36 @@ def mlp_case(args, dev, dtype, group, hidden, ffn, tokens):
     return params, fns, skipped
 
 
+def build_layer_pair(hidden, ffn, heads, dtype, group):
+    """A megatron-core GPT TransformerLayer from megatron's local spec (sequence parallel) and one
+    from flux's spec, the same weights: the construction of tests/gpu_megatron_worker.py (one
+    layer config, seeded random weights, the flux layer loading the stock layer's state)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    import gpu_megatron_worker as mw
+    from flux.integrations import megatron as fm
+
+    world, dev = dist.get_world_size(group), torch.device("cuda", torch.cuda.current_device())
+    mw.setup_megatron(world)
+    config = mw.layer_config(world, dtype, dev, hidden=hidden, heads=heads, ffn=ffn)
+    stock = mw.build_layer(mw.stock_spec(), config, dev, dtype)
+    mw.randomize(stock, hidden, ffn, 1234)
+    flux_layer = mw.build_layer(fm.get_gpt_layer_flux_spec(), config, dev, dtype)
+    flux_layer.load_state_dict(stock.state_dict())
+    return stock, flux_layer
+
+
 def megatron_case(args, dev, dtype, group, hidden, ffn, tokens):
     """(params per variant, {variant: fn(x) -> y}, skipped) of a megatron-core TransformerLayer,
     stock (nccl) and flux spec, the same weights."""
     if dev.type != "cuda":
         return None, {}, {"*": "GPU only"}
-    try:
-        from flux.integrations import megatron as fm
-    except Exception as e:  # noqa: BLE001
-        return None, {}, {"*": f"megatron-core unavailable: {type(e).__name__}: {e}"}
+    import importlib.util
+
+    if importlib.util.find_spec("megatron") is None:
+        return None, {}, {"*": "megatron-core is not installed"}
     heads = args.heads or hidden // 128
     try:
-        stock, flux_layer = fm.build_layer_pair(hidden, ffn, heads, dtype=dtype, group=group)
+        stock, flux_layer = build_layer_pair(hidden, ffn, heads, dtype=dtype, group=group)
     except Exception as e:  # noqa: BLE001
         return None, {}, {"*": f"could not build the layers: {type(e).__name__}: {str(e)[:300]}"}
     x_shape = (tokens // dist.get_world_size(group), 1, hidden)  # [s/W, b, h]
