@@ -18,6 +18,14 @@ inline cutlass::KernelHardwareInfo hardware_info(int device) {
   return hw;
 }
 
+// Whether this process has set ``Gemm``'s dynamic shared memory limit on ``device``
+// (GemmUniversalAdapter::initialize calls cudaFuncSetAttribute on every call, ~3 µs of host time).
+template <class Gemm>
+bool& smem_limit_set(int device) {
+  static bool set[64] = {};
+  return set[device & 63];
+}
+
 template <class Gemm>
 void run_cutlass_gemm(const char* op, const typename Gemm::Arguments& args, const at::TensorOptions& byte_options,
                       cudaStream_t stream, int m, int n, int k) {
@@ -27,8 +35,15 @@ void run_cutlass_gemm(const char* op, const typename Gemm::Arguments& args, cons
   const size_t ws_bytes = Gemm::get_workspace_size(args);
   at::Tensor ws;
   if (ws_bytes > 0) ws = at::empty({(int64_t)ws_bytes}, byte_options);
-  FLUX_CHECK(gemm.initialize(args, ws_bytes ? ws.data_ptr() : nullptr, stream) == cutlass::Status::kSuccess, op,
-             "CUTLASS initialize failed");
+  const int device = byte_options.device().index();
+  if (ws_bytes == 0 && smem_limit_set<Gemm>(device)) {
+    // No workspace to initialise and the function attribute already set: the parameters only.
+    FLUX_CHECK(gemm.update(args, nullptr) == cutlass::Status::kSuccess, op, "CUTLASS update failed");
+  } else {
+    FLUX_CHECK(gemm.initialize(args, ws_bytes ? ws.data_ptr() : nullptr, stream) == cutlass::Status::kSuccess, op,
+               "CUTLASS initialize failed");
+    smem_limit_set<Gemm>(device) = true;
+  }
   FLUX_CHECK(gemm.run(stream) == cutlass::Status::kSuccess, op, "CUTLASS launch failed");
   FLUX_CHECK_LAUNCH();
 }
