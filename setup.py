@@ -136,6 +136,9 @@ setup(
     package_data={"flux.autotune": ["shipped/*.json"]},  # tuned choices for measured topologies
     install_requires=["torch>=2.6", "numpy"],
     extras_require={"test": ["pytest>=7", "pytest-timeout"], "cuda": ["nvidia-cutlass>=3.5", "ninja"]},
+    # vLLM loads every installed general plugin; flux's does nothing unless FLUX_VLLM=1
+    # (flux/integrations/vllm.py).
+    entry_points={"vllm.general_plugins": ["flux = flux.integrations.vllm:register"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
     zip_safe=False,
