@@ -27,4 +27,12 @@ void gemm_rs_fused_(at::Tensor& out, const at::Tensor& a, const at::Tensor& weig
                     int64_t rows_per_segment, int64_t rank, int64_t peer, int64_t timeout_ms, int64_t error_record,
                     int64_t raster, int64_t swizzle, int64_t config);
 
+// MoE row movement over a symmetric workspace (csrc/moe/moe_rows.cu): src[src_rows[i]] (or src[i])
+// to rank dst_ranks[i]'s buffer (nowhere when dst_ranks[i] < 0) at dst_offset_bytes +
+// dst_rows[i] * row_bytes, and tags[i] (if given) as int32 at tag_offset_bytes + dst_rows[i] * 4;
+// ptrs_dev: the W buffer bases.
+void moe_scatter_rows_(const at::Tensor& src, const std::optional<at::Tensor>& src_rows, const at::Tensor& dst_ranks,
+                       const at::Tensor& dst_rows, const std::optional<at::Tensor>& tags, int64_t ptrs_dev,
+                       int64_t world, int64_t dst_offset_bytes, int64_t tag_offset_bytes);
+
 }  // namespace flux

@@ -10,6 +10,9 @@ TORCH_LIBRARY(flux, m) {
   m.def("reduce_chunks_(Tensor(a!) out, Tensor partials, Tensor? bias) -> ()");
   // ptrs_dev: device address of the W ranks' symmetric buffer bases (csrc/reduce/reduce_chunks.cu).
   m.def("reduce_peers_(Tensor(a!) out, int ptrs_dev, int world, int offset_bytes, Tensor? bias) -> ()");
+  // Writes into symmetric-workspace memory given by address (not a tensor argument).
+  m.def("moe_scatter_rows_(Tensor src, Tensor? src_rows, Tensor dst_ranks, Tensor dst_rows, Tensor? tags, "
+        "int ptrs_dev, int world, int dst_offset_bytes, int tag_offset_bytes) -> ()");
   // Fused AllGather+GEMM (csrc/ag_gemm/ag_gemm_fused.cu): out = a_full @ weight^T (+ bias), tiles of
   // remote rows waiting on flags[src]; a_full is a symmetric workspace written by peers;
   // error_record: host-mapped address of 2 uint32 (waiting rank + 1, missing rank), or 0.
@@ -32,6 +35,7 @@ TORCH_LIBRARY_IMPL(flux, CompositeExplicitAutograd, m) {
 TORCH_LIBRARY_IMPL(flux, CUDA, m) {
   m.impl("reduce_chunks_", &flux::reduce_chunks_);
   m.impl("reduce_peers_", &flux::reduce_peers_);
+  m.impl("moe_scatter_rows_", &flux::moe_scatter_rows_);
   m.impl("ag_gemm_fused_", &flux::ag_gemm_fused_);
   m.impl("gemm_rs_fused_", &flux::gemm_rs_fused_);
 }

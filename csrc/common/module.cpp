@@ -52,6 +52,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("num_plans", &Runtime::num_plans)
       .def("call", &call)
       .def("run", &run)
+      .def("enqueue_barrier", &Runtime::enqueue_barrier)
       .def("set_drop_transfers", &Runtime::set_drop_transfers)
       .def("set_push_before_fused", &Runtime::set_push_before_fused)
       .def_property_readonly("comm_stream", &Runtime::comm_stream)

@@ -290,6 +290,13 @@ void Runtime::barrier(cudaStream_t s, uint32_t token, bool started) {
                  error_record_, s);
 }
 
+void Runtime::enqueue_barrier(int64_t token) {
+  FLUX_CHECK(!ws_ptrs_.empty(), kOp, "barrier without a workspace");
+  FLUX_CHECK(token != 0, kOp, "a barrier's token must be non-zero");
+  const c10::cuda::CUDAGuard guard(device_);
+  barrier(at::cuda::getCurrentCUDAStream(device_.index()).stream(), (uint32_t)token, false);
+}
+
 void Runtime::wait_started(cudaStream_t s) {
   launch_wait(pads_[rank_] + kStartedChannel * world_ + rank_, kStartedChannel, (int)rank_, (int)rank_,
               (uint64_t)timeout_ms_, s);

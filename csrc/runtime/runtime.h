@@ -97,6 +97,10 @@ class Runtime {
   std::tuple<at::Tensor, at::Tensor> run(const Plan& plan, const at::Tensor& input, const at::Tensor& weight,
                                          const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& out);
 
+  // The token-carrying barrier with every peer, enqueued on the current stream (the MoE ops of
+  // flux/ops/_moe_symm.py, which order their workspace writes with it).
+  void enqueue_barrier(int64_t token);
+
   // Test hook: while set, this rank passes the entry barriers but sends no data and no flags.
   void set_drop_transfers(bool on) { drop_transfers_ = on; }
   // Ranks sharing one GPU (FLUX_GLOO_CUDA, tests): the fused AG pushes before its kernel.

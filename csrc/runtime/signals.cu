@@ -73,11 +73,12 @@ __device__ __forceinline__ uint32_t bounded_wait(const uint32_t* slot, uint32_t 
   }
 }
 
-// The token's top two bits name the op (flux/ops/_plans.py): 1 ag_gemm, 2 gemm_rs.
+// The token's top two bits name the op (flux/ops/_plans.py): 1 ag_gemm, 2 gemm_rs, 3 the MoE ops.
 __device__ __forceinline__ const char* op_of(uint32_t token) {
   switch (token >> 30) {
     case 1: return "flux.ag_gemm";
     case 2: return "flux.gemm_rs";
+    case 3: return "flux.moe_dispatch / moe_combine";
     default: return "a flux op";
   }
 }

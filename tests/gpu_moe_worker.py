@@ -1,0 +1,221 @@
+"""GPU cases of the symmetric-memory MoE strategy (flux/ops/_moe_symm.py), run by
+tests/test_moe_symm.py through
+
+    torchrun --nproc_per_node=2 tests/gpu_moe_worker.py
+
+with NCCL, one GPU per rank; or, on a machine with fewer GPUs than ranks, with ranks sharing
+the GPUs (gloo, FLUX_GLOO_CUDA=1, as tests/gpu_worker.py does: correctness only). Each rank
+prints ``FLUXMOE {"case", "rank", "status", "error"}`` per case and writes the lines to
+$FLUX_GPU_RESULTS_DIR/moe.<rank> when that is set.
+
+Every rank builds every rank's inputs from seeds (different token counts per rank, integer-valued
+rows, weights that are powers of two, some -1 slots, no expert twice in a row), so the expected
+results are computed here without any collective, and exactly:
+- dispatch: the received rows, their order (local expert, then sender, then token, then slot)
+  and the per-expert counts; bounded: the [E_l, W * cap, H] layout with zero rows past counts;
+- combine of f(received rows) (each row plus its expert's id): sum_k w[t, k] (x[t] + g(t, k));
+- 20 calls in a row on alternating shapes (workspace and barrier reuse), a rank sending nothing,
+  every pair to one expert;
+- the bounded variant captured in a CUDA graph and replayed on new routings.
+"""
+import os
+
+os.environ["NCCL_NVLS_ENABLE"] = "0"
+os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
+
+import json  # noqa: E402
+import sys  # noqa: E402
+import traceback  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+WORLD = int(os.environ.get("WORLD_SIZE", "1"))
+SHARED = torch.cuda.device_count() < WORLD
+if SHARED:  # ranks share GPUs: gloo, and symmetric memory across ranks of one device
+    os.environ["FLUX_GLOO_CUDA"] = "1"
+    os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from flux.ops import _moe_symm  # noqa: E402
+
+CASES = {}
+
+
+def case(fn):
+    CASES[fn.__name__] = fn
+    return fn
+
+
+def inputs(rank, tokens, hidden, k, experts, dtype, dev, seed, skew=False, invalid=0.1):
+    """Rank ``rank``'s x [T, H] (integers in [-4, 4]), topk_idx [T, K] (distinct experts per row, a
+    fraction ``invalid`` of slots -1) and topk_weights [T, K] (powers of two)."""
+    gen = torch.Generator().manual_seed(seed * 1000 + rank)
+    x = torch.randint(-4, 5, (tokens, hidden), generator=gen).to(dtype)
+    if skew:
+        idx = torch.zeros(tokens, k, dtype=torch.int64)
+        idx[:, :] = torch.arange(k)  # every row: experts 0..K-1
+    else:
+        idx = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(tokens)]) if tokens else \
+            torch.zeros(0, k, dtype=torch.int64)
+    drop = torch.rand(tokens, k, generator=gen) < invalid
+    idx = torch.where(drop, torch.full_like(idx, -1), idx)
+    w = 2.0 ** torch.randint(-2, 2, (tokens, k), generator=gen).float()
+    return x.to(dev), idx.to(dev), w.to(dev)
+
+
+def expected_dispatch(all_inputs, rank, world, experts):
+    """Rows rank ``rank`` receives, in order, and its per-local-expert counts."""
+    el = experts // world
+    rows, counts = [], []
+    for e in range(rank * el, (rank + 1) * el):
+        n = 0
+        for s in range(world):
+            x, idx, _ = all_inputs[s]
+            for t in range(idx.shape[0]):
+                for j in range(idx.shape[1]):
+                    if int(idx[t, j]) == e:
+                        rows.append(x[t])
+                        n += 1
+        counts.append(n)
+    hidden = all_inputs[0][0].shape[1]
+    dtype = all_inputs[0][0].dtype
+    return (torch.stack(rows) if rows else torch.zeros(0, hidden, dtype=dtype)), counts
+
+
+def expert_of_rows(counts, rank, world, experts):
+    el = experts // world
+    return torch.cat([torch.full((n,), rank * el + e, dtype=torch.float32) for e, n in enumerate(counts)]) \
+        if counts else torch.zeros(0)
+
+
+def run_once(rank, world, dev, group, tokens_of, hidden, k, experts, dtype, seed, cap=None, skew=False):
+    all_inputs = [inputs(s, tokens_of(s), hidden, k, experts, dtype, "cpu", seed, skew) for s in range(world)]
+    x, idx, w = (t.to(dev) for t in all_inputs[rank])
+    want_rows, want_counts = expected_dispatch(all_inputs, rank, world, experts)
+    recv, counts, counts_host, state = _moe_symm.dispatch(x, idx, experts, group, cap)
+    assert counts.tolist() == want_counts, f"counts {counts.tolist()} != {want_counts}"
+    el = experts // world
+    if cap is None:
+        assert counts_host == want_counts
+        assert torch.equal(recv.cpu(), want_rows), "received rows differ"
+        y = recv.float() + expert_of_rows(want_counts, rank, world, experts).to(dev)[:, None]
+    else:
+        assert counts_host is None and recv.shape == (el, world * cap, hidden)
+        start = 0
+        for e, n in enumerate(want_counts):
+            assert torch.equal(recv[e, :n].cpu(), want_rows[start:start + n]), f"expert {e}: rows differ"
+            assert not recv[e, n:].any(), f"expert {e}: rows past the count are not zero"
+            start += n
+        y = recv.float() + (rank * el + torch.arange(el, device=dev, dtype=torch.float32))[:, None, None]
+    out = _moe_symm.combine(y.to(dtype), w, state, group)
+    xf, idxc, wc = x.float().cpu(), idx.cpu(), w.cpu()
+    want = torch.zeros(x.shape[0], hidden)
+    for t in range(x.shape[0]):
+        for j in range(k):
+            if int(idxc[t, j]) >= 0:
+                want[t] += wc[t, j] * (xf[t] + float(idxc[t, j]))
+    assert torch.equal(out.float().cpu(), want.to(dtype).float()), \
+        f"combine differs: max {float((out.float().cpu() - want).abs().max())}"
+
+
+@case
+def dispatch_combine_fp32(rank, world, dev, group):
+    for k, experts in ((1, 8), (2, 8), (8, 64)):
+        run_once(rank, world, dev, group, lambda s: 37 + 11 * s, 256, k, experts, torch.float32, seed=k)
+
+
+@case
+def dispatch_combine_bf16_bounded(rank, world, dev, group):
+    run_once(rank, world, dev, group, lambda s: 64 - 9 * s, 7168, 8, 64, torch.bfloat16, seed=3, cap=64)
+    run_once(rank, world, dev, group, lambda s: 128, 4096, 2, 8, torch.bfloat16, seed=4, cap=128)
+
+
+@case
+def rank_sends_nothing_and_one_expert(rank, world, dev, group):
+    run_once(rank, world, dev, group, lambda s: 0 if s == 1 else 50, 512, 2, 8, torch.bfloat16, seed=5)
+    run_once(rank, world, dev, group, lambda s: 40, 512, 4, 8, torch.float32, seed=6, skew=True)
+    run_once(rank, world, dev, group, lambda s: 0 if s == 0 else 30, 512, 2, 8, torch.float32, seed=7, cap=32)
+
+
+@case
+def repeat20_alternating(rank, world, dev, group):
+    for i in range(20):
+        cap = 48 if i % 3 == 2 else None
+        hidden = 1024 if i % 2 else 2048
+        run_once(rank, world, dev, group, lambda s: 20 + (i * 7 + s * 5) % 25, hidden, 2, 16, torch.bfloat16,
+                 seed=100 + i, cap=cap)
+
+
+@case
+def bounded_graph_replay(rank, world, dev, group):
+    tokens, hidden, k, experts, cap = 32, 1024, 4, 16, 32
+    x, idx, w = inputs(rank, tokens, hidden, k, experts, torch.bfloat16, dev, seed=50)
+    static = [x.clone(), idx.clone(), w.clone()]
+
+    def step():
+        recv, _, _, state = _moe_symm.dispatch(static[0], static[1], experts, group, cap)
+        return recv, _moe_symm.combine(recv, static[2], state, group)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        recv_g, out_g = step()
+    for rep in range(3):
+        all_inputs = [inputs(s, tokens, hidden, k, experts, torch.bfloat16, "cpu", seed=60 + rep) for s in range(world)]
+        for t, v in zip(static, all_inputs[rank]):
+            t.copy_(v.to(dev))
+        graph.replay()
+        torch.cuda.synchronize()
+        want_rows, want_counts = expected_dispatch(all_inputs, rank, world, experts)
+        start = 0
+        for e, n in enumerate(want_counts):
+            assert torch.equal(recv_g[e, :n].cpu(), want_rows[start:start + n]), f"replay {rep}: expert {e}"
+            start += n
+        xf, idxc, wc = (t.cpu() for t in all_inputs[rank])
+        want = torch.zeros(tokens, hidden)
+        for t in range(tokens):
+            for j in range(k):
+                if int(idxc[t, j]) >= 0:
+                    want[t] += wc[t, j] * xf[t].float()
+        assert torch.equal(out_g.float().cpu(), want.to(torch.bfloat16).float()), f"replay {rep}: combine"
+
+
+def main():
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    dev = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    dist.init_process_group("gloo" if SHARED else "nccl", device_id=None if SHARED else dev)
+    group = dist.group.WORLD
+    which = sys.argv[1] if len(sys.argv) > 1 else "all"
+    names = list(CASES) if which == "all" else which.split(",")
+    out_dir = os.environ.get("FLUX_GPU_RESULTS_DIR")
+    lines = []
+    why = _moe_symm.usable(group, torch.empty(1, device=dev))
+    for name in names:
+        rec = {"case": name, "rank": rank, "status": "ok", "error": None}
+        if why is not None:
+            rec.update(status="skip", error=why)
+        else:
+            try:
+                CASES[name](rank, world, dev, group)
+                torch.cuda.synchronize()
+            except Exception:  # noqa: BLE001
+                rec.update(status="fail", error=traceback.format_exc()[-3000:])
+        line = "FLUXMOE " + json.dumps(rec)
+        print(line, flush=True)
+        lines.append(line)
+    if out_dir:
+        with open(os.path.join(out_dir, f"moe.{rank}"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
