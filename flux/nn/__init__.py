@@ -146,4 +146,6 @@ class RowParallelLinear(_ParallelLinear):
         return gemm_rs(x, self.weight, self.bias, group=self.group)
 
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear"]
+from flux.nn.moe import MoE  # noqa: E402  (last: flux.nn.moe uses uniform_lines and _shared_seed above)
+
+__all__ = ["ColumnParallelLinear", "MoE", "RowParallelLinear"]

@@ -1,0 +1,414 @@
+"""Expert-parallel MoE token movement: flux.moe_dispatch / moe_combine against NCCL all-to-all.
+
+    torchrun --nproc_per_node=2 bench/bench_moe.py --out moe.json               # the default (reduced) grid
+    torchrun --nproc_per_node=2 bench/bench_moe.py --tokens 128,1024,4096,8192 --hidden 4096,7168 \\
+        --topk 2,8 --experts 8,64 --routing uniform,skewed                     # the full grid
+    torchrun --nproc_per_node=2 bench/bench_moe.py --cpu --tokens 16 --hidden 32 --topk 2 --experts 4 \\
+        --ffn 16 --steps 2 --rounds 2                                            # gloo smoke run
+
+Grid: tokens per rank T x hidden H x top-k K x experts E (E/W per rank) x routing, bf16 on the GPU.
+Routing is random, drawn per rank: ``uniform`` (each token's K experts a uniform sample without
+replacement) or ``skewed`` (without replacement, expert i drawn with probability proportional to
+(i+1)^-s, ``--skew s``: the first experts, on the first ranks, hot). Weights: a softmax of
+normal draws (fp32).
+
+Per cell, each timed after --warmup calls:
+
+  dispatch / combine, flux   flux.moe_dispatch(x, idx, w, E) and flux.moe_combine(y, handle)
+                             (y: the dispatched rows), unbounded layout, loop mode
+  dispatch / combine, flux bounded   the same with max_tokens_per_rank=T, loop mode and graph
+                             mode (--steps calls captured once in a CUDA graph, replayed); skipped
+                             where the [E/W, W*T, H] slab is over --bounded-max-gib
+  dispatch / combine, a2a    the baseline below, loop mode (it reads counts on the host, so it
+                             cannot be captured)
+  layer fwd+bwd              flux.nn.MoE (SwiGLU experts, --ffn, unbounded dispatch; its own
+                             router on random inputs) forward and y.backward(g), gradients set to
+                             None first, with flux's dispatcher and with the baseline: the same
+                             layer, the same weights; loop mode
+
+The baseline (``AllToAllDispatcher``) is Megatron's all-to-all token dispatcher in its simplest
+form: sort the (token, slot) pairs by global expert (stable, so token then slot order within an
+expert), all_to_all_single of the per-expert counts, the counts to the host, all_to_all_single of
+the sorted rows (one row per pair), then a permutation of the received rows from (source rank,
+expert) order to (expert, source rank) order; combine runs the inverses and sums each token's K
+rows times its weights in fp32 (index_add; float64 in float64). It produces flux's layout exactly (rows grouped by
+local expert, then source rank, token, slot), so the two are compared row for row.
+
+Loop mode: CUDA events around --steps back-to-back calls after a GPU rendezvous; ms per call,
+median of --rounds, maximum over the ranks. Graph mode: the same calls replayed from one CUDA
+graph. Both from bench_layers.Bench.
+
+GB/s per direction: the bytes that leave a rank for other ranks in the layout's terms: one row of
+H elements (x's dtype) per (token, slot) pair whose expert lives on another rank (dispatch), and
+one row of y per such pair coming back (combine); the mean of that over the ranks, divided by the
+call time (maximum over ranks). Counts and other metadata are not counted, nor rows a rank keeps.
+An implementation that sends a token once per destination rank (not once per slot) moves fewer
+bytes than counted; ``remote_pairs_dedup`` records that lower figure (distinct (token, other rank)
+pairs). The same count serves flux and the baseline.
+
+The JSON (--out) records every figure and the command; the table printed last gives ms and GB/s
+for each and flux's speedups. On the CPU (--cpu: gloo, fp32) it only checks that the script runs
+and that flux and the baseline agree.
+"""
+import argparse
+import json
+import os
+import sys
+
+os.environ["NCCL_NVLS_ENABLE"] = "0"  # never NVLink multicast
+os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import flux  # noqa: E402
+from bench_layers import Bench, _f, rel_err  # noqa: E402
+
+
+# --------------------------------------------------------------------------------------
+# The baseline: all-to-all token dispatcher
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single over dim 0 with the given splits; its backward is the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        return _all_to_all(x, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        out_splits, in_splits = ctx.splits
+        return _all_to_all(g, in_splits, out_splits, ctx.group), None, None, None
+
+
+def _all_to_all(x, out_splits, in_splits, group):
+    x = x.contiguous()
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+    return out
+
+
+class A2AHandle:
+    """What the baseline's combine needs: the sender's sort, the receiver's permutation, the splits."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+class AllToAllDispatcher:
+    """Megatron's all-to-all token dispatcher, simplest form, with flux.moe_dispatch's signature
+    and layouts (``dispatch`` -> ``(recv_x, counts, handle)``, ``combine(y, handle)``); autograd
+    through both. ``max_tokens_per_rank=C`` places the rows in flux's bounded layout
+    ``[E/W, W*C, H]`` (after the same exchange)."""
+
+    @staticmethod
+    def dispatch(x, topk_idx, topk_weights, num_experts, *, group=None, max_tokens_per_rank=None):
+        group = group or dist.group.WORLD
+        world = dist.get_world_size(group)
+        el = num_experts // world
+        t, k = topk_idx.shape
+        flat = topk_idx.reshape(-1)
+        valid = flat >= 0
+        # Stable sort of the (token, slot) pairs by expert: token, then slot, within an expert;
+        # pairs with no expert (-1) last, never sent.
+        order = torch.sort(torch.where(valid, flat, num_experts), stable=True).indices
+        send_counts = torch.bincount(flat[valid], minlength=num_experts)  # [E]: (dest rank, local expert)
+        recv_counts = torch.empty_like(send_counts)  # [W * El]: (source rank, local expert)
+        dist.all_to_all_single(recv_counts, send_counts, group=group)
+        host = torch.cat([send_counts, recv_counts]).tolist()  # the one host synchronisation
+        send_h, recv_h = host[:num_experts], host[num_experts:]
+        in_splits = [sum(send_h[r * el:(r + 1) * el]) for r in range(world)]
+        out_splits = [sum(recv_h[s * el:(s + 1) * el]) for s in range(world)]
+        pairs = order[:sum(in_splits)]
+        recv = _AllToAll.apply(x.index_select(0, pairs // k), out_splits, in_splits, group)
+        # Received in (source, expert) chunks; regroup to (expert, source) by a stable sort of the
+        # chunk keys expert * W + source.
+        chunk_counts = recv_counts.view(world, el)
+        chunk = torch.arange(world * el, device=x.device).view(world, el)
+        key = (chunk % el) * world + chunk // el
+        row_key = torch.repeat_interleave(key.reshape(-1), chunk_counts.reshape(-1), output_size=recv.shape[0])
+        perm = torch.sort(row_key, stable=True).indices
+        recv_x = recv.index_select(0, perm)
+        counts = chunk_counts.sum(0)
+        counts_host = [sum(recv_h[s * el + e] for s in range(world)) for e in range(el)]
+        slot = None
+        if max_tokens_per_rank is not None:
+            cap = world * max_tokens_per_rank
+            starts = torch.cumsum(counts, 0) - counts
+            expert_of_row = torch.repeat_interleave(torch.arange(el, device=x.device), counts,
+                                                    output_size=recv_x.shape[0])
+            slot = expert_of_row * cap + torch.arange(recv_x.shape[0], device=x.device) - starts[expert_of_row]
+            slab = recv_x.new_zeros(el * cap, *recv_x.shape[1:]).index_copy(0, slot, recv_x)
+            recv_x = slab.view(el, cap, *recv_x.shape[1:])
+            counts_host = None
+        handle = A2AHandle(pairs=pairs, k=k, tokens=t, perm=perm, in_splits=in_splits, out_splits=out_splits,
+                           group=group, topk_weights=topk_weights, slot=slot, counts_host=counts_host)
+        return recv_x, counts, handle
+
+    @staticmethod
+    def combine(y, handle):
+        if handle.slot is not None:
+            y = y.reshape(-1, *y.shape[2:]).index_select(0, handle.slot)
+        inv = torch.empty_like(handle.perm)
+        inv[handle.perm] = torch.arange(handle.perm.numel(), device=handle.perm.device)
+        back = _AllToAll.apply(y.index_select(0, inv), handle.in_splits, handle.out_splits, handle.group)
+        acc = torch.promote_types(y.dtype, torch.float32)  # fp32 accumulation (float64 stays float64)
+        w = handle.topk_weights.reshape(-1).index_select(0, handle.pairs).to(acc)
+        out = torch.zeros(handle.tokens, *y.shape[1:], dtype=acc, device=y.device)
+        return out.index_add(0, handle.pairs // handle.k, back.to(acc) * w.view(-1, *([1] * (y.dim() - 1)))).to(y.dtype)
+
+
+# --------------------------------------------------------------------------------------
+# The benchmark
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", default="128,4096", help="tokens per rank, comma-separated (full grid: 128,1024,4096,8192)")
+    p.add_argument("--hidden", default="7168", help="hidden sizes (full grid: 4096,7168)")
+    p.add_argument("--topk", default="2,8", help="experts per token")
+    p.add_argument("--experts", default="8,64", help="experts in all (divisible by the world size)")
+    p.add_argument("--routing", default="uniform", help="uniform, skewed (comma-separated)")
+    p.add_argument("--skew", type=float, default=1.0, help="skewed routing: expert i drawn with weight (i+1)^-skew")
+    p.add_argument("--ffn", type=int, default=2048, help="the layer's expert FFN size")
+    p.add_argument("--no-layer", action="store_true", help="skip the MoE layer forward+backward")
+    p.add_argument("--no-bounded", action="store_true", help="skip the bounded (max_tokens_per_rank) variant")
+    p.add_argument("--bounded-max-gib", type=float, default=16.0,
+                   help="skip the bounded variant where its [E/W, W*T, H] slab is larger (GiB)")
+    p.add_argument("--steps", type=int, default=10, help="calls per timed loop and per graph")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--cpu", action="store_true", help="gloo on the CPU, fp32 (a smoke run)")
+    p.add_argument("--out", default=None, help="JSON path (rank 0)")
+    return p.parse_args(argv)
+
+
+def routing(kind, tokens, experts, topk, skew, gen, dev):
+    """(topk_idx [T, K] int64, topk_weights [T, K] fp32) of one rank."""
+    if kind == "uniform":
+        idx = torch.rand(tokens, experts, generator=gen, device=dev).topk(topk, dim=-1).indices
+    elif kind == "skewed":
+        p = torch.arange(1, experts + 1, device=dev, dtype=torch.float32).pow(-skew)
+        idx = torch.multinomial(p.expand(tokens, experts), topk, replacement=False, generator=gen)
+    else:
+        raise ValueError(f"unknown routing {kind!r} (uniform, skewed)")
+    w = torch.randn(tokens, topk, generator=gen, device=dev).softmax(-1)
+    return idx.to(torch.int64), w
+
+
+def remote_bytes(idx, experts, rank, world, hidden, itemsize, dev):
+    """(mean over ranks of the bytes of rows leaving a rank, the same deduplicated per (token, rank))."""
+    el = experts // world
+    dest = idx // el
+    remote = dest != rank
+    pairs = remote.sum()
+    seen = torch.zeros(idx.shape[0], world, dtype=torch.bool, device=dev)
+    seen.scatter_(1, dest, True)
+    seen[:, rank] = False
+    t = torch.stack([pairs, seen.sum()]).to(torch.float64)
+    dist.all_reduce(t)
+    t = t / world
+    return float(t[0]) * hidden * itemsize, float(t[1]) * hidden * itemsize
+
+
+def gbps(nbytes, ms):
+    return None if ms is None or ms <= 0 else nbytes / (ms * 1e-3) / 1e9
+
+
+def timed(bench, step, args, graph):
+    for _ in range(args.warmup):
+        step()
+    res = {"loop_ms": bench.loop_ms(step)}
+    if graph:
+        res["graph_ms"], res["graph_status"] = bench.graph_ms(step)
+    return res
+
+
+def check_same(bench, what, flux_out, base_out, tol):
+    """The maximum over ranks of the relative difference; raises where it exceeds tol."""
+    err = bench.max_all(max(rel_err(a, b) for a, b in zip(flux_out, base_out)))
+    if not err <= tol:
+        raise AssertionError(f"{what}: flux and the all-to-all baseline differ by {err:.3g} (tolerance {tol})")
+    return err
+
+
+def layer_case(args, bench, layer, tokens, topk, dev, dtype, rank, tol):
+    """Forward+backward ms of the layer with each dispatcher, after comparing the two."""
+    from flux.nn.moe import FluxDispatcher
+
+    layer.top_k = topk
+    gen = torch.Generator(device=dev).manual_seed(300 + rank)
+    x = torch.randn(tokens, layer.hidden, generator=gen, device=dev).to(dtype).requires_grad_()
+    g = torch.randn(tokens, layer.hidden, generator=gen, device=dev).to(dtype)
+    params = list(layer.parameters())
+
+    def step():
+        for p in params:
+            p.grad = None
+        x.grad = None
+        y = layer(x)
+        y.backward(g)
+        return y
+
+    out = {}
+    for name, disp in (("a2a", AllToAllDispatcher()), ("flux", FluxDispatcher())):
+        layer.dispatcher = disp
+        y = step().detach()
+        out[name] = [y, x.grad.clone()] + [p.grad.clone() for p in params]
+    res = {"rel_err": check_same(bench, "layer output and gradients", out["flux"], out["a2a"], tol)}
+    for name, disp in (("a2a", AllToAllDispatcher()), ("flux", FluxDispatcher())):
+        layer.dispatcher = disp
+        res[name] = timed(bench, step, args, graph=False)
+    layer.dispatcher = FluxDispatcher()
+    return res
+
+
+def run(args):
+    if args.cpu:
+        dist.init_process_group("gloo")
+        dev, dtype = torch.device("cpu"), torch.float32
+    else:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        dev, dtype = torch.device("cuda", local), torch.bfloat16
+        dist.init_process_group("nccl", device_id=dev)
+    group, rank, world = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
+    bench = Bench(args, dev)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    records, layers = [], {}
+    for hidden in (int(v) for v in args.hidden.split(",")):
+        for experts in (int(v) for v in args.experts.split(",")):
+            if experts % world:
+                records.append({"hidden": hidden, "experts": experts, "status": f"skipped: {experts} experts "
+                                f"not divisible by {world} ranks"})
+                continue
+            for topk in (int(v) for v in args.topk.split(",")):
+                for tokens in (int(v) for v in args.tokens.split(",")):
+                    for kind in args.routing.split(","):
+                        rec = {"tokens": tokens, "hidden": hidden, "topk": topk, "experts": experts, "routing": kind}
+                        records.append(rec)
+                        try:
+                            cell(args, bench, rec, group, rank, world, dev, dtype, itemsize, tol, layers)
+                            rec["status"] = "ok"
+                        except Exception as e:  # noqa: BLE001  (recorded; the other cells still run)
+                            rec["status"] = f"error: {type(e).__name__}: {str(e)[:300]}"
+                            if rank == 0:
+                                print(f"T={tokens} H={hidden} K={topk} E={experts} {kind}: {rec['status']}", flush=True)
+                        if dev.type == "cuda":
+                            torch.cuda.empty_cache()
+    if rank == 0:
+        meta = {"command": " ".join(["torchrun", f"--nproc_per_node={world}"] + sys.argv), "world_size": world,
+                "torch": torch.__version__, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+                "dtype": str(dtype), "steps": args.steps, "rounds": args.rounds, "ffn": args.ffn,
+                "skew": args.skew, "bytes": "rows of remote (token, slot) pairs x H x itemsize, mean over ranks"}
+        if args.out:
+            with open(args.out, "w") as fh:
+                json.dump({"metadata": meta, "results": records}, fh, indent=1)
+        print("\n" + table(records))
+    ok = all(r.get("status", "").startswith(("ok", "skipped")) for r in records)
+    dist.destroy_process_group()
+    return 0 if ok else 1
+
+
+def cell(args, bench, rec, group, rank, world, dev, dtype, itemsize, tol, layers):
+    tokens, hidden, topk, experts = rec["tokens"], rec["hidden"], rec["topk"], rec["experts"]
+    gen = torch.Generator(device=dev).manual_seed(1000 * rank + 7)
+    idx, w = routing(rec["routing"], tokens, experts, topk, args.skew, gen, dev)
+    x = torch.randn(tokens, hidden, generator=gen, device=dev).to(dtype)
+    rec["remote_bytes"], rec["remote_bytes_dedup"] = remote_bytes(idx, experts, rank, world, hidden, itemsize, dev)
+    base = AllToAllDispatcher()
+
+    def fx_dispatch(cap=None):
+        return lambda: flux.moe_dispatch(x, idx, w, experts, group=group, max_tokens_per_rank=cap)
+
+    def a2a_dispatch():
+        return base.dispatch(x, idx, w, experts, group=group)
+
+    # Correctness: the same rows, counts and combined output.
+    fr, fc, fh = fx_dispatch()()
+    br, bc, bh = a2a_dispatch()
+    check_same(bench, "dispatched rows", [fr, fc.float()], [br, bc.float()], 0.0)
+    rec["rel_err_combine"] = check_same(bench, "combine", [flux.moe_combine(fr, fh)], [base.combine(br, bh)], tol)
+    rec["flux"] = {"dispatch": timed(bench, fx_dispatch(), args, graph=False),
+                   "combine": timed(bench, lambda: flux.moe_combine(fr, fh), args, graph=False)}
+    rec["a2a"] = {"dispatch": timed(bench, a2a_dispatch, args, graph=False),
+                  "combine": timed(bench, lambda: base.combine(br, bh), args, graph=False)}
+    del fr, fc, fh, br, bc, bh
+    slab_gib = experts // world * world * tokens * hidden * itemsize / 2 ** 30
+    if args.no_bounded:
+        rec["bounded_status"] = "skipped (--no-bounded)"
+    elif slab_gib > args.bounded_max_gib:
+        rec["bounded_status"] = f"skipped: the slab is {slab_gib:.1f} GiB (--bounded-max-gib {args.bounded_max_gib})"
+    else:
+        br, bc, bh = base.dispatch(x, idx, w, experts, group=group, max_tokens_per_rank=tokens)
+        fr, fc, fh = fx_dispatch(tokens)()
+        check_same(bench, "bounded dispatched rows", [fr, fc.float()], [br, bc.float()], 0.0)
+        check_same(bench, "bounded combine", [flux.moe_combine(fr, fh)], [base.combine(br, bh)], tol)
+        rec["flux_bounded"] = {"dispatch": timed(bench, fx_dispatch(tokens), args, graph=True),
+                               "combine": timed(bench, lambda: flux.moe_combine(fr, fh), args, graph=True)}
+        rec["bounded_status"] = "ok"
+        del fr, fc, fh, br, bc, bh
+    for name in ("flux", "a2a", "flux_bounded"):
+        for op in ("dispatch", "combine"):
+            r = rec.get(name, {}).get(op)
+            if r is not None:
+                r["gbps_loop"] = gbps(rec["remote_bytes"], r["loop_ms"])
+                if r.get("graph_ms") is not None:
+                    r["gbps_graph"] = gbps(rec["remote_bytes"], r["graph_ms"])
+    if not args.no_layer:
+        key = (hidden, experts)
+        if key not in layers:
+            layers.clear()  # one layer at a time on the device
+            layers[key] = flux.nn.MoE(hidden, args.ffn, experts, topk, group=group, seed=1, dtype=dtype, device=dev)
+        rec["layer"] = layer_case(args, bench, layers[key], tokens, topk, dev, dtype, rank, tol)
+    if rank == 0:
+        print(f"T={tokens} H={hidden} K={topk} E={experts} {rec['routing']}: " + "; ".join(
+            f"{n} {op} {_f(rec[n][op]['loop_ms'])}" for n in ("flux", "a2a") for op in ("dispatch", "combine"))
+            + (f"; layer flux {_f(rec['layer']['flux']['loop_ms'])} a2a {_f(rec['layer']['a2a']['loop_ms'])}"
+               if "layer" in rec else ""), flush=True)
+
+
+def table(records):
+    """One line per cell: dispatch and combine ms (loop; the bounded variant also graph) and GB/s,
+    flux against the all-to-all baseline, and the layer's forward+backward."""
+    lines = [f"{'T':>5} {'H':>5} {'K':>2} {'E':>3} {'routing':<8} | {'dispatch ms f/a2a':>17} {'bnd l/g':>13} "
+             f"{'GB/s f/a2a':>11} {'x':>5} | {'combine ms f/a2a':>17} {'bnd l/g':>13} {'GB/s f/a2a':>11} {'x':>5} | "
+             f"{'layer ms f/a2a':>15} {'x':>5}"]
+
+    def ratio(a, b):
+        return "-" if a is None or b is None or b <= 0 else f"{a / b:.2f}"
+
+    for r in records:
+        head = f"{r.get('tokens', '-'):>5} {r['hidden']:>5} {r.get('topk', '-'):>2} {r['experts']:>3} {r.get('routing', '-'):<8}"
+        if r.get("status") != "ok":
+            lines.append(f"{head} | {r.get('status')}")
+            continue
+        parts = []
+        for op in ("dispatch", "combine"):
+            f, a = r["flux"][op], r["a2a"][op]
+            b = r.get("flux_bounded", {}).get(op)
+            bnd = "-" if b is None else f"{_f(b['loop_ms'])}/{_f(b.get('graph_ms'))}"
+            g = f"{_f(f['gbps_loop'], '.1f')}/{_f(a['gbps_loop'], '.1f')}"
+            parts.append(f"{_f(f['loop_ms']):>8}/{_f(a['loop_ms']):<8} {bnd:>13} {g:>11} "
+                         f"{ratio(a['loop_ms'], f['loop_ms']):>5}")
+        lay = r.get("layer")
+        lay_s = "-" if lay is None else f"{_f(lay['flux']['loop_ms']):>7}/{_f(lay['a2a']['loop_ms']):<7}"
+        lay_x = "-" if lay is None else ratio(lay["a2a"]["loop_ms"], lay["flux"]["loop_ms"])
+        lines.append(f"{head} | {parts[0]} | {parts[1]} | {lay_s:>15} {lay_x:>5}")
+    lines.append("x: the baseline's ms / flux's (loop mode); bnd: flux with max_tokens_per_rank=T, loop/graph ms; "
+                 "GB/s: remote rows' bytes per call (see the module docstring)")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    return run(parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""An expert-parallel mixture-of-experts layer on flux.moe_dispatch / flux.moe_combine.
+
+    x [T, H] -> router (top-k) -> moe_dispatch -> per local expert: SwiGLU MLP (grouped GEMMs)
+             -> moe_combine (the top-k outputs of each token, weighted and summed) -> [T, H]
+
+Each rank of the group holds E/W experts (rank r: global experts r*E/W .. (r+1)*E/W - 1) and
+routes its own T tokens; the dispatch brings every token to the ranks of its chosen experts and
+the combine brings the expert outputs back.
+"""
+import math
+from typing import Dict, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import flux
+from flux.nn import _shared_seed, uniform_lines
+from flux.ops.grouped_mm import grouped_mm, grouped_mm_padded
+from flux.runtime import resolve_group
+
+# Derived seeds of the three weights: each is a lines-by-seed matrix (uniform_lines) of its own.
+_ROUTER_SEED, _W13_SEED, _W2_SEED = 0x2545F491, 0x9E3779B9, 0x7F4A7C15
+
+
+class FluxDispatcher:
+    """The default dispatcher of ``MoE``: flux.moe_dispatch and flux.moe_combine. Another object
+    with the same two methods, signatures and layouts can stand in for it (the benchmarks pass an
+    all-to-all baseline); its handle needs a ``counts_host`` attribute (a list, or None)."""
+
+    @staticmethod
+    def dispatch(x, topk_idx, topk_weights, num_experts, *, group=None, max_tokens_per_rank=None):
+        return flux.moe_dispatch(x, topk_idx, topk_weights, num_experts, group=group,
+                                 max_tokens_per_rank=max_tokens_per_rank)
+
+    @staticmethod
+    def combine(y, handle):
+        return flux.moe_combine(y, handle)
+
+
+class MoE(nn.Module):
+    """A top-k mixture of SwiGLU experts, the experts split over ``group`` (expert parallelism).
+
+    ``forward(x)``: ``x [T, H]`` or ``[..., H]`` (this rank's tokens; the ranks may hold different
+    numbers of tokens) -> the same shape::
+
+        p = softmax(x @ router.weight^T)                      [T, E]   (fp32 or wider)
+        w, idx = topk(p, top_k)                               weights and global expert ids
+        w = w / w.sum(-1)           (renormalize=True, the default: the k weights sum to 1)
+        out[t] = sum_j w[t, j] * expert_{idx[t, j]}(x[t])
+        expert_e(v) = (silu(v @ W1_e^T) * (v @ W3_e^T)) @ W2_e^T
+
+    Renormalising over the k chosen experts (Mixtral's choice) keeps the output's scale
+    independent of how peaked the router is; with ``top_k=1`` it makes every weight 1, so the
+    router gets no gradient from the output (``renormalize=False`` keeps the softmax
+    probabilities, as Switch Transformer does).
+
+    Parameters (this rank's shards only):
+        router.weight  [E, H]          replicated (``nn.Linear(H, E, bias=False)``); its gradient
+                                       is this rank's tokens' share: all-reduce it over the
+                                       data-parallel ranks like any replicated parameter
+        w13            [E/W, 2F, H]    rows 0..F-1: W1 (gate), rows F..2F-1: W3 (up), per expert
+                                       in nn.Linear's layout (global experts rank*E/W onward)
+        w2             [E/W, H, F]     the down projection, nn.Linear's layout
+    The expert weights' gradients are complete on their owner rank (the dispatch's backward
+    brings every rank's token gradients back to it).
+
+    Initialisation: nn.Linear's U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for each matrix, drawn shard by
+    shard as flux.nn's tensor-parallel layers do: w13 and w2 are lines of the full
+    ``[E*2F, H]`` and ``[E*H, F]`` matrices of ``uniform_lines`` (each line a function of the seed
+    and its index), so for a given ``seed`` every group size holds slices of the same full layer
+    (``MoE.full_weights``), and each rank allocates and draws only its own experts. ``seed=None``:
+    the group's first rank draws one and broadcasts it (a collective).
+
+    ``max_tokens_per_rank=C``: the bounded dispatch (``[E/W, W*C, H]`` per-expert slabs, rows past
+    each expert's count zero; no host synchronisation; every rank's T must be at most C); the
+    experts run as batched GEMMs over the slabs (``grouped_mm_padded``). None: the unbounded
+    dispatch (rows grouped by expert) and ``grouped_mm``.
+
+    ``chunks``: the seam for overlapping the dispatch and combine with the expert GEMMs, chunk by
+    chunk of experts (dispatch chunk i+1 while chunk i computes). Not implemented yet: it must be
+    1, and forward runs dispatch, experts and combine one after the other.
+
+    ``dispatcher``: the object whose ``dispatch`` and ``combine`` move the tokens (default
+    ``FluxDispatcher``: flux.moe_dispatch / flux.moe_combine).
+    """
+
+    def __init__(self, hidden: int, ffn: int, num_experts: int, top_k: int, *,
+                 group: Optional[dist.ProcessGroup] = None, seed: Optional[int] = None, dtype=None, device=None,
+                 max_tokens_per_rank: Optional[int] = None, renormalize: bool = True, chunks: int = 1,
+                 dispatcher=None):
+        super().__init__()
+        name = "flux.nn.MoE"
+        self.group = resolve_group(group, name)
+        world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        if min(hidden, ffn, num_experts, top_k) <= 0:
+            raise ValueError(f"{name}: hidden, ffn, num_experts and top_k must be positive, got "
+                             f"{hidden}, {ffn}, {num_experts}, {top_k}")
+        if num_experts % world:
+            raise ValueError(f"{name}: num_experts={num_experts} is not divisible by the group size {world}")
+        if top_k > num_experts:
+            raise ValueError(f"{name}: top_k={top_k} is more than num_experts={num_experts}")
+        if chunks != 1:
+            raise NotImplementedError(f"{name}: chunks={chunks}: overlapping the dispatch and combine with the "
+                                      "expert GEMMs chunk by chunk is not implemented yet; chunks must be 1")
+        if max_tokens_per_rank is not None and max_tokens_per_rank <= 0:
+            raise ValueError(f"{name}: max_tokens_per_rank must be positive or None, got {max_tokens_per_rank}")
+        self.hidden, self.ffn, self.num_experts, self.top_k = hidden, ffn, num_experts, top_k
+        self.local_experts = num_experts // world
+        self.first_expert = rank * self.local_experts
+        self.max_tokens_per_rank, self.renormalize, self.chunks = max_tokens_per_rank, renormalize, chunks
+        self.dispatcher = dispatcher if dispatcher is not None else FluxDispatcher()
+
+        seed = _shared_seed(seed, self.group)
+        opts = dict(device=device, dtype=dtype if dtype is not None else torch.get_default_dtype())
+        el, f, h = self.local_experts, ffn, hidden
+        self.router = nn.Linear(hidden, num_experts, bias=False, **opts)
+        with torch.no_grad():
+            self.router.weight.copy_(uniform_lines(seed ^ _ROUTER_SEED, 0, num_experts, h, 1 / math.sqrt(h)))
+        w13 = uniform_lines(seed ^ _W13_SEED, self.first_expert * 2 * f, el * 2 * f, h, 1 / math.sqrt(h))
+        w2 = uniform_lines(seed ^ _W2_SEED, self.first_expert * h, el * h, f, 1 / math.sqrt(f))
+        self.w13 = nn.Parameter(w13.view(el, 2 * f, h).to(**opts))
+        self.w2 = nn.Parameter(w2.view(el, h, f).to(**opts))
+
+    @staticmethod
+    def full_weights(hidden: int, ffn: int, num_experts: int, seed: int) -> Dict[str, torch.Tensor]:
+        """The whole layer of which ``MoE(..., seed=seed)`` holds slices at any group size (float32,
+        CPU): ``router [E, H]``, ``w13 [E, 2F, H]``, ``w2 [E, H, F]``. Draws every expert: for
+        tests and small layers."""
+        h, f, e = hidden, ffn, num_experts
+        return {"router": uniform_lines(seed ^ _ROUTER_SEED, 0, e, h, 1 / math.sqrt(h)),
+                "w13": uniform_lines(seed ^ _W13_SEED, 0, e * 2 * f, h, 1 / math.sqrt(h)).view(e, 2 * f, h),
+                "w2": uniform_lines(seed ^ _W2_SEED, 0, e * h, f, 1 / math.sqrt(f)).view(e, h, f)}
+
+    @torch.no_grad()
+    def load_full_(self, router: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> "MoE":
+        """Copy this rank's share of a whole layer (``router [E, H]``, ``w13 [E, 2F, H]``,
+        ``w2 [E, H, F]``, as ``full_weights`` gives) into the parameters; returns self."""
+        lo, hi = self.first_expert, self.first_expert + self.local_experts
+        for p, full, shape in ((self.router.weight, router, (self.num_experts, self.hidden)),
+                               (self.w13, w13, (self.num_experts, 2 * self.ffn, self.hidden)),
+                               (self.w2, w2, (self.num_experts, self.hidden, self.ffn))):
+            if tuple(full.shape) != shape:
+                raise ValueError(f"flux.nn.MoE.load_full_: expected a full weight of shape {shape}, "
+                                 f"got {tuple(full.shape)}")
+            p.copy_(full if p is self.router.weight else full[lo:hi])
+        return self
+
+    def route(self, x: torch.Tensor):
+        """``(topk_idx [T, k] int64, topk_weights [T, k])`` for ``x [T, H]``: the softmax over the
+        router's logits in fp32 (or wider, for float64 inputs), its top k, renormalised over the k
+        when ``renormalize``. The weights stay in that precision (moe_combine accumulates in fp32)."""
+        ct = torch.promote_types(x.dtype, torch.float32)
+        probs = F.linear(x.to(ct), self.router.weight.to(ct)).softmax(dim=-1)
+        weights, idx = probs.topk(self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return idx, weights
+
+    def experts(self, recv_x: torch.Tensor, counts: torch.Tensor, counts_host=None) -> torch.Tensor:
+        """The local experts' SwiGLU MLPs on the dispatched rows, in the dispatch's layout:
+        ``[R, H]`` grouped by expert (``counts`` rows each) or ``[E/W, W*C, H]`` slabs (bounded;
+        rows past ``counts[e]`` ignored, their outputs zero)."""
+        if recv_x.dim() == 3:
+            h = grouped_mm_padded(recv_x, self.w13, counts)
+            gate, up = h.chunk(2, dim=-1)
+            return grouped_mm_padded(F.silu(gate) * up, self.w2)
+        h = grouped_mm(recv_x, self.w13, counts, counts_host=counts_host)
+        gate, up = h.chunk(2, dim=-1)
+        return grouped_mm(F.silu(gate) * up, self.w2, counts, counts_host=counts_host)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.hidden:
+            raise ValueError(f"flux.nn.MoE: input has {x.shape[-1]} features, the layer {self.hidden}")
+        shape = x.shape
+        x2 = x.reshape(-1, self.hidden)
+        idx, weights = self.route(x2)
+        recv_x, counts, handle = self.dispatcher.dispatch(x2, idx, weights, self.num_experts, group=self.group,
+                                                          max_tokens_per_rank=self.max_tokens_per_rank)
+        y = self.experts(recv_x, counts, getattr(handle, "counts_host", None))
+        return self.dispatcher.combine(y, handle).reshape(shape)
+
+    def extra_repr(self) -> str:
+        return (f"hidden={self.hidden}, ffn={self.ffn}, num_experts={self.num_experts} "
+                f"({self.local_experts} per rank, from {self.first_expert}), top_k={self.top_k}, "
+                f"renormalize={self.renormalize}, max_tokens_per_rank={self.max_tokens_per_rank}")
+
+
+__all__ = ["FluxDispatcher", "MoE"]

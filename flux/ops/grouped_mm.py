@@ -1,0 +1,241 @@
+"""Grouped GEMMs over the local experts of a mixture-of-experts layer (no communication).
+
+Two input layouts, those of ``flux.moe_dispatch``:
+
+``grouped_mm(x, w, counts)``  (unbounded dispatch)
+    ``x [R, K]`` with the rows of expert e contiguous and the experts in order (expert 0's
+    ``counts[0]`` rows first); ``w [E, N, K]`` (``weight_layout="nk"``, the default: one
+    ``nn.Linear.weight`` per expert) or ``[E, K, N]`` (``"kn"``). Returns ``[R, N]``::
+
+        out[o_e : o_e + counts[e]] = x[o_e : o_e + counts[e]] @ W_e^T      (o_e = counts[:e].sum())
+
+``grouped_mm_padded(x, w, counts=None)``  (bounded dispatch, ``max_tokens_per_rank``)
+    ``x [E, C, K]``, expert e's rows first in its slab; a batched GEMM, returns ``[E, C, N]``.
+    With ``counts``, rows at or past ``counts[e]`` are ignored: they are taken as zeros, so
+    their output rows are zero and they add nothing to any gradient (whatever they hold).
+
+Implementations of ``grouped_mm`` (``grouped_mm_impl`` tells which one a call takes):
+
+  kernel   ``torch._grouped_mm`` (one CUTLASS grouped GEMM, no host synchronisation; the
+           row offsets are a cumulative sum made on the device). Taken on CUDA where torch
+           has it and runs it natively: bf16 x, w (and output), a compute capability 9.x or
+           10.x device (elsewhere torch runs a loop of its own after copying the offsets to
+           the host), and the alignment that its TMA loads need: K and N multiples of 8
+           (16-byte strides) and 16-byte aligned data pointers; x and w are made contiguous
+           first. The backward is written here, also with ``torch._grouped_mm`` (dx as
+           ``dy @ W_e``, dW as the 2-D x 2-D grouped product ``dy_e^T x_e``), on a contiguous
+           output gradient (the kernel rejects the zero-stride gradients that ``sum()``
+           makes), and the weight gradient of an expert with no rows is set to zero where
+           the kernel might leave it unwritten (reported on sm100).
+  loop     one ``torch.mm`` per expert with rows (empty experts skipped), joined with
+           ``torch.cat``; autograd as usual. Needs the counts on the host: pass
+           ``counts_host`` (``flux.moe_dispatch``'s ``handle.counts_host``) or the counts as
+           a list, else a device tensor of counts is copied to the host (a synchronisation).
+           Every other case: the CPU, other dtypes, misaligned shapes, older torch.
+
+A kernel call that raises (an older torch that refuses the arguments, say) falls back to the
+loop for that device, dtype and layout, with a warning, once.
+"""
+import warnings
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+WEIGHT_LAYOUTS = ("nk", "kn")
+IMPLS = ("auto", "kernel", "loop")
+
+Counts = Union[torch.Tensor, Sequence[int]]
+
+_kernel_failed: Dict[Tuple, str] = {}  # (device, dtype, layout) -> why torch._grouped_mm raised there
+
+
+def _nk_shape(w: torch.Tensor, weight_layout: str) -> Tuple[int, int]:
+    """(N, K) of a [E, N, K] ("nk") or [E, K, N] ("kn") weight."""
+    return (w.shape[1], w.shape[2]) if weight_layout == "nk" else (w.shape[2], w.shape[1])
+
+
+def _check(x: torch.Tensor, w: torch.Tensor, weight_layout: str, x_dims: int, what: str) -> None:
+    if weight_layout not in WEIGHT_LAYOUTS:
+        raise ValueError(f"{what}: weight_layout must be 'nk' ([E, N, K]) or 'kn' ([E, K, N]), got {weight_layout!r}")
+    if x.dim() != x_dims:
+        raise ValueError(f"{what}: x must be {x_dims}-D, got shape {tuple(x.shape)}")
+    if w.dim() != 3:
+        raise ValueError(f"{what}: w must be 3-D ([E, N, K] or [E, K, N]), got shape {tuple(w.shape)}")
+    _, k = _nk_shape(w, weight_layout)
+    if x.shape[-1] != k:
+        raise ValueError(f"{what}: x has K={x.shape[-1]} but w {tuple(w.shape)} ({weight_layout!r}) has K={k}")
+    if x.dtype != w.dtype or x.device != w.device:
+        raise ValueError(f"{what}: x and w must share dtype and device, got {x.dtype} on {x.device} "
+                         f"and {w.dtype} on {w.device}")
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    return t.data_ptr() % 16 == 0
+
+
+def grouped_mm_impl(x: torch.Tensor, w: torch.Tensor, weight_layout: str = "nk") -> Tuple[str, str]:
+    """``("kernel", "")`` where ``grouped_mm(x, w, ...)`` would call ``torch._grouped_mm``, else
+    ``("loop", why not)``. Looks at shapes, dtypes, device and torch only."""
+    if not hasattr(torch, "_grouped_mm"):
+        return "loop", f"torch {torch.__version__} has no torch._grouped_mm"
+    if x.device.type != "cuda":
+        return "loop", f"{x.device.type} tensors"
+    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+        return "loop", f"{x.dtype} (torch._grouped_mm's kernel is bf16 only)"
+    major, minor = torch.cuda.get_device_capability(x.device)
+    if major not in (9, 10):
+        return "loop", f"compute capability {major}.{minor} (torch._grouped_mm's kernel needs 9.x or 10.x)"
+    n, k = _nk_shape(w, weight_layout)
+    if n % 8 or k % 8:
+        return "loop", f"N={n}, K={k}: the kernel needs multiples of 8 (16-byte strides)"
+    if x.shape[0] == 0:
+        return "loop", "no rows"
+    if x.shape[0] >= 2 ** 31:
+        return "loop", "more rows than int32 offsets hold"
+    failed = _kernel_failed.get((x.device, x.dtype, weight_layout))
+    if failed is not None:
+        return "loop", f"torch._grouped_mm raised earlier: {failed}"
+    return "kernel", ""
+
+
+def _host_counts(counts: Counts, cumulative: bool, experts: int, what: str) -> List[int]:
+    vals = counts.tolist() if isinstance(counts, torch.Tensor) else [int(c) for c in counts]
+    if len(vals) != experts:
+        raise ValueError(f"{what}: {len(vals)} counts for {experts} experts")
+    if cumulative:
+        vals = [b - a for a, b in zip([0] + vals[:-1], vals)]
+    if any(c < 0 for c in vals):
+        raise ValueError(f"{what}: negative count in {vals}" + (" (offsets must not decrease)" if cumulative else ""))
+    return vals
+
+
+def _offsets(counts: Counts, cumulative: bool, device: torch.device, experts: int, what: str) -> torch.Tensor:
+    """int32 cumulative row ends on ``device`` (torch._grouped_mm's ``offs``), made without a
+    host synchronisation where ``counts`` is a device tensor."""
+    if not isinstance(counts, torch.Tensor):
+        counts = torch.tensor(_host_counts(counts, cumulative, experts, what), dtype=torch.int64)
+        cumulative = False
+    if counts.dim() != 1 or counts.shape[0] != experts:
+        raise ValueError(f"{what}: counts must be 1-D with one entry per expert ({experts}), got {tuple(counts.shape)}")
+    counts = counts.to(device, non_blocking=True)
+    offs = counts if cumulative else counts.cumsum(0)
+    return offs.to(torch.int32).contiguous()
+
+
+def _gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    # The kernel checks that every pointer is 16-byte aligned; a view that starts mid-row is
+    # copied to a fresh (aligned) allocation.
+    if not _aligned(a):
+        a = a.clone()
+    if not _aligned(b):
+        b = b.clone()
+    return torch._grouped_mm(a, b, offs=offs)
+
+
+class _GroupedMMKernel(torch.autograd.Function):
+    """torch._grouped_mm forward and backward for 2-D x (rows grouped by ``offs``) and a 3-D
+    weight; gradients for x and w (not for the offsets)."""
+
+    @staticmethod
+    def forward(ctx, x, w, offs, weight_layout):
+        ctx.weight_layout = weight_layout
+        ctx.save_for_backward(x, w, offs)
+        return _gmm(x, w.transpose(-2, -1) if weight_layout == "nk" else w, offs)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        x, w, offs = ctx.saved_tensors
+        nk = ctx.weight_layout == "nk"
+        dy = dy.contiguous()
+        dx = dw = None
+        if ctx.needs_input_grad[0]:  # dx_e = dy_e @ W_e, W_e [N, K]
+            dx = _gmm(dy, w if nk else w.transpose(-2, -1), offs)
+        if ctx.needs_input_grad[1]:  # dW_e = dy_e^T x_e ([N, K]) or x_e^T dy_e ([K, N])
+            dw = _gmm(dy.t(), x, offs) if nk else _gmm(x.t(), dy, offs)
+            sizes = torch.diff(offs, prepend=offs.new_zeros(1))
+            dw = dw.masked_fill((sizes == 0).view(-1, 1, 1), 0)
+        return dx, dw, None, None
+
+
+def _loop(x: torch.Tensor, w: torch.Tensor, counts: List[int], weight_layout: str) -> torch.Tensor:
+    nk = weight_layout == "nk"
+    outs, start = [], 0
+    for e, c in enumerate(counts):
+        if c:
+            we = w[e]
+            outs.append(torch.mm(x[start:start + c], we.t() if nk else we))
+        start += c
+    if not outs:  # no rows at all: an empty product that still connects w to the graph
+        outs.append(torch.mm(x[:0], w[0].t() if nk else w[0]))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: Counts, *, cumulative: bool = False,
+               weight_layout: str = "nk", counts_host: Optional[Sequence[int]] = None,
+               impl: str = "auto") -> torch.Tensor:
+    """``[R, N]``: each expert's rows of ``x [R, K]`` times that expert's weight.
+
+    ``counts``: rows per expert, a 1-D integer tensor (any device) or a sequence of ints, of
+    length E = ``w.shape[0]`` and sum R (with ``cumulative=True``: the cumulative row ends,
+    torch._grouped_mm's ``offs``, the last one R). ``w``: ``[E, N, K]`` (``weight_layout="nk"``)
+    or ``[E, K, N]`` (``"kn"``). ``counts_host``: the same counts as a list, where the caller
+    has them on the host (spares the loop a copy from the device). ``impl``: "auto" (the
+    kernel where ``grouped_mm_impl`` allows it, else the loop), "kernel" (raise where it is
+    not allowed) or "loop". Differentiable in x and w. The kernel does not check that the
+    counts sum to R (it would take a synchronisation); the loop does.
+    """
+    what = "flux.grouped_mm"
+    _check(x, w, weight_layout, 2, what)
+    if impl not in IMPLS:
+        raise ValueError(f"{what}: impl must be one of {IMPLS}, got {impl!r}")
+    experts = w.shape[0]
+    use, why = grouped_mm_impl(x, w, weight_layout)
+    if impl == "kernel" and use != "kernel":
+        raise ValueError(f"{what}: impl='kernel' but torch._grouped_mm cannot run here: {why}")
+    if impl != "loop" and use == "kernel":
+        offs = _offsets(counts, cumulative, x.device, experts, what)
+        try:
+            return _GroupedMMKernel.apply(x.contiguous(), w.contiguous(), offs, weight_layout)
+        except (RuntimeError, TypeError, NotImplementedError) as e:
+            if impl == "kernel":
+                raise
+            key = (x.device, x.dtype, weight_layout)
+            _kernel_failed[key] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            warnings.warn(f"{what}: torch._grouped_mm raised ({_kernel_failed[key]}); using a loop of "
+                          f"torch.mm for {x.dtype} on {x.device} from now on", RuntimeWarning, stacklevel=2)
+    if counts_host is not None:
+        sizes = _host_counts(counts_host, False, experts, what)
+    else:
+        sizes = _host_counts(counts, cumulative, experts, what)
+    if sum(sizes) != x.shape[0]:
+        raise ValueError(f"{what}: the counts {sizes} sum to {sum(sizes)}, but x has {x.shape[0]} rows")
+    return _loop(x, w, sizes, weight_layout)
+
+
+def grouped_mm_padded(x: torch.Tensor, w: torch.Tensor, counts: Optional[Counts] = None, *,
+                      weight_layout: str = "nk") -> torch.Tensor:
+    """``[E, C, N]``: ``x[e] @ W_e^T`` (``"nk"``) or ``x[e] @ W_e`` (``"kn"``) for ``x [E, C, K]``,
+    one batched GEMM (``torch.bmm``; no host synchronisation, capturable in a CUDA graph).
+
+    ``counts`` (a 1-D tensor or sequence of E ints, or None): rows ``counts[e]`` and past of
+    ``x[e]`` are ignored (masked to zero before the GEMM, so they give zero output rows and
+    zero gradients whatever they hold). None: every row counts. Differentiable in x and w."""
+    what = "flux.grouped_mm_padded"
+    _check(x, w, weight_layout, 3, what)
+    if x.shape[0] != w.shape[0]:
+        raise ValueError(f"{what}: x has {x.shape[0]} experts, w has {w.shape[0]}")
+    if counts is not None:
+        if not isinstance(counts, torch.Tensor):
+            counts = torch.tensor([int(c) for c in counts], dtype=torch.int64)
+        if counts.dim() != 1 or counts.shape[0] != x.shape[0]:
+            raise ValueError(f"{what}: counts must be 1-D with one entry per expert ({x.shape[0]}), "
+                             f"got {tuple(counts.shape)}")
+        rows = torch.arange(x.shape[1], device=x.device)
+        keep = rows.view(1, -1) < counts.to(x.device, non_blocking=True).view(-1, 1)
+        # where, not a product: 0 * inf or 0 * nan in an unused row would still be nan.
+        x = torch.where(keep.unsqueeze(-1), x, x.new_zeros(()))
+    return torch.bmm(x, w.transpose(-2, -1) if weight_layout == "nk" else w)
+
+
+__all__ = ["IMPLS", "WEIGHT_LAYOUTS", "grouped_mm", "grouped_mm_impl", "grouped_mm_padded"]
