@@ -6,6 +6,10 @@ Public API:
     flux.gemm_rs(input, weight, bias=None, *, group=None, weight_layout="nk", out_dtype=None)
                                              reduce_scatter(input @ W, dim=0) (+ bias)
     flux.ag_gemm_ref, flux.gemm_rs_ref       their unfused references
+    flux.moe_dispatch(x, topk_idx, topk_weights, num_experts, *, group=None, max_tokens_per_rank=None)
+                                             -> (recv_x, counts, handle): expert-parallel MoE dispatch
+    flux.moe_combine(y, handle) -> out       its inverse, summing with the routing weights
+    flux.moe_dispatch_ref, flux.moe_combine_ref, flux.MoeHandle
     flux.FluxInputError                      bad arguments, raised alike on every rank
     flux.cuda_kernels_available()            whether flux's CUDA kernels can run here (flux._C
                                              loaded and a GPU visible)
@@ -21,6 +25,7 @@ extension_error()  # load flux._C (if built) before the ops are used
 from flux.ops._checks import FluxInputError  # noqa: E402
 from flux.ops.ag_gemm import ag_gemm, ag_gemm_ref  # noqa: E402
 from flux.ops.gemm_rs import gemm_rs, gemm_rs_ref  # noqa: E402
+from flux.ops.moe import MoeHandle, moe_combine, moe_combine_ref, moe_dispatch, moe_dispatch_ref  # noqa: E402
 
 
 
@@ -35,10 +40,15 @@ def __getattr__(name):
 
 __all__ = [
     "FluxInputError",
+    "MoeHandle",
     "__version__",
     "ag_gemm",
     "ag_gemm_ref",
     "cuda_kernels_available",
     "gemm_rs",
     "gemm_rs_ref",
+    "moe_combine",
+    "moe_combine_ref",
+    "moe_dispatch",
+    "moe_dispatch_ref",
 ]

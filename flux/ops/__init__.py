@@ -5,6 +5,7 @@ The modules keep their names (``flux.ops.ag_gemm`` is the module, with ``STRATEG
 ``available_strategies`` and ``run_strategy``); the public functions are in ``flux``.
 """
 from flux.ops import ag_gemm, gemm_rs  # noqa: F401  (registers torch.ops.flux.ag_gemm / gemm_rs)
+from flux.ops import moe  # noqa: F401  (registers torch.ops.flux.moe_dispatch / moe_combine)
 from flux.ops._checks import FluxInputError
 
-__all__ = ["FluxInputError", "ag_gemm", "gemm_rs"]
+__all__ = ["FluxInputError", "ag_gemm", "gemm_rs", "moe"]

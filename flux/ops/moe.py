@@ -1,0 +1,985 @@
+"""flux.moe_dispatch / flux.moe_combine: expert-parallel MoE token dispatch and combine.
+
+Meaning. The group's W ranks own ``num_experts`` experts in equal shares: rank r owns the
+global experts ``[r * E_l, (r + 1) * E_l)``, ``E_l = num_experts / W`` ("local experts" 0 ..
+E_l - 1 on r). Each rank has its own T tokens (T may differ between ranks, T = 0 allowed) and,
+for each token, K routing slots: ``topk_idx[t, k]`` (a global expert, or -1: no expert) with
+``topk_weights[t, k]``. A token lists an expert at most once.
+
+``moe_dispatch`` sends every valid (token, slot) pair to the rank owning its expert: each such
+pair becomes one row of ``recv_x`` (a copy of ``x[t]``), and the rows are laid out
+*expert-major*::
+
+    for local expert e = 0 .. E_l - 1:
+        for source rank s = 0 .. W - 1:
+            for token t = 0 .. T_s - 1 (index on s):
+                for slot k = 0 .. K - 1:
+                    if topk_idx_s[t, k] == rank * E_l + e:  one row  x_s[t]
+
+so expert e's rows are contiguous (``counts[e]`` of them), ready for a grouped GEMM.
+``moe_combine(y, handle)`` is the inverse: y holds one row per received pair (the experts'
+outputs, in recv_x's layout), and each rank gets back, for its own tokens::
+
+    out[t] = sum over valid k of topk_weights[t, k] * y[row of (t, k)]    (fp32 accumulation)
+
+Two variants. *Unbounded* (``max_tokens_per_rank=None``): recv_x is ``[R, H]`` with R the
+number of rows received; the host learns the per-expert counts (a host synchronisation) to size
+it. *Bounded* (``max_tokens_per_rank=C``): fixed shapes for CUDA graphs and decode; recv_x is
+``[E_l, W * C, H]``, expert e's rows first in its block, zeros after; no host synchronisation
+in the data movement. W*C rows per expert always suffice: each of the W sources has at most
+T <= C tokens and each token lists an expert at most once.
+
+Unchecked references: ``moe_dispatch_ref`` / ``moe_combine_ref`` (all-gather everything, then
+select locally: simple and slow, for tests and for comparing strategies).
+
+Strategies (``STRATEGIES``; ``_choose_strategy`` picks one per call, the same on every rank,
+and ``_dispatch_impl`` / ``_combine_impl`` run it). A strategy is an object (``_AllToAll`` is
+the model) with
+
+  dispatch(x, topk_idx, E, group, C, any_error)  -> (recv_x, counts, send_pairs, recv_dest, host ints)
+  fake_dispatch(x, topk_idx, E, W, C)            -> the same as fake tensors (+ the number of host ints)
+  to_sources(y, handle)   recv_x-layout rows -> ``[S, H]`` rows back on their sources, in send order
+  to_experts(rows, handle)  the inverse: ``[S, H]`` rows in send order -> recv_x's layout
+
+called with arguments already checked; the weighted sum of combine and every gradient are
+computed here from ``send_pairs`` and those two moves, so a strategy only moves data (see
+MoeHandle for what the tensors mean):
+
+  all_to_all   the reference strategy and the CPU path, on NCCL or gloo. The sender sorts its
+               valid pairs by destination expert (stable: by expert, then token, then slot), the
+               ranks exchange per-expert counts (``all_to_all_single`` of W x E_l int64), then
+               the rows (``all_to_all_single`` with split sizes), and the receiver reorders
+               them from source-major to expert-major. Combine moves y's rows back with the
+               reverse all_to_all and sums each token's slots in fp32, slot 0 first (a fixed
+               order: deterministic on every device).
+               Unbounded: the counts are read on the host (one synchronisation) to size the
+               row exchange exactly. Bounded: nothing is read on the host: every rank sends
+               each peer a block of P = C * min(K, E_l) rows (a source sends at most T * min(K,
+               E_l) rows to one rank), the unused rows zero; the receiver finds each row's
+               expert and place from the exchanged counts (searchsorted) on the device. The
+               padding costs bandwidth: W * P rows are sent where T * K (at most) are needed.
+               (Written to run on NCCL without a host read; so far run on gloo only, where the
+               same code runs.)
+
+A GPU strategy (symmetric memory, counts exchanged by the device: flux/ops/_moe_symm.py moves
+data that way, not wired in here yet) plugs in as another entry of ``_STRATEGY_IMPLS`` chosen by
+``_choose_strategy``; the handle records the strategy (``meta[0]``), so combine and both backward
+passes use the same one. In the deferred-verdict case it must send nothing when ``any_error``.
+
+Checks. Every dispatch validates its arguments on every rank, and the ranks agree on a verdict
+before any row moves: a problem on any rank raises the same ``FluxInputError`` (naming
+``flux.moe_dispatch`` and the rank) on every rank, and the group stays usable. The fields that
+must agree (num_experts, max_tokens_per_rank, H, K, the dtypes and the tensors' ranks; not T)
+are hashed; each rank's local verdict covers the shapes, dtypes, devices, ``num_experts % W``,
+``T <= C`` and the data: ids in [-1, num_experts), no expert twice in a row.
+
+  host verdict (unbounded; bounded on gloo): one all_gather of 2 int64 per rank (error flag,
+      hash) through the group, read on the host. Measured on gloo: about 0.5 ms (two ranks on a
+      busy 2-core machine, where a whole dispatch of 64 tokens took about 2 ms). On CUDA groups
+      it is one synchronisation more in the unbounded variant, which synchronises for its counts
+      anyway (a GPU strategy can carry the verdict in its count exchange). Only if some rank
+      reports a problem do the ranks exchange their messages, through the default group's store
+      (as ``flux.ops._checks``), and raise.
+  deferred verdict (bounded on CUDA groups, which must not synchronise): the fields that must
+      agree, and host-known local errors, go through ``check_collectively`` (a store exchange on
+      a signature's first call, then remembered: the caveats of flux.ops._checks apply); the
+      data-dependent verdict (bad ids, duplicates, T > C) is all-gathered on the device (one
+      int64 per rank) and not read. If any rank reports a problem, every rank sends and receives
+      nothing (recv_x and counts zero, combine gives zeros: no hang, no garbage), and
+      ``handle.check()`` (a synchronisation; call it where convenient) raises the same
+      FluxInputError on every rank.
+
+``moe_combine`` checks y against the handle locally and raises before communicating (it
+exchanges no verdict: a rank that raises there leaves its peers waiting in the collective until
+the group's timeout).
+
+Autograd: d x of dispatch is the combine of d recv_x with weights 1 (the sum of the gradients
+of a token's copies); d y of combine is the dispatch of ``topk_weights[t, k] * d out[t]`` to
+the rows; d topk_weights[t, k] is ``<d out[t], y[row of (t, k)]>`` (y's rows as they came back
+to the source, kept by the forward when the weights need a gradient); topk_idx has none. Eager
+calls with tensors that need gradients run through ``torch.autograd.Function``; torch.compile,
+fake tensors and tensor subclasses go through the dispatcher ops ``torch.ops.flux.moe_dispatch``
+and ``torch.ops.flux.moe_combine`` (fake implementations: recv_x's row count is a dynamic size;
+``register_autograd`` with the same formulas, whose collectives run in dispatcher ops too:
+combine with weights 1 for d x, ``torch.ops.flux.moe_to_experts`` for d y). The handle does not
+fit a schema, so the ops take and return its tensors (``send_pairs``, ``recv_dest``, ``meta``,
+``verdict``) and the public functions wrap them in a ``MoeHandle``.
+"""
+import dataclasses
+import zlib
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from flux.ops._checks import FluxInputError, Signature, _compose, _exchange, check_collectively, dtype_code
+from flux.ops._common import SUPPORTED_DTYPES, call_mode
+from flux.runtime import group_device, group_from_name, group_name, resolve_group
+from flux.runtime.groups import cuda_group
+
+OP = "flux.moe_dispatch"
+OP_COMBINE = "flux.moe_combine"
+STRATEGIES = ("all_to_all",)
+_INDEX_DTYPES = (torch.int64, torch.int32)
+
+# Codes of the data-dependent verdict (bits), which the bounded variant on CUDA groups
+# exchanges on the device and reports only through MoeHandle.check().
+_BAD_ID, _DUPLICATE, _OVER_CAPACITY = 2, 4, 8
+_CODE_TEXT = {
+    _BAD_ID: "topk_idx holds an expert id outside [-1, num_experts)",
+    _DUPLICATE: "a row of topk_idx lists an expert twice (a token may list an expert at most once)",
+    _OVER_CAPACITY: "x.shape[0] (T) exceeds max_tokens_per_rank",
+}
+
+
+# --------------------------------------------------------------------------------------
+# The handle
+
+
+@dataclasses.dataclass(eq=False)
+class MoeHandle:
+    """What ``moe_combine`` (and both backward passes) need of a ``moe_dispatch`` call.
+
+    Fields (``S``: rows this rank sent; unbounded: one per valid slot, bounded (all_to_all):
+    ``W * P`` with ``P = C * min(K, E_l)``, the unused ones padding):
+
+        group                the process group
+        strategy             the strategy that moved the rows (one of ``STRATEGIES``)
+        num_experts          E, global
+        num_tokens           T, this rank's tokens
+        topk                 K
+        hidden               H
+        max_tokens_per_rank  C (bounded variant) or None (unbounded)
+        topk_weights         ``[T, K]`` floating: the dispatch's argument itself (combine's
+                             weights, with their autograd history)
+        send_pairs           int64 ``[S]`` on x's device: the (token, slot) pair ``t * K + k``
+                             of each sent row, in send order (by destination expert, then
+                             token, then slot); padding rows hold ``T * K``. Every strategy
+                             provides it: the weighted sum and the gradients are computed from
+                             it (``_sum_slots``, ``_rows_from_tokens``)
+        recv_dest            int64 on x's device, the strategy's own routing on the receiving
+                             side. all_to_all: ``[N]``, N the rows received in the exchange (R,
+                             bounded ``W * P``): for each received row (in the exchange's order:
+                             by source rank, then expert, token, slot) its row in recv_x viewed
+                             as ``[-1, H]``; padding rows hold ``recv_x.numel() / H`` (one past
+                             the end)
+        meta                 int64 on the CPU: ``[strategy index]``, then, unbounded, the E_l
+                             counts and whatever the strategy needs on the host (all_to_all:
+                             the W send and the W receive split sizes)
+        verdict              int64 ``[W]`` on x's device: each rank's error code (0: valid);
+                             nonzero only in the bounded variant on CUDA groups, which
+                             reports through ``check()``
+        recv_shape           recv_x's shape: ``(R, H)`` or ``(E_l, W * C, H)``
+
+    Derived: ``world``, ``num_local_experts``, ``bounded``, ``counts_host`` (list of E_l ints;
+    None when bounded).
+    """
+
+    group: dist.ProcessGroup
+    strategy: str
+    num_experts: int
+    num_tokens: int
+    topk: int
+    hidden: int
+    max_tokens_per_rank: Optional[int]
+    topk_weights: Optional[torch.Tensor]
+    send_pairs: torch.Tensor
+    recv_dest: torch.Tensor
+    meta: torch.Tensor
+    verdict: torch.Tensor
+    recv_shape: Tuple[int, ...]
+
+    @property
+    def world(self) -> int:
+        return dist.get_world_size(self.group)
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.world
+
+    @property
+    def bounded(self) -> bool:
+        return self.max_tokens_per_rank is not None
+
+    @property
+    def counts_host(self) -> Optional[List[int]]:
+        """Rows per local expert as a Python list (unbounded); None for the bounded variant,
+        whose counts stay on the device."""
+        return None if self.bounded else self.meta[1:1 + self.num_local_experts].tolist()
+
+    def host_extra(self) -> List[int]:
+        """The strategy's host-side integers (unbounded; see ``meta``)."""
+        return self.meta[1 + self.num_local_experts:].tolist()
+
+    def check(self) -> None:
+        """Raise the dispatch's FluxInputError, the same on every rank, if some rank's data
+        was invalid (only the bounded variant on CUDA groups defers this; reading the verdict
+        synchronises with the device)."""
+        codes = self.verdict.tolist()
+        if any(codes):
+            raise FluxInputError(_deferred_message(codes, self))
+
+    def __repr__(self) -> str:
+        kind = f"bounded C={self.max_tokens_per_rank}" if self.bounded else "unbounded"
+        return (f"MoeHandle({self.strategy}, {kind}, E={self.num_experts}, W={self.world}, T={self.num_tokens}, "
+                f"K={self.topk}, H={self.hidden}, recv_shape={tuple(self.recv_shape)})")
+
+
+def _deferred_message(codes: List[int], handle: "MoeHandle") -> str:
+    parts = []
+    for r, c in enumerate(codes):
+        if c:
+            texts = [t for bit, t in _CODE_TEXT.items() if c & bit]
+            parts.append(f"rank {r}: " + ", ".join(texts))
+    return (f"{OP}: invalid arguments on " + "; ".join(parts)
+            + f" (num_experts = {handle.num_experts}, max_tokens_per_rank = {handle.max_tokens_per_rank}; "
+            "nothing was sent)")
+
+
+# --------------------------------------------------------------------------------------
+# Collectives
+
+
+def _all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, group: dist.ProcessGroup) -> None:
+    """all_to_all_single along dim 0 (equal blocks when the splits are None). gloo moves CPU
+    tensors (it implements all_to_all_single with split sizes, also of 0 rows); under
+    FLUX_GLOO_CUDA it moves host copies of CUDA tensors."""
+    if inp.is_cuda and "gloo" in str(dist.get_backend(group)).lower():
+        host = torch.empty(out.shape, dtype=out.dtype)
+        dist.all_to_all_single(host, inp.cpu(), out_splits, in_splits, group=group)
+        out.copy_(host)
+        return
+    dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits, group=group)
+
+
+def _all_gather_small(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """[W, *t.shape]: every rank's ``t`` (a few int64)."""
+    world = dist.get_world_size(group)
+    if t.is_cuda and "gloo" in str(dist.get_backend(group)).lower():
+        return _all_gather_small(t.cpu(), group).to(t.device)
+    out = t.new_empty((world, *t.shape))
+    dist.all_gather(list(out.unbind(0)), t.contiguous(), group=group)
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Checks
+
+
+def _signature(x, topk_idx, topk_weights, num_experts, group, capacity) -> Signature:
+    """The fields that must agree between ranks (not T), and the local, host-known verdict."""
+    sig = Signature(OP)
+    world = dist.get_world_size(group)
+    ok_int = isinstance(num_experts, int) and not isinstance(num_experts, bool)
+    ok_cap = capacity is None or (isinstance(capacity, int) and not isinstance(capacity, bool))
+    sig.add("num_experts", num_experts if ok_int else -1)
+    sig.add("max_tokens_per_rank (-1: None)", -1 if capacity is None or not ok_cap else capacity)
+    for name, t in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights)):
+        if not isinstance(t, torch.Tensor):
+            sig.fail(f"{name} must be a tensor, got {type(t).__name__}")
+            return sig
+    sig.add("x.dim()", x.dim())
+    sig.add("H (x.shape[-1])", x.shape[-1] if x.dim() >= 1 else -1)
+    sig.add("x.dtype", dtype_code(x.dtype))
+    sig.add("topk_idx.dim()", topk_idx.dim())
+    sig.add("K (topk_idx.shape[-1])", topk_idx.shape[-1] if topk_idx.dim() >= 1 else -1)
+    sig.add("topk_idx.dtype", dtype_code(topk_idx.dtype))
+    sig.add("topk_weights.dtype", dtype_code(topk_weights.dtype))
+    if not ok_int or num_experts <= 0:
+        sig.fail(f"num_experts must be a positive int, got {num_experts!r}")
+    elif num_experts % world != 0:
+        sig.fail(f"num_experts = {num_experts} is not divisible by the group size {world}")
+    if not ok_cap or (capacity is not None and capacity < 1):
+        sig.fail(f"max_tokens_per_rank must be None or a positive int, got {capacity!r}")
+    if x.dim() != 2:
+        sig.fail(f"x must be 2-D [T, H], got shape {tuple(x.shape)}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        sig.fail(f"x dtype {x.dtype} is not supported (use one of {[str(d) for d in SUPPORTED_DTYPES]})")
+    if topk_idx.dim() != 2 or topk_idx.shape[-1] < 1:
+        sig.fail(f"topk_idx must be 2-D [T, K] with K >= 1, got shape {tuple(topk_idx.shape)}")
+    if topk_idx.dtype not in _INDEX_DTYPES:
+        sig.fail(f"topk_idx dtype {topk_idx.dtype} is not supported (int64 or int32)")
+    if not topk_weights.is_floating_point():
+        sig.fail(f"topk_weights must be floating, got {topk_weights.dtype}")
+    if topk_weights.shape != topk_idx.shape:
+        sig.fail(f"topk_weights has shape {tuple(topk_weights.shape)} but topk_idx has {tuple(topk_idx.shape)}")
+    if x.dim() >= 1 and topk_idx.dim() >= 1 and topk_idx.shape[0] != x.shape[0]:
+        sig.fail(f"topk_idx has {topk_idx.shape[0]} rows but x has {x.shape[0]} tokens")
+    for name, t in (("topk_idx", topk_idx), ("topk_weights", topk_weights)):
+        if t.device != x.device:
+            sig.fail(f"{name} is on {t.device} but x is on {x.device}")
+    dev = group_device(group)
+    if x.device.type != dev.type:
+        sig.fail(f"x is on {x.device} but the process group communicates on {dev.type} "
+                 "(NCCL groups take CUDA tensors, gloo groups CPU tensors)")
+    elif x.device.type == "cuda" and x.device.index != torch.cuda.current_device():
+        sig.fail(f"x is on {x.device} but the current CUDA device is {torch.cuda.current_device()}")
+    return sig
+
+
+def _data_code(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """The data-dependent verdict as an int64 scalar on topk_idx's device (no host read)."""
+    idx = topk_idx.to(torch.int64)
+    bad = ((idx < -1) | (idx >= num_experts)).any()
+    s = idx.sort(dim=1).values
+    dup = ((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)).any()
+    return bad.to(torch.int64) * _BAD_ID + dup.to(torch.int64) * _DUPLICATE
+
+
+def _data_message(topk_idx: torch.Tensor, num_experts: int) -> Optional[str]:
+    """A readable description of the first problem in topk_idx (host read; failing calls only)."""
+    idx = topk_idx.to(torch.int64).cpu()
+    bad = ((idx < -1) | (idx >= num_experts)).nonzero()
+    if len(bad):
+        t, k = bad[0].tolist()
+        return (f"topk_idx[{t}, {k}] = {int(idx[t, k])} is outside [-1, {num_experts}) "
+                f"({len(bad)} such entries)")
+    for t, row in enumerate(idx.tolist()):
+        seen = set()
+        for e in row:
+            if e >= 0 and e in seen:
+                return f"topk_idx row {t} lists expert {e} twice (a token may list an expert at most once)"
+            seen.add(e)
+    return None
+
+
+def _check_host(sig: Signature, topk_idx, num_experts, group) -> None:
+    """The host-read verdict: one all_gather of (error flag, hash of the fields that must agree)
+    through the group; if any rank reports a problem or a different hash, the ranks exchange
+    their messages through the store and every rank raises the same FluxInputError."""
+    dev = group_device(group)
+    h = zlib.crc32(repr(sig.fields).encode())
+    mine = torch.tensor([1 if sig.error else 0, h], dtype=torch.int64, device=dev)
+    if sig.error is None:
+        mine[0] += _data_code(topk_idx, num_experts).to(dev)
+    verdicts = _all_gather_small(mine, group).tolist()
+    if all(v[0] == 0 and v[1] == h for v in verdicts):
+        return
+    if sig.error is None and verdicts[dist.get_rank(group)][0]:
+        sig.fail(_data_message(topk_idx, num_experts) or "invalid topk_idx")
+    # The payload of check_collectively's exchange, so that the two can never misread each other.
+    ranks = tuple(dist.get_process_group_ranks(group))
+    reports = _exchange(ranks, dist.get_rank(), (sig.values(), sig.error, sig.fields))
+    raise FluxInputError(_compose(OP, [(err, fields) for _, err, fields in reports]))
+
+
+def _check_deferred(sig: Signature, x, topk_idx, num_experts, group, capacity) -> torch.Tensor:
+    """The bounded variant without a host read: the fields that must agree (and host-known
+    local errors) through check_collectively; the data verdict and T > C all-gathered on the
+    device. Returns every rank's code, ``[W]`` int64 on x's device."""
+    check_collectively(sig, group)
+    code = _data_code(topk_idx, num_experts)
+    if x.shape[0] > capacity:
+        code = code + _OVER_CAPACITY
+    return _all_gather_small(code.reshape(1), group).reshape(-1)
+
+
+# --------------------------------------------------------------------------------------
+# Pieces shared by the strategies (local, on the sending side)
+
+
+def _extend(rows: torch.Tensor) -> torch.Tensor:
+    """rows with one zero row appended (the target of padding indices)."""
+    return torch.cat([rows, rows.new_zeros((1, *rows.shape[1:]))])
+
+
+def _place(rows: torch.Tensor, dest: torch.Tensor, n: int) -> torch.Tensor:
+    """``out[dest[i]] = rows[i]`` into n zero rows; indices >= n (padding) are dropped.
+    A gather (through the inverse of dest), so each output row is written exactly once."""
+    src = torch.full((n + 1,), rows.shape[0], dtype=torch.int64, device=rows.device)
+    src.scatter_(0, dest.clamp(max=n), torch.arange(rows.shape[0], device=rows.device))
+    return _extend(rows)[src[:n]]
+
+
+def _pair_rows(handle: MoeHandle) -> torch.Tensor:
+    """int64 ``[T, K]``: the sent row of each (token, slot) pair, or S (no row: -1 slots)."""
+    t, k, sp = handle.num_tokens, handle.topk, handle.send_pairs
+    pos = torch.full((t * k + 1,), sp.shape[0], dtype=torch.int64, device=sp.device)
+    pos.scatter_(0, sp, torch.arange(sp.shape[0], device=sp.device))
+    return pos[:t * k].view(t, k)
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _sum_slots(rows: torch.Tensor, weights: Optional[torch.Tensor], handle: MoeHandle,
+               out_dtype: torch.dtype) -> torch.Tensor:
+    """``out[t] = sum over valid k of weights[t, k] * rows[row of (t, k)]`` (weights None: 1),
+    accumulated in fp32 (fp64 for fp64), slot 0 first; ``[T, H]`` in out_dtype."""
+    acc = _acc_dtype(out_dtype)
+    pos = _pair_rows(handle)
+    ext = _extend(rows)
+    valid = pos < rows.shape[0]
+    out = torch.zeros((handle.num_tokens, rows.shape[-1]), dtype=acc, device=rows.device)
+    for k in range(handle.topk):
+        w = valid[:, k:k + 1].to(acc)
+        if weights is not None:  # where, not a product: a NaN weight of a -1 slot must not count
+            w = torch.where(valid[:, k:k + 1], weights[:, k:k + 1].to(acc), torch.zeros((), dtype=acc,
+                                                                                         device=w.device))
+        out += w * ext[pos[:, k]].to(acc)
+    return out.to(out_dtype)
+
+
+def _rows_from_tokens(tokens: torch.Tensor, handle: MoeHandle, weights: Optional[torch.Tensor] = None,
+                      dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """The send rows: ``tokens[t]`` (times ``weights[t, k]`` when given) for each sent pair (t, k),
+    zero for padding; ``[S, H]``."""
+    sp = handle.send_pairs
+    tok = _extend(tokens)[torch.div(sp, handle.topk, rounding_mode="floor")]
+    if weights is None:
+        return tok if dtype is None else tok.to(dtype)
+    acc = _acc_dtype(tokens.dtype)
+    w = torch.cat([weights.reshape(-1).to(acc), weights.new_zeros(1, dtype=acc)])[sp]
+    return (tok.to(acc) * w[:, None]).to(dtype or tokens.dtype)
+
+
+# --------------------------------------------------------------------------------------
+# The all_to_all strategy
+
+
+class _AllToAll:
+    """Rows moved by ``all_to_all_single`` (NCCL or gloo); see the module docstring."""
+
+    name = "all_to_all"
+
+    @staticmethod
+    def dispatch(x, topk_idx, num_experts, group, capacity, any_error):
+        """(recv_x, counts, send_pairs, recv_dest, host ints) of one dispatch: see MoeHandle; the
+        host ints are meta's tail (unbounded: counts, then the send and receive split sizes;
+        bounded: none). ``any_error`` is a device bool (the deferred verdict) or None: when true,
+        nothing is sent (every rank sees the same verdict, so the exchange stays matched)."""
+        world = dist.get_world_size(group)
+        el = num_experts // world
+        t, k = topk_idx.shape
+        h = x.shape[-1]
+        dev = x.device
+        idx = topk_idx.reshape(-1).to(torch.int64)
+        ok = (idx >= 0) & (idx < num_experts)
+        if any_error is not None:
+            ok &= ~any_error
+        key = torch.where(ok, idx, num_experts)  # invalid slots sort last, and count nowhere
+        key_sorted, order = torch.sort(key, stable=True)  # by expert, then pair t * K + k
+        send_counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev)
+        send_counts.scatter_add_(0, key, torch.ones_like(key))
+        send_counts = send_counts[:num_experts].contiguous()  # [W * E_l], by (destination, expert)
+        recv_counts = torch.empty_like(send_counts)
+        _all_to_all(recv_counts, send_counts, None, None, group)
+        rc = recv_counts.view(world, el)  # [source, expert]
+        counts = rc.sum(0)
+        if capacity is None:
+            host = torch.cat([send_counts, recv_counts]).tolist()  # the host read that sizes the rows
+            sc, rch = host[:num_experts], host[num_experts:]
+            send_splits = [sum(sc[d * el:(d + 1) * el]) for d in range(world)]
+            recv_splits = [sum(rch[s * el:(s + 1) * el]) for s in range(world)]
+            n_send, n_recv = sum(send_splits), sum(recv_splits)
+            send_pairs = order[:n_send].contiguous()
+            # Received rows come by (source, expert, token, slot); row j of block (s, e) goes to
+            # the start of expert e + the rows of e from sources before s + j.
+            e_start = counts.cumsum(0) - counts
+            s_start = rc.cumsum(0) - rc
+            base = (e_start[None, :] + s_start).reshape(-1)
+            flat = rc.reshape(-1)
+            block = torch.repeat_interleave(torch.arange(world * el, device=dev), flat, output_size=n_recv)
+            block_start = flat.cumsum(0) - flat
+            recv_dest = base[block] + torch.arange(n_recv, device=dev) - block_start[block]
+            rows = _extend(x)[torch.div(send_pairs, k, rounding_mode="floor")]
+            received = x.new_empty((n_recv, h))
+            _all_to_all(received, rows, recv_splits, send_splits, group)
+            recv_x = _place(received, recv_dest, n_recv)
+            return recv_x, counts, send_pairs, recv_dest, _expert_totals(rch, world, el) + send_splits + recv_splits
+        # Bounded: blocks of P rows per destination, placed on the device.
+        p = capacity * min(k, el)
+        per_rank = send_counts.view(world, el).sum(1)
+        rank_start = torch.cat([per_rank.cumsum(0) - per_rank, per_rank.sum().reshape(1)])
+        dest_rank = torch.div(key_sorted, el, rounding_mode="floor")  # W for invalid slots
+        within = torch.arange(t * k, device=dev) - rank_start[dest_rank]
+        slot = torch.where((dest_rank < world) & (within < p), dest_rank * p + within,
+                           torch.full_like(within, world * p))
+        send_pairs = torch.full((world * p + 1,), t * k, dtype=torch.int64, device=dev)
+        send_pairs.scatter_(0, slot, order)
+        send_pairs = send_pairs[:world * p].clone()
+        rows = _extend(x)[torch.div(send_pairs, k, rounding_mode="floor")]
+        received = x.new_empty((world * p, h))
+        _all_to_all(received, rows, None, None, group)
+        # Row j of source s's block belongs to the expert e with incl[s, e-1] <= j < incl[s, e]
+        # (E_l: padding), at place s_start[s, e] + j - excl[s, e] of e's W*C rows.
+        incl = rc.cumsum(1)
+        j = torch.arange(p, device=dev).expand(world, p).contiguous()
+        e = torch.searchsorted(incl, j, right=True)  # [W, P]
+        zero_col = rc.new_zeros((world, 1))
+        excl = torch.cat([incl - rc, zero_col], 1)
+        s_start = torch.cat([rc.cumsum(0) - rc, zero_col], 1)
+        place = s_start.gather(1, e) + j - excl.gather(1, e)
+        rows_per_expert = world * capacity
+        n_out = el * rows_per_expert
+        recv_dest = torch.where((e < el) & (place < rows_per_expert), e * rows_per_expert + place,
+                                torch.full_like(place, n_out)).reshape(-1)
+        recv_x = _place(received, recv_dest, n_out).view(el, rows_per_expert, h)
+        return recv_x, counts, send_pairs, recv_dest, []
+
+    @staticmethod
+    def fake_dispatch(x, topk_idx, num_experts, world, capacity):
+        """Fake (meta) outputs of ``dispatch`` for torch.compile: the same shapes, R and S
+        dynamic in the unbounded variant."""
+        el, h, k = num_experts // world, x.shape[-1], topk_idx.shape[-1]
+        i64 = dict(dtype=torch.int64, device=x.device)
+        if capacity is None:
+            ctx = torch.library.get_ctx()
+            r, n_send = ctx.new_dynamic_size(), ctx.new_dynamic_size()
+            return (x.new_empty((r, h)), torch.empty(el, **i64), torch.empty(n_send, **i64), torch.empty(r, **i64),
+                    el + 2 * world)
+        n = world * capacity * min(k, el)
+        return (x.new_empty((el, world * capacity, h)), torch.empty(el, **i64), torch.empty(n, **i64),
+                torch.empty(n, **i64), 0)
+
+    @staticmethod
+    def _splits(handle: MoeHandle):
+        """(send split sizes, receive split sizes): lists of W ints (unbounded), None (bounded)."""
+        if handle.bounded:
+            return None, None
+        extra, w = handle.host_extra(), handle.world
+        return extra[:w], extra[w:2 * w]
+
+    @staticmethod
+    def to_experts(rows: torch.Tensor, handle: MoeHandle) -> torch.Tensor:
+        """Send rows (``[S, H]``, send order) -> recv_x's layout on their experts' ranks."""
+        send_splits, recv_splits = _AllToAll._splits(handle)
+        received = rows.new_empty((handle.recv_dest.shape[0], rows.shape[-1]))
+        _all_to_all(received, rows, recv_splits, send_splits, handle.group)
+        n = 1
+        for s in handle.recv_shape[:-1]:
+            n *= s
+        return _place(received, handle.recv_dest, n).view(*handle.recv_shape[:-1], rows.shape[-1])
+
+    @staticmethod
+    def to_sources(y: torch.Tensor, handle: MoeHandle) -> torch.Tensor:
+        """recv_x-layout rows -> ``[S, H]`` back on their sources, in send order (the inverse of
+        to_experts; padding rows zero)."""
+        h = y.shape[-1]
+        back = _extend(y.reshape(-1, h))[handle.recv_dest]
+        out = y.new_empty((handle.send_pairs.shape[0], h))
+        send_splits, recv_splits = _AllToAll._splits(handle)
+        _all_to_all(out, back, send_splits, recv_splits, handle.group)
+        return out
+
+
+def _expert_totals(rch: List[int], world: int, el: int) -> List[int]:
+    """Per-expert totals of a [W * E_l] list of per-(source, expert) counts."""
+    return [sum(rch[s * el + e] for s in range(world)) for e in range(el)]
+
+
+_STRATEGY_IMPLS = {"all_to_all": _AllToAll}
+
+
+def available_strategies(device: torch.device) -> List[str]:
+    """Names of the strategies that can run on ``device``."""
+    return ["all_to_all"]
+
+
+def run_strategy(name: str, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, *,
+                 group: Optional[dist.ProcessGroup] = None, max_tokens_per_rank: Optional[int] = None):
+    """``flux.moe_dispatch`` through the named strategy, bypassing the choice (benchmarks, tests);
+    checked as the op, no autograd. Combine the result with ``flux.moe_combine``."""
+    if name not in STRATEGIES:
+        raise ValueError(f"{OP}: unknown strategy {name!r}; known: {list(STRATEGIES)}")
+    return _dispatch_impl(x, topk_idx, topk_weights, num_experts, resolve_group(group, OP), max_tokens_per_rank,
+                          strategy=name)
+
+
+def _choose_strategy(x: torch.Tensor, group: dist.ProcessGroup, bounded: bool) -> str:
+    """The strategy of one call: the same on every rank (it depends only on what the ranks have
+    agreed). A GPU strategy is chosen here for CUDA groups where it can run."""
+    return "all_to_all"
+
+
+# --------------------------------------------------------------------------------------
+# Implementations
+
+
+def _dispatch_impl(x, topk_idx, topk_weights, num_experts, group, capacity, *, defer_verdict=None,
+                   strategy=None):
+    """Check (see the module docstring), choose a strategy, dispatch. Returns
+    ``(recv_x, counts, handle)``; the handle's topk_weights is the argument. ``defer_verdict``:
+    report data errors through ``handle.check()`` instead of raising (default: the bounded
+    variant on CUDA groups)."""
+    sig = _signature(x, topk_idx, topk_weights, num_experts, group, capacity)
+    bounded = capacity is not None
+    if defer_verdict is None:
+        defer_verdict = bounded and cuda_group(group)
+    if defer_verdict and bounded:
+        verdict = _check_deferred(sig, x, topk_idx, num_experts, group, capacity)
+        any_error = (verdict != 0).any()
+    else:
+        if bounded and sig.error is None and x.shape[0] > capacity:
+            sig.fail(f"x has T = {x.shape[0]} tokens, more than max_tokens_per_rank = {capacity}")
+        _check_host(sig, topk_idx, num_experts, group)
+        verdict = torch.zeros(dist.get_world_size(group), dtype=torch.int64, device=x.device)
+        any_error = None
+    name = strategy or _choose_strategy(x, group, bounded)
+    recv_x, counts, send_pairs, recv_dest, sizes = _STRATEGY_IMPLS[name].dispatch(
+        x, topk_idx, num_experts, group, capacity, any_error)
+    meta = torch.tensor([STRATEGIES.index(name)] + list(sizes), dtype=torch.int64)
+    handle = MoeHandle(group, name, num_experts, x.shape[0], topk_idx.shape[1], x.shape[1], capacity, topk_weights,
+                       send_pairs, recv_dest, meta, verdict, tuple(recv_x.shape))
+    return recv_x, counts, handle
+
+
+def _check_combine(y, handle) -> None:
+    """Local checks of combine's input (no communication happens before them)."""
+    if not isinstance(handle, MoeHandle):
+        raise FluxInputError(f"{OP_COMBINE}: handle must be the MoeHandle returned by flux.moe_dispatch, "
+                             f"got {type(handle).__name__}")
+    if not isinstance(y, torch.Tensor):
+        raise FluxInputError(f"{OP_COMBINE}: y must be a tensor, got {type(y).__name__}")
+    if tuple(y.shape) != tuple(handle.recv_shape):
+        raise FluxInputError(f"{OP_COMBINE}: y has shape {tuple(y.shape)} but the dispatch's recv_x had "
+                             f"{tuple(handle.recv_shape)} (y must be in recv_x's layout)")
+    if not y.is_floating_point():
+        raise FluxInputError(f"{OP_COMBINE}: y must be floating, got {y.dtype}")
+    if y.device != handle.send_pairs.device:
+        raise FluxInputError(f"{OP_COMBINE}: y is on {y.device} but the dispatch ran on {handle.send_pairs.device}")
+
+
+def _combine_impl(y, weights, handle) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(out ``[T, H]`` in y's dtype, y's rows back on this rank ``[S, H]`` in send order)."""
+    returned = _STRATEGY_IMPLS[handle.strategy].to_sources(y.contiguous(), handle)
+    return _sum_slots(returned, weights, handle, y.dtype), returned
+
+
+def _dispatch_backward(grad_recv, handle, x_dtype) -> torch.Tensor:
+    """d x: the gradients of a token's copies moved back and summed (combine with weights 1)."""
+    rows = _STRATEGY_IMPLS[handle.strategy].to_sources(grad_recv.contiguous(), handle)
+    return _sum_slots(rows, None, handle, x_dtype)
+
+
+def _combine_backward(needs, grad_out, grad_returned, y_dtype, weights, returned, handle, traceable=False):
+    """(d y, d topk_weights) of ``out = combine(y)``; grad_returned: the gradient of the rows
+    returned alongside (the dispatcher op's second output), or None. ``traceable``: move the
+    rows through the dispatcher op flux::moe_to_experts (the registered autograd formula, which
+    AOT autograd traces with fake tensors), not through the strategy's collectives directly."""
+    grad_y = grad_w = None
+    if needs[0]:
+        rows = _rows_from_tokens(grad_out, handle, weights, dtype=_acc_dtype(y_dtype))
+        if grad_returned is not None:
+            rows = rows + grad_returned.to(rows.dtype)
+        rows = rows.to(y_dtype)
+        if traceable:
+            grad_y = torch.ops.flux.moe_to_experts(rows, handle.recv_dest, handle.meta, group_name(handle.group),
+                                                   handle.num_experts, handle.max_tokens_per_rank,
+                                                   list(handle.recv_shape))
+        else:
+            grad_y = _STRATEGY_IMPLS[handle.strategy].to_experts(rows, handle)
+    if needs[1]:
+        acc = _acc_dtype(grad_out.dtype)
+        tok = _rows_from_tokens(grad_out, handle)
+        per_row = (returned.to(acc) * tok.to(acc)).sum(-1)
+        t, k = handle.num_tokens, handle.topk
+        gw = torch.zeros(t * k + 1, dtype=acc, device=per_row.device)
+        gw = gw.scatter(0, handle.send_pairs, per_row)  # each valid pair once; padding to the last slot
+        grad_w = gw[:t * k].view(t, k).to(weights.dtype)
+    return grad_y, grad_w
+
+
+# --------------------------------------------------------------------------------------
+# Eager autograd
+
+
+class _DispatchFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topk_idx, topk_weights, num_experts, group, capacity):
+        recv_x, counts, handle = _dispatch_impl(x, topk_idx, topk_weights, num_experts, group, capacity)
+        ctx.handle, ctx.x_dtype = handle, x.dtype
+        return recv_x, counts, handle
+
+    @staticmethod
+    def backward(ctx, grad_recv, grad_counts, grad_handle):
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _dispatch_backward(grad_recv, ctx.handle, ctx.x_dtype)
+        return grad_x, None, None, None, None, None
+
+
+class _CombineFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, weights, handle):
+        out, returned = _combine_impl(y, weights, handle)
+        ctx.handle, ctx.y_dtype = handle, y.dtype
+        # The returned rows are kept only for the weights' gradient.
+        ctx.save_for_backward(weights, returned if ctx.needs_input_grad[1] else None)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        weights, returned = ctx.saved_tensors
+        grad_y, grad_w = _combine_backward(ctx.needs_input_grad[:2], grad_out, None, ctx.y_dtype, weights,
+                                           returned, ctx.handle)
+        return grad_y, grad_w, None
+
+
+# --------------------------------------------------------------------------------------
+# The dispatcher-visible ops (torch.compile, fake tensors, tensor subclasses). The handle
+# travels as its tensors; the group as its name.
+
+
+def _handle_from(group, num_experts, max_tokens_per_rank, topk_weights, send_pairs, recv_dest, meta, verdict,
+                 recv_shape, hidden) -> MoeHandle:
+    strategy = STRATEGIES[int(meta[0])] if meta.device.type == "cpu" and not _is_fake(meta) else STRATEGIES[0]
+    t, k = topk_weights.shape
+    return MoeHandle(group, strategy, num_experts, t, k, hidden, max_tokens_per_rank, topk_weights, send_pairs,
+                     recv_dest, meta, verdict, tuple(recv_shape))
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t)
+
+
+@torch.library.custom_op("flux::moe_dispatch", mutates_args=())
+def _moe_dispatch_op(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
+                     group_name: str, max_tokens_per_rank: Optional[int]
+                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    recv_x, counts, h = _dispatch_impl(x, topk_idx, topk_weights, num_experts, group_from_name(group_name),
+                                       max_tokens_per_rank)
+    return recv_x, counts, h.send_pairs, h.recv_dest, h.meta, h.verdict
+
+
+@_moe_dispatch_op.register_fake
+def _moe_dispatch_fake(x, topk_idx, topk_weights, num_experts, group_name, max_tokens_per_rank):
+    for name, t in (("topk_idx", topk_idx), ("topk_weights", topk_weights)):
+        if t.device != x.device:
+            raise FluxInputError(f"{OP}: {name} is on {t.device} but x is on {x.device}")
+    group = group_from_name(group_name)
+    world = dist.get_world_size(group)
+    name = _choose_strategy(x, group, max_tokens_per_rank is not None)
+    recv_x, counts, send_pairs, recv_dest, n_host = _STRATEGY_IMPLS[name].fake_dispatch(
+        x, topk_idx, num_experts, world, max_tokens_per_rank)
+    meta = torch.empty(1 + n_host, dtype=torch.int64, device="cpu")
+    return recv_x, counts, send_pairs, recv_dest, meta, torch.empty(world, dtype=torch.int64, device=x.device)
+
+
+def _dispatch_setup(ctx, inputs, output):
+    x, topk_idx, topk_weights, num_experts, gname, cap = inputs
+    ctx.args = (gname, num_experts, cap, tuple(topk_weights.shape), x.dtype)
+    ctx.save_for_backward(*output[2:5])  # send_pairs, recv_dest, meta
+
+
+def _dispatch_op_backward(ctx, grad_recv, *grad_rest):
+    gname, num_experts, cap, wshape, x_dtype = ctx.args
+    send_pairs, recv_dest, meta = ctx.saved_tensors
+    grad_x = None
+    if ctx.needs_input_grad[0]:  # combine with weights 1, through the op (traceable, see _combine_backward)
+        ones = torch.ones(wshape, dtype=_acc_dtype(grad_recv.dtype), device=grad_recv.device)
+        grad_x = torch.ops.flux.moe_combine(grad_recv.contiguous(), ones, send_pairs, recv_dest, meta, gname,
+                                            num_experts, cap)[0].to(x_dtype)
+    return grad_x, None, None, None, None, None
+
+
+torch.library.register_autograd("flux::moe_dispatch", _dispatch_op_backward, setup_context=_dispatch_setup)
+
+
+@torch.library.custom_op("flux::moe_combine", mutates_args=())
+def _moe_combine_op(y: torch.Tensor, topk_weights: torch.Tensor, send_pairs: torch.Tensor, recv_dest: torch.Tensor,
+                    meta: torch.Tensor, group_name: str, num_experts: int, max_tokens_per_rank: Optional[int]
+                    ) -> Tuple[torch.Tensor, torch.Tensor]:
+    handle = _handle_from(group_from_name(group_name), num_experts, max_tokens_per_rank, topk_weights, send_pairs,
+                          recv_dest, meta, torch.empty(0), y.shape, y.shape[-1])
+    _check_combine(y, handle)
+    return _combine_impl(y, topk_weights, handle)
+
+
+@_moe_combine_op.register_fake
+def _moe_combine_fake(y, topk_weights, send_pairs, recv_dest, meta, group_name, num_experts, max_tokens_per_rank):
+    t = topk_weights.shape[0]
+    return y.new_empty((t, y.shape[-1])), y.new_empty((send_pairs.shape[0], y.shape[-1]))
+
+
+def _combine_setup(ctx, inputs, output):
+    y, topk_weights, send_pairs, recv_dest, meta, gname, num_experts, cap = inputs
+    ctx.args = (gname, num_experts, cap, tuple(y.shape), y.dtype)
+    ctx.save_for_backward(topk_weights, send_pairs, recv_dest, meta, output[1])
+
+
+def _combine_op_backward(ctx, grad_out, grad_returned):
+    gname, num_experts, cap, y_shape, y_dtype = ctx.args
+    weights, send_pairs, recv_dest, meta, returned = ctx.saved_tensors
+    handle = _handle_from(group_from_name(gname), num_experts, cap, weights, send_pairs, recv_dest, meta,
+                          torch.empty(0), y_shape, y_shape[-1])
+    if grad_out is None:
+        grad_out = returned.new_zeros((handle.num_tokens, y_shape[-1]))
+    grad_y, grad_w = _combine_backward(ctx.needs_input_grad[:2], grad_out, grad_returned, y_dtype, weights, returned,
+                                       handle, traceable=True)
+    return grad_y, grad_w, None, None, None, None, None, None
+
+
+torch.library.register_autograd("flux::moe_combine", _combine_op_backward, setup_context=_combine_setup)
+
+
+@torch.library.custom_op("flux::moe_to_experts", mutates_args=())
+def _moe_to_experts_op(rows: torch.Tensor, recv_dest: torch.Tensor, meta: torch.Tensor, group_name: str,
+                       num_experts: int, max_tokens_per_rank: Optional[int], recv_shape: Sequence[int]) -> torch.Tensor:
+    """Send rows ``[S, H]`` (send order) to recv_x's layout (``recv_shape``) on their experts'
+    ranks: combine's backward for y (no autograd of its own)."""
+    handle = MoeHandle(group_from_name(group_name), STRATEGIES[int(meta[0])], num_experts, 0, 1, rows.shape[-1],
+                       max_tokens_per_rank, None, torch.empty(rows.shape[0], dtype=torch.int64, device=rows.device),
+                       recv_dest, meta, torch.empty(0), tuple(recv_shape))
+    return _STRATEGY_IMPLS[handle.strategy].to_experts(rows.contiguous(), handle)
+
+
+@_moe_to_experts_op.register_fake
+def _moe_to_experts_fake(rows, recv_dest, meta, group_name, num_experts, max_tokens_per_rank, recv_shape):
+    return rows.new_empty(tuple(recv_shape))
+
+
+# --------------------------------------------------------------------------------------
+# Public API
+
+
+def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, *,
+                 group: Optional[dist.ProcessGroup] = None, max_tokens_per_rank: Optional[int] = None
+                 ) -> Tuple[torch.Tensor, torch.Tensor, MoeHandle]:
+    """Send each token to the ranks owning the experts it is routed to (expert parallelism).
+
+    Args:
+        x: ``[T, H]`` this rank's tokens; bf16, fp16, fp32 or fp64. T may differ between ranks
+            (T = 0 allowed); H must not.
+        topk_idx: ``[T, K]`` int64 or int32: global expert ids in ``[0, num_experts)``, or -1
+            (no expert: the slot is skipped). A row lists an expert at most once.
+        topk_weights: ``[T, K]`` floating: the routing weights, used by ``moe_combine`` (kept in
+            the handle; their gradient flows through combine).
+        num_experts: E, divisible by the group size W; rank r owns the global experts
+            ``[r * E_l, (r + 1) * E_l)``, ``E_l = E / W``.
+        group: the expert-parallel process group (default: the world).
+        max_tokens_per_rank: None (unbounded variant) or C >= every rank's T (bounded variant:
+            fixed shapes, no host synchronisation).
+
+    Returns:
+        ``(recv_x, counts, handle)``:
+
+        recv_x: in x's dtype, on x's device: one row per (token, slot) pair routed here, grouped
+            by local expert (0 first), within an expert by source rank (0 .. W-1), then by the
+            token's index on its source, then by slot k. Unbounded: ``[R, H]``, R the number of
+            such rows. Bounded: ``[E_l, W * C, H]``, expert e's rows first in ``recv_x[e]``, the
+            rest zero.
+        counts: ``[E_l]`` int64 on x's device: rows per local expert.
+        handle: a ``MoeHandle`` for ``moe_combine``; ``handle.counts_host`` is counts as a list
+            (unbounded; None when bounded).
+
+    Raises:
+        FluxInputError, on every rank alike and before any row moves, when some rank's
+        arguments are invalid or the ranks disagree on num_experts, max_tokens_per_rank, H, K
+        or the dtypes (the bounded variant on CUDA groups reports invalid ids, duplicates and
+        T > C through ``handle.check()`` instead, having sent nothing).
+    """
+    group = resolve_group(group, OP)
+    mode = call_mode(x, topk_idx, topk_weights)
+    if mode == 0:
+        return _dispatch_impl(x, topk_idx, topk_weights, num_experts, group, max_tokens_per_rank)
+    if mode == 1:
+        recv_x, counts, handle = _DispatchFunction.apply(x, topk_idx, topk_weights, num_experts, group,
+                                                         max_tokens_per_rank)
+        handle.topk_weights = topk_weights  # the caller's tensor, with its autograd history
+        return recv_x, counts, handle
+    recv_x, counts, send_pairs, recv_dest, meta, verdict = torch.ops.flux.moe_dispatch(
+        x, topk_idx, topk_weights, num_experts, group_name(group), max_tokens_per_rank)
+    handle = _handle_from(group, num_experts, max_tokens_per_rank, topk_weights, send_pairs, recv_dest, meta, verdict,
+                          recv_x.shape, x.shape[-1])
+    return recv_x, counts, handle
+
+
+def moe_combine(y: torch.Tensor, handle: MoeHandle) -> torch.Tensor:
+    """Bring the experts' outputs back to their tokens and sum them with the routing weights.
+
+    Args:
+        y: the experts' outputs in ``recv_x``'s layout and shape (``[R, H]`` or ``[E_l, W * C,
+            H]``), any floating dtype, on the dispatch's device. Bounded: rows past
+            ``counts[e]`` are ignored.
+        handle: the ``MoeHandle`` of the matching ``moe_dispatch`` (same group, every rank).
+
+    Returns:
+        out: ``[T, H]`` in y's dtype, in this rank's token order:
+        ``out[t] = sum over valid k of topk_weights[t, k] * y[row of (t, k)]``, accumulated in
+        fp32 (fp64 for fp64 y) slot by slot from k = 0, then cast; zero for a token without a
+        valid slot.
+
+    Raises:
+        FluxInputError, locally and before communicating, when y does not match the handle.
+    """
+    _check_combine(y, handle)
+    weights = handle.topk_weights
+    mode = call_mode(y, weights)
+    if mode == 0:
+        return _combine_impl(y, weights, handle)[0]
+    if mode == 1:
+        return _CombineFunction.apply(y, weights, handle)
+    return torch.ops.flux.moe_combine(y, weights, handle.send_pairs, handle.recv_dest, handle.meta,
+                                      group_name(handle.group), handle.num_experts, handle.max_tokens_per_rank)[0]
+
+
+# --------------------------------------------------------------------------------------
+# Unchecked references: gather everything, select locally
+
+
+def _gather_padded(t: torch.Tensor, rows: int, fill, group) -> torch.Tensor:
+    """[W, rows, ...]: every rank's t padded with ``fill`` to ``rows`` rows."""
+    pad = torch.full((rows - t.shape[0], *t.shape[1:]), fill, dtype=t.dtype, device=t.device)
+    return _all_gather_small(torch.cat([t, pad]), group)
+
+
+def _ref_routing(topk_idx, num_experts, group):
+    """Every rank's T and topk_idx ([W, Tmax, K], padded with -1)."""
+    sizes = _all_gather_small(torch.tensor([topk_idx.shape[0]], device=topk_idx.device), group).reshape(-1).tolist()
+    return sizes, _gather_padded(topk_idx.to(torch.int64), max(sizes), -1, group)
+
+
+def moe_dispatch_ref(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, *,
+                     group: Optional[dist.ProcessGroup] = None,
+                     max_tokens_per_rank: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(recv_x, counts)`` of ``moe_dispatch``, by all-gathering every rank's x and topk_idx and
+    selecting this rank's rows; unchecked, no handle, no autograd."""
+    group = resolve_group(group, OP)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    el = num_experts // world
+    sizes, idx_all = _ref_routing(topk_idx, num_experts, group)
+    x_all = _gather_padded(x, max(sizes), 0, group)  # [W, Tmax, H]
+    blocks, counts = [], []
+    for e in range(el):
+        src, tok, _ = (idx_all == rank * el + e).nonzero(as_tuple=True)  # lexicographic: (source, token, slot)
+        blocks.append(x_all[src, tok])
+        counts.append(src.shape[0])
+    if max_tokens_per_rank is not None:
+        c = world * max_tokens_per_rank
+        blocks = [torch.cat([b, b.new_zeros((c - b.shape[0], x.shape[-1]))]) for b in blocks]
+        recv_x = torch.stack(blocks) if blocks else x.new_zeros((0, c, x.shape[-1]))
+    else:
+        recv_x = torch.cat(blocks)
+    return recv_x, torch.tensor(counts, dtype=torch.int64, device=x.device)
+
+
+def moe_combine_ref(y: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, *,
+                    group: Optional[dist.ProcessGroup] = None,
+                    max_tokens_per_rank: Optional[int] = None) -> torch.Tensor:
+    """``moe_combine`` of ``y`` for the dispatch of these topk_idx / topk_weights, by all-gathering
+    every rank's y and routing and summing this rank's tokens' rows in fp32; unchecked."""
+    group = resolve_group(group, OP)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    el = num_experts // world
+    h = y.shape[-1]
+    sizes, idx_all = _ref_routing(topk_idx, num_experts, group)
+    n_rows = _all_gather_small(torch.tensor([y.reshape(-1, h).shape[0]], device=y.device), group).reshape(-1)
+    y_all = _gather_padded(y.reshape(-1, h), int(n_rows.max()), 0, group)  # [W, rows, H]
+    acc = _acc_dtype(y.dtype)
+    out = torch.zeros((topk_idx.shape[0], h), dtype=acc, device=y.device)
+    for g in range(num_experts):
+        d, e = divmod(g, el)
+        src, tok, slot = (idx_all == g).nonzero(as_tuple=True)
+        if max_tokens_per_rank is not None:
+            start = e * world * max_tokens_per_rank
+        else:
+            start = int((idx_all >= d * el).logical_and(idx_all < g).sum())  # rows of d's experts before e
+        mine = (src == rank).nonzero(as_tuple=True)[0]
+        for i in mine.tolist():
+            t, k = int(tok[i]), int(slot[i])
+            out[t] += topk_weights[t, k].to(acc) * y_all[d, start + i].to(acc)
+    return out.to(y.dtype)
