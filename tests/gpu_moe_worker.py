@@ -1,5 +1,5 @@
-"""GPU cases of the symmetric-memory MoE strategy (flux/ops/_moe_symm.py), run by
-tests/test_moe_symm.py through
+"""GPU cases of the symmetric-memory MoE strategy (``symm``, flux/ops/_moe_symm.py) through
+flux's MoE API, run by tests/test_moe_symm.py through
 
     torchrun --nproc_per_node=2 tests/gpu_moe_worker.py
 
@@ -16,7 +16,9 @@ results are computed here without any collective, and exactly:
 - combine of f(received rows) (each row plus its expert's id): sum_k w[t, k] (x[t] + g(t, k));
 - 20 calls in a row on alternating shapes (workspace and barrier reuse), a rank sending nothing,
   every pair to one expert;
-- the bounded variant captured in a CUDA graph and replayed on new routings.
+- the bounded variant captured in a CUDA graph and replayed on new routings;
+- gradients (x, topk_weights, the experts' y) of dispatch -> expert -> combine through the
+  public functions equal to those of the reference all_to_all strategy (NCCL or gloo), bitwise.
 """
 import os
 
@@ -38,7 +40,9 @@ if SHARED:  # ranks share GPUs: gloo, and symmetric memory across ranks of one d
     os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import flux  # noqa: E402
 from flux.ops import _moe_symm  # noqa: E402
+from flux.ops import moe as moe_mod  # noqa: E402
 
 CASES = {}
 
@@ -94,7 +98,9 @@ def run_once(rank, world, dev, group, tokens_of, hidden, k, experts, dtype, seed
     all_inputs = [inputs(s, tokens_of(s), hidden, k, experts, dtype, "cpu", seed, skew) for s in range(world)]
     x, idx, w = (t.to(dev) for t in all_inputs[rank])
     want_rows, want_counts = expected_dispatch(all_inputs, rank, world, experts)
-    recv, counts, counts_host, state = _moe_symm.dispatch(x, idx, experts, group, cap)
+    recv, counts, handle = moe_mod.run_strategy("symm", x, idx, w, experts, group=group, max_tokens_per_rank=cap)
+    assert handle.strategy == "symm"
+    counts_host = handle.counts_host
     assert counts.tolist() == want_counts, f"counts {counts.tolist()} != {want_counts}"
     el = experts // world
     if cap is None:
@@ -109,7 +115,7 @@ def run_once(rank, world, dev, group, tokens_of, hidden, k, experts, dtype, seed
             assert not recv[e, n:].any(), f"expert {e}: rows past the count are not zero"
             start += n
         y = recv.float() + (rank * el + torch.arange(el, device=dev, dtype=torch.float32))[:, None, None]
-    out = _moe_symm.combine(y.to(dtype), w, state, group)
+    out = flux.moe_combine(y.to(dtype), handle)
     xf, idxc, wc = x.float().cpu(), idx.cpu(), w.cpu()
     want = torch.zeros(x.shape[0], hidden)
     for t in range(x.shape[0]):
@@ -155,8 +161,9 @@ def bounded_graph_replay(rank, world, dev, group):
     static = [x.clone(), idx.clone(), w.clone()]
 
     def step():
-        recv, _, _, state = _moe_symm.dispatch(static[0], static[1], experts, group, cap)
-        return recv, _moe_symm.combine(recv, static[2], state, group)
+        recv, _, handle = flux.moe_dispatch(static[0], static[1], static[2], experts, group=group,
+                                            max_tokens_per_rank=cap)
+        return recv, flux.moe_combine(recv, handle)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -185,6 +192,31 @@ def bounded_graph_replay(rank, world, dev, group):
         assert torch.equal(out_g.float().cpu(), want.to(torch.bfloat16).float()), f"replay {rep}: combine"
 
 
+@case
+def gradients_match_all_to_all(rank, world, dev, group):
+    experts, hidden, k = 16, 512, 4
+    for cap in (None, 48):
+        x0, idx, w0 = inputs(rank, 40 + 3 * rank, hidden, k, experts, torch.float32, dev, seed=70)
+        x0 = x0 + 0.25 * torch.randn(x0.shape, generator=torch.Generator().manual_seed(rank)).to(dev)
+        scale = torch.linspace(0.5, 1.5, hidden, device=dev)
+        g = torch.randn(x0.shape, generator=torch.Generator().manual_seed(10 + rank)).to(dev)
+        grads = {}
+        for name in ("all_to_all", "symm"):
+            moe_mod._choose_strategy = (lambda n: lambda *a: n)(name)
+            x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+            recv, _, handle = flux.moe_dispatch(x, idx, w, experts, group=group, max_tokens_per_rank=cap)
+            assert handle.strategy == name
+            out = flux.moe_combine(recv * scale, handle)
+            out.backward(g)
+            grads[name] = (out.detach(), x.grad, w.grad)
+        moe_mod._choose_strategy = _CHOOSE
+        for what, a, b in zip(("out", "d x", "d topk_weights"), grads["symm"], grads["all_to_all"]):
+            assert torch.equal(a, b), f"cap={cap}: {what} differs from all_to_all by {float((a - b).abs().max())}"
+
+
+_CHOOSE = moe_mod._choose_strategy
+
+
 def main():
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
@@ -197,6 +229,7 @@ def main():
     out_dir = os.environ.get("FLUX_GPU_RESULTS_DIR")
     lines = []
     why = _moe_symm.usable(group, torch.empty(1, device=dev))
+    assert why is not None or moe_mod._choose_strategy(torch.empty(1, device=dev), group, False) == "symm"
     for name in names:
         rec = {"case": name, "rank": rank, "status": "ok", "error": None}
         if why is not None:

@@ -1,43 +1,49 @@
-"""The symmetric-memory strategy of flux.moe_dispatch / flux.moe_combine (CUDA, NCCL groups).
+"""The ``symm`` strategy of flux.moe_dispatch / flux.moe_combine: rows moved through the group's
+symmetric workspace (CUDA, NCCL groups).
 
 No NCCL call: the ranks exchange their per-expert counts and then their rows through the group's
 symmetric workspace (flux.runtime.symm), SMs writing straight into the peers' buffers over NVLink
 (``torch.ops.flux.moe_scatter_rows_``, csrc/moe/moe_rows.cu), ordered by flux's token-carrying
 barrier (``Runtime.enqueue_barrier``: bounded, naming the peer on a timeout). flux/ops/moe.py
-holds the API, the argument checks, the reference strategy and autograd; this module only moves
-data, and is called with arguments already checked to agree across ranks.
+holds the API, the argument checks, the weighted sum, autograd and the interface this class
+implements (``SymmStrategy``: see ``_AllToAll`` there); this module only moves rows, with
+arguments already checked to agree across ranks.
 
 Workspace regions (byte offsets, 256-aligned, the same on every rank):
 
-    counts   [W, E] int32        row s: rank s's number of (token, slot) pairs per global expert
-    rows     [rows_cap, H]       dispatch: the rows this rank receives, in the output's layout;
-                                 combine: the expert outputs of this rank's own pairs land here
-    tags     [rows_cap] int32    dispatch: per received row, its index among its sender's pairs
+    counts   [W, E] int32      row s: rank s's number of (token, slot) pairs per global expert
+    rows     [rows_cap, H]     rows arriving here: dispatch (and ``to_experts``): the rows of our
+                               experts, in recv_x's layout; ``to_sources``: our own pairs' rows
+                               back from the experts, at their index in our send order
+    tags     [rows_cap] int32  dispatch: per arriving row, its index in its sender's send order
 
-Dispatch on rank r (T tokens, K slots; E experts, E_l = E / W on each rank)::
+Dispatch on rank r (T tokens, K slots; E experts, E_l = E / W per rank)::
 
-    sort the T*K (token, slot) pairs by expert, stably (token order, then slot), -1 slots last
-    counts_r = per-expert counts                       [E]
-    barrier                                            nobody still reads our workspace
-    counts_r into row r of every rank's counts region  (a small copy per rank)
-    barrier                                            every rank's counts are in
-    C = counts [W, E]; the unbounded variant copies it to the host (it sizes the output)
-    pair i, expert g, on rank d = g // E_l as local expert e = g % E_l, lands at
+    sort the T*K (token, slot) pairs by expert, stably (token, then slot), -1 slots last:
+        the send order (send_pairs: the valid pairs; bounded: all T*K, the invalid ones padding)
+    counts_r = per-expert counts                      [E]
+    barrier                                           nobody still reads our workspace
+    counts_r into row r of every rank's counts        (a small copy per rank)
+    barrier                                           every rank's counts are in
+    C = counts [W, E]; unbounded: read on the host (it sizes the output), bounded: never
+    send-order pair i, expert g, lands on rank d = g // E_l, local expert e = g % E_l, at
         unbounded  (rows of d's experts before e) + sum_{s<r} C[s, g] + (i's rank among our pairs to g)
-        bounded    e * W * cap                   + sum_{s<r} C[s, g] + (i's rank among our pairs to g)
+        bounded    e * W * C_max                  + sum_{s<r} C[s, g] + (i's rank among our pairs to g)
+    (bounded: zero our rows region)
+    barrier                                           the destinations are free
     scatter x[token(i)] to rank d's rows region there, the tag i beside it
-    barrier                                            every row has landed
-    recv_x = a copy of our rows region (the next call reuses it)
+    barrier                                           every row has landed
+    recv_x = a copy of our rows region (the next call reuses the region)
 
-Combine sends each received row's expert output back to its sender, into the sender's rows
-region at the tag, between two barriers; the sender sums its pairs' outputs, weighted by their
-topk_weights, in fp32, per token. The bounded variant never reads a count on the host: the
-positions are computed on the device and rows of invalid slots are skipped by the kernel (a
-destination rank of -1), so the whole exchange can be captured in a CUDA graph.
+``to_sources`` (combine, dispatch's backward) sends each arriving row back to its sender, at the
+tag, between two barriers; ``to_experts`` (combine's backward) repeats dispatch's movement for
+other rows. The routing is kept in the handle's ``recv_dest``: for each arriving row its sender
+and tag (``sender << 32 | tag``, -1: no row), then for each send-order pair its destination
+(``rank << 32 | row``, -1: none). The bounded variant reads nothing on the host, so the whole
+exchange can be captured in a CUDA graph.
 """
 import zlib
-from dataclasses import dataclass
-from typing import List, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -46,6 +52,7 @@ from flux.runtime import runtime as _runtime
 from flux.runtime import symm
 
 _ALIGN = 256
+_SHIFT = 32
 
 
 def _align(n: int) -> int:
@@ -53,7 +60,8 @@ def _align(n: int) -> int:
 
 
 def usable(group: dist.ProcessGroup, x: torch.Tensor) -> Optional[str]:
-    """None where this strategy can run, else the reason it cannot."""
+    """None where this strategy can run, else the reason it cannot (the same on every rank:
+    it depends on the group and the device type only)."""
     if x.device.type != "cuda":
         return "the tensors are not on a GPU"
     if dist.get_world_size(group) < 2:
@@ -65,156 +73,184 @@ def usable(group: dist.ProcessGroup, x: torch.Tensor) -> Optional[str]:
     return None
 
 
-def _token(phase: int, num_experts: int, hidden: int, k: int, dtype: torch.dtype, cap: Optional[int]) -> int:
+def _token(phase: str, num_experts: int, hidden: int, k: int, dtype: torch.dtype, cap: Optional[int]) -> int:
     """The barriers' token: op code 3 (the MoE ops) in the top two bits, a CRC of what every rank
     must agree on (not T, which may differ between ranks) in the rest; never 0."""
     text = f"moe:{phase}:{num_experts}:{hidden}:{k}:{dtype}:{cap}"
     return (3 << 30) | (zlib.crc32(text.encode()) & 0x3FFFFFFF) | 1
 
 
-@dataclass
-class SymmState:
-    """What combine needs from one dispatch: the routing as this strategy laid it out."""
-    num_experts: int
-    hidden: int
-    k: int
-    tokens: int                       # T on this rank
-    cap: Optional[int]                # max_tokens_per_rank (bounded) or None
-    order: torch.Tensor               # [T*K] int64: flat slot index t*K+k of sorted pair i
-    sorted_valid: torch.Tensor        # [T*K] bool: sorted pair i has an expert
-    recv_src: torch.Tensor            # per received row (R rows; bounded: E_l*W*cap), its sender (-1: no row)
-    recv_tags: torch.Tensor           # per received row, its index among its sender's sorted pairs
-    pairs_per_rank: Optional[List[int]]  # unbounded: every rank's number of valid pairs
-
-
 def _regions(world: int, num_experts: int, rows_cap: int, row_bytes: int):
-    """(counts offset 0, rows offset, tags offset, total bytes)."""
-    counts_bytes = _align(world * num_experts * 4)
-    rows_off = counts_bytes
+    """(rows offset, tags offset, total bytes); the counts region is at 0."""
+    rows_off = _align(world * num_experts * 4)
     tags_off = rows_off + _align(rows_cap * row_bytes)
     return rows_off, tags_off, tags_off + _align(rows_cap * 4)
 
 
-def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, group: dist.ProcessGroup,
-             cap: Optional[int]):
-    """(recv_x, counts [E_l] int64 on the device, counts as a list or None (bounded), SymmState).
+def _encode(major: torch.Tensor, minor: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    return torch.where(valid, (major << _SHIFT) | minor, torch.full_like(minor, -1))
 
-    x [T, H]; topk_idx [T, K] (ids in [0, E) or -1, no expert twice in a row); recv_x [R, H]
-    (unbounded) or [E_l, W * cap, H] (bounded: rows past an expert's count are zero)."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    tokens, hidden = x.shape
-    k = topk_idx.shape[1]
-    experts_local = num_experts // world
-    dev = x.device
-    x = x.contiguous()
-    row_bytes = hidden * x.element_size()
-    token = _token(0, num_experts, hidden, k, x.dtype, cap)
 
-    flat = topk_idx.reshape(-1).to(torch.int64)
-    key = torch.where(flat >= 0, flat, torch.full_like(flat, num_experts))  # -1 sorts last
-    key_sorted, order = torch.sort(key, stable=True)
-    # (bincount would read its input's maximum on the host: no graph capture)
-    counts_full = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev).scatter_add_(0, key, torch.ones_like(key))
-    send_counts = counts_full[:num_experts].to(torch.int32)
-    first_of_key = torch.cumsum(counts_full, 0) - counts_full
-    sorted_valid = key_sorted < num_experts
-    g = torch.where(sorted_valid, key_sorted, torch.zeros_like(key_sorted))
-    rank_in_expert = torch.arange(key_sorted.numel(), device=dev) - first_of_key[key_sorted]
+def _decode(code: torch.Tensor):
+    """(major, minor) of codes; major -1 where the code is -1."""
+    major = torch.where(code >= 0, code >> _SHIFT, torch.full_like(code, -1))
+    return major, code & ((1 << _SHIFT) - 1)
 
-    bounded_rows = experts_local * world * cap if cap is not None else 0
-    rt = _runtime.get(group, _regions(world, num_experts, bounded_rows, row_bytes)[2])
+
+def _move(rows: torch.Tensor, src_rows, dst_code: torch.Tensor, tags, group, token: int, rows_cap: int,
+          num_experts: int, zero_first: bool):
+    """Every row i with dst_code[i] >= 0 (rows[src_rows[i]], or rows[i]) into its rank's rows
+    region at its row, tags beside them; barriers before and after. Returns (workspace, rows
+    offset, tags offset)."""
+    world = dist.get_world_size(group)
+    row_bytes = rows.shape[-1] * rows.element_size()
+    rows_off, tags_off, total = _regions(world, num_experts, rows_cap, row_bytes)
+    rt = _runtime.get(group, total)  # grows collectively: every rank asks for the same size
     ws = symm.get_workspace(group, 1)
+    if zero_first:  # rows of the region that nobody writes read as zeros
+        ws.view(dist.get_rank(group), [rows_cap * row_bytes], torch.uint8, rows_off).zero_()
+    dst_rank, dst_row = _decode(dst_code)
     rt.enqueue_barrier(token)
-    for p in range(world):
-        ws.view(p, [world, num_experts], torch.int32)[rank].copy_(send_counts)
-    rt.enqueue_barrier(token)
-    counts = ws.view(rank, [world, num_experts], torch.int32).to(torch.int64)  # a copy: [W, E]
-    before_us = counts[:rank].sum(0)  # [E]: rows of expert g from the senders before us
-    mine = counts[:, rank * experts_local:(rank + 1) * experts_local]  # [W, E_l]: what we receive
-
-    if cap is None:
-        host = counts.tolist()  # the unbounded variant's one host synchronisation
-        per_expert = [sum(host[s][e] for s in range(world)) for e in range(num_experts)]
-        starts, rows_of_rank = [], []
-        for d in range(world):
-            acc = 0
-            for e in range(d * experts_local, (d + 1) * experts_local):
-                starts.append(acc)
-                acc += per_expert[e]
-            rows_of_rank.append(acc)
-        expert_start = torch.tensor(starts, dtype=torch.int64, device=dev)
-        rows_cap = max(rows_of_rank)
-        pairs_per_rank = [sum(row) for row in host]
-        # Grown collectively if needed: every rank computes the same size from the same counts.
-        rt = _runtime.get(group, _regions(world, num_experts, rows_cap, row_bytes)[2])
-        ws = symm.get_workspace(group, 1)
-        counts_host = [per_expert[rank * experts_local + e] for e in range(experts_local)]
-    else:
-        expert_start = (torch.arange(num_experts, device=dev) % experts_local) * (world * cap)
-        rows_cap, pairs_per_rank, counts_host = bounded_rows, None, None
-    rows_off, tags_off, _ = _regions(world, num_experts, rows_cap, row_bytes)
-
-    dst_rank = torch.where(sorted_valid, torch.div(g, experts_local, rounding_mode="floor"),
-                           torch.full_like(g, -1))
-    dst_row = expert_start[g] + before_us[g] + rank_in_expert
-    src_rows = torch.div(order, k, rounding_mode="floor")
-    tags = torch.arange(order.numel(), device=dev, dtype=torch.int32)
-    if cap is not None:
-        # Rows past an expert's count read as zeros: cleared before the barrier lets peers write.
-        ws.view(rank, [rows_cap * row_bytes], torch.uint8, rows_off).zero_()
-    rt.enqueue_barrier(token)
-    torch.ops.flux.moe_scatter_rows_(x, src_rows, dst_rank, dst_row, tags, ws.buffer_ptrs_dev, world,
+    torch.ops.flux.moe_scatter_rows_(rows, src_rows, dst_rank, dst_row, tags, ws.buffer_ptrs_dev, world,
                                      ws.base_offset + rows_off, ws.base_offset + tags_off)
     rt.enqueue_barrier(token)
-
-    recv_counts = mine.sum(0)  # [E_l]
-    if cap is None:
-        total = sum(counts_host)
-        recv_x = ws.view(rank, [total, hidden], x.dtype, rows_off).clone()
-        recv_tags = ws.view(rank, [total], torch.int32, tags_off).to(torch.int64)
-        # Senders of the rows: per local expert, blocks of C[s, e] rows from s = 0 .. W-1.
-        senders = torch.arange(world, device=dev).repeat(experts_local)
-        recv_src = torch.repeat_interleave(senders, mine.t().reshape(-1), output_size=total)
-    else:
-        span = world * cap
-        recv_x = ws.view(rank, [experts_local, span, hidden], x.dtype, rows_off).clone()
-        recv_tags = ws.view(rank, [experts_local * span], torch.int32, tags_off).to(torch.int64)
-        # Row j of local expert e came from the sender s with cum[s-1] <= j < cum[s]; rows past
-        # the expert's count have no sender (-1).
-        cum = torch.cumsum(mine.t(), 1).contiguous()  # [E_l, W]
-        j = torch.arange(span, device=dev).expand(experts_local, span).contiguous()
-        src = torch.searchsorted(cum, j, right=True)
-        recv_src = torch.where(j < cum[:, -1:], src, torch.full_like(src, -1)).reshape(-1)
-    state = SymmState(num_experts, hidden, k, tokens, cap, order, sorted_valid, recv_src, recv_tags, pairs_per_rank)
-    return recv_x, recv_counts, counts_host, state
+    return ws, rows_off, tags_off
 
 
-def combine(y: torch.Tensor, topk_weights: torch.Tensor, state: SymmState, group: dist.ProcessGroup) -> torch.Tensor:
-    """[T, H] in y's dtype: out[t] = sum over t's valid slots k of topk_weights[t, k] * (the
-    expert output of the row slot (t, k) was dispatched to), accumulated in fp32.
+class SymmStrategy:
+    """flux/ops/moe.py's strategy interface over the symmetric workspace (module docstring)."""
 
-    y: the expert outputs in dispatch's recv_x layout ([R, H], or [E_l, W * cap, H])."""
-    world = dist.get_world_size(group)
-    hidden, k, tokens = state.hidden, state.k, state.tokens
-    rows = y.reshape(-1, hidden).contiguous()
-    row_bytes = hidden * rows.element_size()
-    token = _token(1, state.num_experts, hidden, k, y.dtype, state.cap)
-    landing = max(state.pairs_per_rank) if state.cap is None else state.cap * k
-    rows_off, _, total = _regions(world, state.num_experts, landing, row_bytes)
-    rt = _runtime.get(group, total)
-    ws = symm.get_workspace(group, 1)
-    rt.enqueue_barrier(token)
-    torch.ops.flux.moe_scatter_rows_(rows, None, state.recv_src, state.recv_tags, None, ws.buffer_ptrs_dev, world,
-                                     ws.base_offset + rows_off, 0)
-    rt.enqueue_barrier(token)
-    n = state.order.numel()  # T*K sorted pairs; the valid ones first
-    if state.cap is None:
-        n = state.pairs_per_rank[dist.get_rank(group)]
-    own = ws.view(dist.get_rank(group), [max(n, 0), hidden], y.dtype, rows_off)
-    order, valid = state.order[:n], state.sorted_valid[:n]
-    w = topk_weights.reshape(-1)[order].to(torch.float32)
-    # Rows of invalid pairs were never written (they may hold anything, NaN included): masked out.
-    contrib = torch.where(valid[:, None], own.to(torch.float32) * w[:, None], torch.zeros((), device=y.device))
-    out = torch.zeros(tokens, hidden, dtype=torch.float32, device=y.device)
-    out.index_add_(0, torch.div(order, k, rounding_mode="floor"), contrib)
-    return out.to(y.dtype)
+    name = "symm"
+
+    @staticmethod
+    def dispatch(x, topk_idx, num_experts, group, capacity, any_error):
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        t, k = topk_idx.shape
+        h = x.shape[-1]
+        el = num_experts // world
+        dev = x.device
+        x = x.contiguous()
+        token = _token("dispatch", num_experts, h, k, x.dtype, capacity)
+        idx = topk_idx.reshape(-1).to(torch.int64)
+        ok = (idx >= 0) & (idx < num_experts)
+        if any_error is not None:  # a rank's data was invalid: every rank sends nothing
+            ok &= ~any_error
+        key = torch.where(ok, idx, torch.full_like(idx, num_experts))  # invalid slots sort last
+        key_sorted, order = torch.sort(key, stable=True)
+        # (bincount would read its input's maximum on the host: no graph capture)
+        counts_full = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev)
+        counts_full.scatter_add_(0, key, torch.ones_like(key))
+        send_counts = counts_full[:num_experts].to(torch.int32)
+        first_of_key = torch.cumsum(counts_full, 0) - counts_full
+        valid = key_sorted < num_experts
+        g = torch.where(valid, key_sorted, torch.zeros_like(key_sorted))
+        rank_in_expert = torch.arange(t * k, device=dev) - first_of_key[key_sorted]
+
+        # The counts: our row into every rank's counts region, between two barriers.
+        rt = _runtime.get(group, _regions(world, num_experts, 0, 0)[2])
+        ws = symm.get_workspace(group, 1)
+        rt.enqueue_barrier(token)
+        for p in range(world):
+            ws.view(p, [world, num_experts], torch.int32)[rank].copy_(send_counts)
+        rt.enqueue_barrier(token)
+        counts = ws.view(rank, [world, num_experts], torch.int32).to(torch.int64)  # a copy, [W, E]
+        before_us = counts[:rank].sum(0)  # rows of expert g from the senders before us
+        mine = counts[:, rank * el:(rank + 1) * el]  # [W, E_l]: what we receive
+
+        if capacity is None:
+            host = counts.tolist()  # the unbounded variant's one host synchronisation
+            per_expert = [sum(host[s][e] for s in range(world)) for e in range(num_experts)]
+            starts, rows_of_rank = [], []
+            for d in range(world):
+                acc = 0
+                for e in range(d * el, (d + 1) * el):
+                    starts.append(acc)
+                    acc += per_expert[e]
+                rows_of_rank.append(acc)
+            expert_start = torch.tensor(starts, dtype=torch.int64, device=dev)
+            rows_cap = max(rows_of_rank)
+            n_recv = rows_of_rank[rank]
+            n_send = sum(host[rank])
+            sizes = per_expert[rank * el:(rank + 1) * el] + [sum(row) for row in host] + [rows_cap]
+        else:
+            expert_start = (torch.arange(num_experts, device=dev) % el) * (world * capacity)
+            rows_cap = n_recv = el * world * capacity
+            n_send = t * k
+            sizes = []
+        send_code = _encode(torch.div(g, el, rounding_mode="floor"), expert_start[g] + before_us[g] + rank_in_expert,
+                            valid)[:n_send]
+        tags = torch.arange(n_send, device=dev, dtype=torch.int32)
+        ws, rows_off, tags_off = _move(x, torch.div(order[:n_send], k, rounding_mode="floor"), send_code, tags,
+                                       group, token, rows_cap, num_experts, zero_first=capacity is not None)
+        arrived_tags = ws.view(rank, [n_recv], torch.int32, tags_off).to(torch.int64)
+        if capacity is None:
+            recv_x = ws.view(rank, [n_recv, h], x.dtype, rows_off).clone()
+            # Senders of the arriving rows: per local expert, blocks of C[s, e] rows, s = 0 .. W-1.
+            senders = torch.arange(world, device=dev).repeat(el)
+            sender = torch.repeat_interleave(senders, mine.t().reshape(-1), output_size=n_recv)
+            arrived = torch.ones(n_recv, dtype=torch.bool, device=dev)
+        else:
+            span = world * capacity
+            recv_x = ws.view(rank, [el, span, h], x.dtype, rows_off).clone()
+            # Row j of local expert e came from the sender s with cum[s-1] <= j < cum[s].
+            cum = torch.cumsum(mine.t(), 1).contiguous()  # [E_l, W]
+            j = torch.arange(span, device=dev).expand(el, span).contiguous()
+            sender = torch.searchsorted(cum, j, right=True).reshape(-1)
+            arrived = (j < cum[:, -1:]).reshape(-1)
+        recv_code = _encode(sender, arrived_tags, arrived)
+        send_pairs = torch.where(valid, order, torch.full_like(order, t * k))[:n_send].contiguous()
+        return recv_x, mine.sum(0), send_pairs, torch.cat([recv_code, send_code]), sizes
+
+    @staticmethod
+    def fake_dispatch(x, topk_idx, num_experts, world, capacity):
+        el, h, k = num_experts // world, x.shape[-1], topk_idx.shape[-1]
+        i64 = dict(dtype=torch.int64, device=x.device)
+        if capacity is None:
+            ctx = torch.library.get_ctx()
+            r, s = ctx.new_dynamic_size(), ctx.new_dynamic_size()
+            return (x.new_empty((r, h)), torch.empty(el, **i64), torch.empty(s, **i64), torch.empty(r + s, **i64),
+                    el + world + 1)
+        n_recv, n_send = el * world * capacity, topk_idx.shape[0] * k
+        return (x.new_empty((el, world * capacity, h)), torch.empty(el, **i64), torch.empty(n_send, **i64),
+                torch.empty(n_recv + n_send, **i64), 0)
+
+    @staticmethod
+    def _recv_rows(handle) -> int:
+        n = 1
+        for s in handle.recv_shape[:-1]:
+            n *= s
+        return n
+
+    @staticmethod
+    def to_experts(rows, handle):
+        """``[S, H]`` rows in send order -> recv_x's layout on their experts' ranks."""
+        group, h = handle.group, rows.shape[-1]
+        n_recv = SymmStrategy._recv_rows(handle)
+        send_code = handle.recv_dest[n_recv:]
+        if handle.bounded:
+            rows_cap = n_recv
+        else:
+            rows_cap = handle.host_extra()[handle.world]
+        token = _token("to_experts", handle.num_experts, h, handle.topk, rows.dtype, handle.max_tokens_per_rank)
+        ws, rows_off, _ = _move(rows.contiguous(), None, send_code, None, group, token, rows_cap, handle.num_experts,
+                                zero_first=handle.bounded)
+        out = ws.view(dist.get_rank(group), [n_recv, h], rows.dtype, rows_off).clone()
+        return out.view(*handle.recv_shape[:-1], h)
+
+    @staticmethod
+    def to_sources(y, handle):
+        """recv_x-layout rows -> ``[S, H]`` back on their senders, in send order (padding zero)."""
+        group, h = handle.group, y.shape[-1]
+        n_recv = SymmStrategy._recv_rows(handle)
+        s = handle.send_pairs.shape[0]
+        if handle.bounded:
+            landing = handle.max_tokens_per_rank * handle.topk
+        else:
+            landing = max(handle.host_extra()[:handle.world])
+        token = _token("to_sources", handle.num_experts, h, handle.topk, y.dtype, handle.max_tokens_per_rank)
+        ws, rows_off, _ = _move(y.reshape(-1, h).contiguous(), None, handle.recv_dest[:n_recv], None, group, token, landing,
+                                handle.num_experts, zero_first=False)
+        back = ws.view(dist.get_rank(group), [s, h], y.dtype, rows_off)
+        # Padding rows (bounded: -1 slots) were never written: zeros, not whatever the region held.
+        real = (handle.send_pairs < handle.num_tokens * handle.topk)[:, None]
+        return torch.where(real, back, torch.zeros((), dtype=y.dtype, device=y.device))

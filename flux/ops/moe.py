@@ -61,10 +61,14 @@ MoeHandle for what the tensors mean):
                (Written to run on NCCL without a host read; so far run on gloo only, where the
                same code runs.)
 
-A GPU strategy (symmetric memory, counts exchanged by the device: flux/ops/_moe_symm.py moves
-data that way, not wired in here yet) plugs in as another entry of ``_STRATEGY_IMPLS`` chosen by
-``_choose_strategy``; the handle records the strategy (``meta[0]``), so combine and both backward
-passes use the same one. In the deferred-verdict case it must send nothing when ``any_error``.
+  symm         (flux/ops/_moe_symm.py) CUDA groups with a symmetric workspace: counts and rows
+               move through the workspace, SMs writing rows straight into the peers' buffers
+               over NVLink between flux's bounded barriers; no NCCL call, and in the bounded
+               variant no host read and no padding rows (positions come from the exchanged
+               counts on the device). Chosen wherever it can run.
+
+The handle records the strategy (``meta[0]``), so combine and both backward passes use the same
+one. In the deferred-verdict case a strategy sends nothing when ``any_error``.
 
 Checks. Every dispatch validates its arguments on every rank, and the ranks agree on a verdict
 before any row moves: a problem on any rank raises the same ``FluxInputError`` (naming
@@ -113,13 +117,15 @@ import torch
 import torch.distributed as dist
 
 from flux.ops._checks import FluxInputError, Signature, _compose, _exchange, check_collectively, dtype_code
+from flux.ops import _moe_symm
 from flux.ops._common import SUPPORTED_DTYPES, call_mode
+from flux.ops._moe_symm import SymmStrategy
 from flux.runtime import group_device, group_from_name, group_name, resolve_group
 from flux.runtime.groups import cuda_group
 
 OP = "flux.moe_dispatch"
 OP_COMBINE = "flux.moe_combine"
-STRATEGIES = ("all_to_all",)
+STRATEGIES = ("all_to_all", "symm")
 _INDEX_DTYPES = (torch.int64, torch.int32)
 
 # Codes of the data-dependent verdict (bits), which the bounded variant on CUDA groups
@@ -569,12 +575,15 @@ def _expert_totals(rch: List[int], world: int, el: int) -> List[int]:
     return [sum(rch[s * el + e] for s in range(world)) for e in range(el)]
 
 
-_STRATEGY_IMPLS = {"all_to_all": _AllToAll}
+_STRATEGY_IMPLS = {"all_to_all": _AllToAll, "symm": SymmStrategy}
 
 
 def available_strategies(device: torch.device) -> List[str]:
-    """Names of the strategies that can run on ``device``."""
-    return ["all_to_all"]
+    """Names of the strategies that can run on ``device`` (``symm``: a GPU with flux's kernels;
+    its group must also have a symmetric workspace, see ``_moe_symm.usable``)."""
+    from flux.runtime import cuda_kernels_available
+
+    return ["all_to_all"] + (["symm"] if device.type == "cuda" and cuda_kernels_available() else [])
 
 
 def run_strategy(name: str, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, *,
@@ -588,9 +597,10 @@ def run_strategy(name: str, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight
 
 
 def _choose_strategy(x: torch.Tensor, group: dist.ProcessGroup, bounded: bool) -> str:
-    """The strategy of one call: the same on every rank (it depends only on what the ranks have
-    agreed). A GPU strategy is chosen here for CUDA groups where it can run."""
-    return "all_to_all"
+    """The strategy of one call: the same on every rank (it depends only on the group and the
+    device type, which the ranks share): ``symm`` wherever it can run (CUDA tensors, a group with a
+    symmetric workspace), else the reference ``all_to_all``."""
+    return "symm" if _moe_symm.usable(group, x) is None else "all_to_all"
 
 
 # --------------------------------------------------------------------------------------
