@@ -369,15 +369,16 @@ def _check_host(sig: Signature, topk_idx, num_experts, group) -> None:
     raise FluxInputError(_compose(OP, [(err, fields) for _, err, fields in reports]))
 
 
-def _check_deferred(sig: Signature, x, topk_idx, num_experts, group, capacity) -> torch.Tensor:
+def _check_deferred(sig: Signature, x, topk_idx, num_experts, group, capacity, gather=None) -> torch.Tensor:
     """The bounded variant without a host read: the fields that must agree (and host-known
     local errors) through check_collectively; the data verdict and T > C all-gathered on the
-    device. Returns every rank's code, ``[W]`` int64 on x's device."""
+    device (``gather``: the strategy's own way, else a collective of the group). Returns every
+    rank's code, ``[W]`` int64 on x's device."""
     check_collectively(sig, group)
     code = _data_code(topk_idx, num_experts)
     if x.shape[0] > capacity:
         code = code + _OVER_CAPACITY
-    return _all_gather_small(code.reshape(1), group).reshape(-1)
+    return (gather or _all_gather_small)(code.reshape(1), group).reshape(-1)
 
 
 # --------------------------------------------------------------------------------------
@@ -617,8 +618,10 @@ def _dispatch_impl(x, topk_idx, topk_weights, num_experts, group, capacity, *, d
     bounded = capacity is not None
     if defer_verdict is None:
         defer_verdict = bounded and cuda_group(group)
+    name = strategy or _choose_strategy(x, group, bounded)
     if defer_verdict and bounded:
-        verdict = _check_deferred(sig, x, topk_idx, num_experts, group, capacity)
+        verdict = _check_deferred(sig, x, topk_idx, num_experts, group, capacity,
+                                  getattr(_STRATEGY_IMPLS[name], "gather_small", None))
         any_error = (verdict != 0).any()
     else:
         if bounded and sig.error is None and x.shape[0] > capacity:
@@ -626,7 +629,6 @@ def _dispatch_impl(x, topk_idx, topk_weights, num_experts, group, capacity, *, d
         _check_host(sig, topk_idx, num_experts, group)
         verdict = torch.zeros(dist.get_world_size(group), dtype=torch.int64, device=x.device)
         any_error = None
-    name = strategy or _choose_strategy(x, group, bounded)
     recv_x, counts, send_pairs, recv_dest, sizes = _STRATEGY_IMPLS[name].dispatch(
         x, topk_idx, num_experts, group, capacity, any_error)
     meta = torch.tensor([STRATEGIES.index(name)] + list(sizes), dtype=torch.int64)
