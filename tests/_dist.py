@@ -79,6 +79,38 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_torchrun(worker: str, args: Sequence[str], nproc: int, out_dir, timeout_s: float, log_name: str,
+                 **extra_env) -> tuple:
+    """Run ``torchrun --nproc_per_node=nproc worker *args`` (the GPU tests' workers) with NVLink
+    multicast off, one OpenMP thread, the repository and tests/ on PYTHONPATH and
+    FLUX_GPU_RESULTS_DIR=out_dir; kill torchrun and its workers past ``timeout_s``. The whole
+    output is kept in out_dir/output.log, and copied to $FLUX_TEST_LOG_DIR/log_name when that is
+    set (bench/run_gpu.sh). Returns (exit code, or a string saying it was killed; the output's
+    last 8000 characters)."""
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
+               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", FLUX_GPU_RESULTS_DIR=str(out_dir),
+               PYTHONPATH=os.pathsep.join(p for p in (REPO_ROOT, TESTS_DIR, os.environ.get("PYTHONPATH")) if p),
+               **extra_env)
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           f"--master_port={free_port()}", worker, *args]
+    log_path = os.path.join(str(out_dir), "output.log")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every worker
+            proc.wait()
+            rc = f"killed after {timeout_s:.0f} s"
+    if os.environ.get("FLUX_TEST_LOG_DIR"):
+        import shutil
+
+        shutil.copy(log_path, os.path.join(os.environ["FLUX_TEST_LOG_DIR"], log_name))
+    with open(log_path, errors="replace") as f:
+        return rc, f.read()[-8000:]
+
+
 @dataclasses.dataclass
 class Batch:
     world: int

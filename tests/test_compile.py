@@ -33,9 +33,6 @@ compiled forward replayed in a CUDA graph).
 """
 import math
 import os
-import signal
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -44,7 +41,7 @@ import torch.distributed._functional_collectives as fc
 import torch.nn as nn
 import torch.nn.functional as F
 
-from _dist import TESTS_DIR, batches, case, free_port
+from _dist import TESTS_DIR, batches, case, run_torchrun
 
 F64, F32 = torch.float64, torch.float32
 BATCH_TIMEOUT_S = float(os.environ.get("FLUX_TEST_BATCH_TIMEOUT_S", "240"))
@@ -480,21 +477,7 @@ GPU_TIMEOUT_S = float(os.environ.get("FLUX_TEST_GPU_COMPILE_TIMEOUT_S", "600"))
 def test_gpu_compiled_mlp_runs_flux_ops_and_replays_in_a_cuda_graph(tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip(f"needs 2 CUDA devices, found {torch.cuda.device_count()}")
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
-               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", FLUX_GPU_RESULTS_DIR=str(tmp_path))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           GPU_WORKER]
-    log_path = tmp_path / "output.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=os.path.dirname(TESTS_DIR),
-                                start_new_session=True)
-        try:
-            rc = proc.wait(timeout=GPU_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both workers
-            proc.wait()
-            rc = f"killed after {GPU_TIMEOUT_S:.0f} s"
-    output = log_path.read_text(errors="replace")[-8000:]
+    rc, output = run_torchrun(GPU_WORKER, [], 2, tmp_path, GPU_TIMEOUT_S, "gpu-compile-worker.log")
     results = {}
     for rank in range(2):
         path = tmp_path / f"results.{rank}"

@@ -33,7 +33,6 @@ import functools
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 from unittest import mock
@@ -422,28 +421,9 @@ def test_gpu_megatron_layer(tmp_path):
     (tests/gpu_megatron_worker.py)."""
     if torch.cuda.device_count() < 2:
         pytest.skip(f"needs 2 CUDA devices, found {torch.cuda.device_count()}")
-    from _dist import free_port
+    from _dist import run_torchrun
 
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
-               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", FLUX_GPU_RESULTS_DIR=str(tmp_path),
-               PYTHONPATH=os.pathsep.join(p for p in (REPO_ROOT, TESTS_DIR, os.environ.get("PYTHONPATH")) if p))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           GPU_WORKER, "all"]
-    log_path = tmp_path / "output.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
-                                start_new_session=True)
-        try:
-            rc = proc.wait(timeout=GPU_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both workers
-            proc.wait()
-            rc = f"killed after {GPU_TIMEOUT_S:.0f} s"
-    output = log_path.read_text(errors="replace")
-    if os.environ.get("FLUX_TEST_LOG_DIR"):  # the whole worker output, kept
-        import shutil
-
-        shutil.copy(log_path, os.path.join(os.environ["FLUX_TEST_LOG_DIR"], "gpu-megatron-worker.log"))
+    rc, output = run_torchrun(GPU_WORKER, ["all"], 2, tmp_path, GPU_TIMEOUT_S, "gpu-megatron-worker.log")
     cases_path = tmp_path / "cases.json"
     if not cases_path.exists():
         pytest.fail(f"the worker did not start its cases (torchrun exit code {rc}):\n{output[-6000:]}", pytrace=False)

@@ -3,7 +3,6 @@
 without a GPU."""
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -29,14 +28,10 @@ def _case_names():
 def moe_results(tmp_path_factory):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    from _dist import free_port
+    from _dist import run_torchrun
 
     out = tmp_path_factory.mktemp("moe")
-    env = dict(os.environ, FLUX_GPU_RESULTS_DIR=str(out), OMP_NUM_THREADS="1",
-               PYTHONPATH=os.path.dirname(TESTS_DIR) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           WORKER, "all"]
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, timeout=600)
+    _, output = run_torchrun(WORKER, ["all"], 2, out, 600, "gpu-moe-worker.log")
     recs = {}
     for rank in range(2):
         path = out / f"moe.{rank}"
@@ -44,7 +39,7 @@ def moe_results(tmp_path_factory):
             for line in path.read_text().splitlines():
                 r = json.loads(line.split(" ", 1)[1])
                 recs.setdefault(r["case"], {})[rank] = r
-    return recs, proc.stdout[-4000:]
+    return recs, output[-4000:]
 
 
 @pytest.mark.parametrize("name", _case_names())

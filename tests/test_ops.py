@@ -22,7 +22,6 @@ GPU part (skipped without 2 CUDA devices): torchrun of tests/gpu_worker.py with 
 """
 import json
 import os
-import signal
 import subprocess
 import sys
 
@@ -880,27 +879,10 @@ def _run_gpu_worker(tmp_path_factory, which, world=None, **extra_env):
     n = world or _gpu_world()
     if n < 2:
         pytest.skip(f"needs 2 CUDA devices, found {torch.cuda.device_count()}")
-    from _dist import free_port
+    from _dist import run_torchrun
 
     out_dir = tmp_path_factory.mktemp("gpu")
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
-               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", FLUX_GPU_RESULTS_DIR=str(out_dir), **extra_env)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", f"--master_port={free_port()}",
-           GPU_WORKER, which]
-    log_path = out_dir / "output.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=os.path.dirname(TESTS_DIR),
-                                start_new_session=True)
-        try:
-            rc = proc.wait(timeout=GPU_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both workers
-            proc.wait()
-            rc = f"killed after {GPU_TIMEOUT_S:.0f} s"
-    if os.environ.get("FLUX_TEST_LOG_DIR"):  # the whole worker output, kept (bench/run_gpu.sh)
-        import shutil
-
-        shutil.copy(log_path, os.path.join(os.environ["FLUX_TEST_LOG_DIR"], f"gpu-worker-w{n}.log"))
+    rc, output = run_torchrun(GPU_WORKER, [which], n, out_dir, GPU_TIMEOUT_S, f"gpu-worker-w{n}.log", **extra_env)
     results = {}
     for rank in range(n):
         path = out_dir / f"results.{rank}"
@@ -908,7 +890,7 @@ def _run_gpu_worker(tmp_path_factory, which, world=None, **extra_env):
             for line in path.read_text().splitlines():
                 rec = json.loads(line)
                 results.setdefault(rec["case"], {})[rec["rank"]] = rec
-    return {"results": results, "rc": rc, "world": n, "output": log_path.read_text(errors="replace")[-6000:]}
+    return {"results": results, "rc": rc, "world": n, "output": output[-6000:]}
 
 
 @pytest.fixture(scope="module")
