@@ -26,6 +26,7 @@ from flux.ops._checks import FluxInputError  # noqa: E402
 from flux.ops.ag_gemm import ag_gemm, ag_gemm_ref  # noqa: E402
 from flux.ops.gemm_rs import gemm_rs, gemm_rs_ref  # noqa: E402
 from flux.ops.moe import MoeHandle, moe_combine, moe_combine_ref, moe_dispatch, moe_dispatch_ref  # noqa: E402
+from flux.ops.moe_tp import TpMoeRouting, ag_scatter_grouped_mm, ag_scatter_grouped_mm_ref, grouped_mm_gather_rs, grouped_mm_gather_rs_ref  # noqa: E402
 
 
 
@@ -41,12 +42,17 @@ def __getattr__(name):
 __all__ = [
     "FluxInputError",
     "MoeHandle",
+    "TpMoeRouting",
     "__version__",
     "ag_gemm",
     "ag_gemm_ref",
+    "ag_scatter_grouped_mm",
+    "ag_scatter_grouped_mm_ref",
     "cuda_kernels_available",
     "gemm_rs",
     "gemm_rs_ref",
+    "grouped_mm_gather_rs",
+    "grouped_mm_gather_rs_ref",
     "moe_combine",
     "moe_combine_ref",
     "moe_dispatch",

@@ -1,0 +1,852 @@
+"""flux.ag_scatter_grouped_mm / flux.grouped_mm_gather_rs: the two halves of a tensor-parallel
+MoE layer (expert tensor parallelism under sequence parallelism).
+
+Layout. The T tokens of a sequence are sharded on dim 0 over the group's W ranks (sequence
+parallelism): rank r holds tokens ``[r * T_l, (r + 1) * T_l)``, ``T = W * T_l``. Every rank
+holds all E experts, each expert's FFN dimension F split over the ranks: the first projection
+column-parallel (w1 ``[E, F/W, H]``, or gate and up fused, w13 ``[E, 2F/W, H]``, nn.Linear's
+layout), the second row-parallel (w2 ``[E, H, F/W]``). This is Megatron-core's MoE with expert
+tensor parallelism and sequence parallelism, and the layout of the MoE kernels of ByteDance's
+FLUX (Comet).
+
+Routing. Every rank routes its own tokens: ``topk_idx [T_l, K]``, global expert ids or -1 (slot
+unused). Gathered over the group in rank order (``I [T, K]``), the valid (token, slot) pairs are
+laid out *expert-major*::
+
+    for expert e = 0 .. E-1:
+        for token t = 0 .. T-1 (index in the gathered sequence):
+            for slot k = 0 .. K-1:
+                if I[t, k] == e:  one row
+
+P rows in all, the same P and order on every rank (every rank sees the same gathered routing).
+A token may name an expert in several slots: each slot is a row of its own.
+
+Meaning (the unfused references, ``ag_scatter_grouped_mm_ref`` and ``grouped_mm_gather_rs_ref``)::
+
+    # part 1: out, routing = ag_scatter_grouped_mm(x, topk_idx, w1)         out [P, N]
+    X, I = all_gather(x), all_gather(topk_idx)                             # [T, H], [T, K]
+    out = cat([X[tokens of e's rows] @ w1[e].T for e in range(E)])
+
+    # part 2: out = grouped_mm_gather_rs(h, w2, routing, topk_weights)     out [T_l, H]
+    partial = cat([h[e's rows] @ w2[e].T for e in range(E)])               # [P, H]: this rank's F shard
+    Y[t] = sum over valid k of all_gather(topk_weights)[t, k] * partial[row of (t, k)]   # [T, H]
+    out = reduce_scatter(Y)                                                # sum over ranks, this rank's rows
+
+(``weight_layout="kn"``: ``w[e]`` instead of ``w[e].T``, the weights stored ``[E, K_in, N]``.)
+Part 2 takes this rank's own routing weights ``[T_l, K]`` (the router's output on this rank's
+tokens, as part 1 takes this rank's topk_idx) and gathers them itself (T * K values). The
+weighted sum over slots is accumulated in fp32 (fp64 for fp64) from slot 0 on, then rounded to
+h's dtype before the reduction over ranks (as a GEMM followed by NCCL's reduce-scatter rounds).
+
+``TpMoeRouting`` (returned by part 1) carries the gathered routing: per-expert counts on the
+device and the host, the permutation (``pairs``: the gathered pair ``t * K + k`` of each row) and
+the shapes; part 2 and both backward passes reuse it. Building it reads the counts on the host
+(one synchronisation per part-1 call: P sizes the output).
+
+Strategies (``STRATEGIES``; ``_choose_strategy`` picks one per call, the same on every rank; the
+environment variable ``FLUX_STRATEGY_MOE_TP`` forces one):
+
+  sequential   the reference computation and the CPU path: all-gather (NCCL or gloo), index
+               the gathered rows into expert-major order, one grouped GEMM
+               (flux.ops.grouped_mm: torch._grouped_mm on sm90/sm100 bf16, else a loop of
+               torch.mm); part 2: one grouped GEMM, the weighted sum over slots, reduce-scatter.
+  chunked      decomposed by source rank (part 1) and destination rank (part 2), as flux.ag_gemm's
+               and flux.gemm_rs's ``decomposed``: the grouped GEMM runs as W grouped GEMMs, one
+               per rank's tokens, overlapped with NCCL point-to-point transfers (``isend`` /
+               ``irecv`` pairs, which run on NCCL's own stream and are ordered with the current
+               stream by events: the transfers wait for the work enqueued before them, and
+               ``Work.wait()`` makes the current stream wait for a transfer). Part 1 on rank r of W
+               (blocks named by the rank whose tokens they hold)::
+
+                 NCCL:     [send x -> r+1, recv <- r-1] [send -> r+2, recv <- r-2] ...
+                 current:  [scatter + grouped GEMM r (from x)] [wait r-1][scatter + GEMM r-1] [wait r-2] ...
+
+               each block's rows written into their expert-major places (``index_copy_``). Part 2,
+               the mirror image: the rows of each destination's tokens first, in rotated order,
+               each block's grouped GEMM followed by its weighted sum over slots (``[T_l, H]``) and
+               its transfer to the owner, while the next block computes; this rank's own block
+               last; then the W partial sums added in rank order (fp32)::
+
+                 current:  [GEMM + sum r+1] [GEMM + sum r+2] ... [GEMM + sum r] [wait all][add W partials]
+                 NCCL:                [send -> r+1, recv <- r-1] [send -> r+2, recv <- r-2] ...
+
+               The transfers of step i pair rank r with r + i and r - i on every rank alike, so the
+               NCCL calls match. Chosen by ``_should_overlap``: CUDA tensors on an NCCL group of two
+               or more ranks and a token shard ``T_l * H`` of at least ``OVERLAP_MIN_SHARD``
+               elements (below it the extra launches of W smaller GEMMs are expected to cost more
+               than the transfer they hide; the threshold is a first guess, not yet set from GPU
+               timings). The same code runs on gloo without streams (``Work.wait()`` then blocks
+               the host), which is how the CPU tests exercise its indexing.
+
+Checks. Part 1 validates its arguments on every rank and the ranks agree on a verdict before any
+token moves: one all-gather of (error flag, hash of the fields that must agree: T_l, H, K, E,
+dtypes, layout, strategy) through the group, read on the host (the call synchronises for its
+counts anyway); then the gathered topk_idx is checked for ids outside ``[-1, E)`` on every rank
+alike (every rank holds all of it). A problem on any rank raises the same ``FluxInputError``,
+naming the op and the rank, on every rank. Part 2 is checked through ``check_collectively`` (the
+store exchange of flux.ops._checks, remembered per signature; no device synchronisation).
+
+Autograd (eager ``torch.autograd.Function``; the backward passes run the same strategy as the
+forward). Part 1: d x = reduce_scatter(sum over a token's slots of (d out @ W_e)), which is part 2's
+computation with unit weights and the weight read in the other layout; d W_e = d out_e^T X_e over
+the gathered input (kept by the forward when the weight needs a gradient). Part 2: d h = part 1's
+computation on d out with each scattered row scaled by its routing weight and the weight read in
+the other layout; d W_e = (w * dY)_e^T h_e with dY = all_gather(d out); d topk_weights[t, k] =
+reduce_scatter of <dY[t], partial[row of (t, k)]> (each rank's partial is its F shard's share;
+the forward keeps it when the weights need a gradient). topk_idx has no gradient.
+
+torch.compile: the public functions are ``torch.compiler.disable``-d (the output's row count P is
+read on the host); a compiled caller breaks its graph around them and they run eagerly, autograd
+included.
+"""
+import dataclasses
+import os
+import zlib
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from flux.ops._checks import FluxInputError, Signature, _compose, _exchange, check_collectively, dtype_code
+from flux.ops._common import SUPPORTED_DTYPES
+from flux.ops.grouped_mm import _gmm, _offsets, grouped_mm, grouped_mm_impl
+from flux.runtime import all_gather_dim0, group_device, reduce_scatter_dim0, resolve_group
+
+OP = "flux.ag_scatter_grouped_mm"
+OP_RS = "flux.grouped_mm_gather_rs"
+STRATEGIES = ("sequential", "chunked")
+STRATEGY_ENV = "FLUX_STRATEGY_MOE_TP"
+# Token-shard elements (T_l * H) from which 'chunked' is chosen. Not tuned yet: a first guess
+# (T_l = 512 at H = 4096), to be set from timings on the GPUs.
+OVERLAP_MIN_SHARD = 1 << 21
+WEIGHT_LAYOUTS = ("nk", "kn")
+_INDEX_DTYPES = (torch.int64, torch.int32)
+
+
+# --------------------------------------------------------------------------------------
+# The routing
+
+
+@dataclasses.dataclass(eq=False)
+class _Block:
+    """The rows of one rank's tokens (source rank in part 1, destination rank in part 2)."""
+
+    rows: torch.Tensor       # int64 [P_s]: the rows (expert-major positions), increasing by expert
+    local: torch.Tensor      # int64 [P_s]: their pairs within that rank's shard, t_l * K + k
+    counts: torch.Tensor     # int64 [E] on the device: rows per expert
+    counts_host: List[int]   # the same on the host
+    pos: torch.Tensor        # int64 [T_l, K]: each pair's index in ``rows`` (P_s: no row)
+
+
+@dataclasses.dataclass(eq=False)
+class TpMoeRouting:
+    """The gathered routing of a tensor-parallel MoE layer, made by ``ag_scatter_grouped_mm``
+    and used by ``grouped_mm_gather_rs`` and both backward passes. The same on every rank.
+
+    Fields (T = W * T_l gathered tokens, P rows):
+
+        group             the tensor-parallel process group
+        num_experts       E
+        tokens_per_rank   T_l
+        topk              K
+        topk_idx          int64 ``[T, K]`` on the device: every rank's topk_idx in rank order
+        counts            int64 ``[E]`` on the device: rows per expert
+        counts_host       the same as a list
+        source_counts     ``[W][E]`` list: rows per (source rank, expert)
+        pairs             int64 ``[P]`` on the device: the gathered pair ``t * K + k`` of each
+                          row, in row order (expert-major): the permutation
+
+    Derived: ``world``, ``rank``, ``num_tokens`` (T), ``num_rows`` (P), ``gathered_shape``
+    ((T, K)), ``pair_rows()`` (the inverse permutation), ``blocks()`` (per rank's tokens).
+    """
+
+    group: dist.ProcessGroup
+    num_experts: int
+    tokens_per_rank: int
+    topk: int
+    topk_idx: torch.Tensor
+    counts: torch.Tensor
+    counts_host: List[int]
+    source_counts: List[List[int]]
+    pairs: torch.Tensor
+    _source_counts_dev: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False)
+    _pair_rows: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False)
+    _blocks: Optional[List[_Block]] = dataclasses.field(default=None, repr=False)
+
+    @property
+    def world(self) -> int:
+        return dist.get_world_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.world * self.tokens_per_rank
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.pairs.shape[0])
+
+    @property
+    def gathered_shape(self) -> Tuple[int, int]:
+        return (self.num_tokens, self.topk)
+
+    def pair_rows(self) -> torch.Tensor:
+        """int64 ``[T, K]``: the row of each gathered (token, slot) pair, P for a slot without one."""
+        if self._pair_rows is None:
+            self._pair_rows = _positions(self.pairs, self.num_tokens * self.topk).view(self.num_tokens, self.topk)
+        return self._pair_rows
+
+    def blocks(self) -> List[_Block]:
+        """One ``_Block`` per rank: the rows of that rank's tokens (the chunked strategy's
+        indexing; made on first use, on the device, without a host read)."""
+        if self._blocks is None:
+            self._blocks = _make_blocks(self)
+        return self._blocks
+
+    def __repr__(self) -> str:
+        return (f"TpMoeRouting(W={self.world}, E={self.num_experts}, T_l={self.tokens_per_rank}, K={self.topk}, "
+                f"P={self.num_rows}, counts={self.counts_host})")
+
+
+def _positions(index: torch.Tensor, n: int) -> torch.Tensor:
+    """int64 ``[n]``: ``out[index[i]] = i``, and ``len(index)`` where no i points."""
+    pos = torch.full((n,), index.shape[0], dtype=torch.int64, device=index.device)
+    return pos.scatter_(0, index, torch.arange(index.shape[0], device=index.device))
+
+
+def _make_blocks(r: TpMoeRouting) -> List[_Block]:
+    w, tl, k = r.world, r.tokens_per_rank, r.topk
+    src = torch.div(r.pairs, tl * k, rounding_mode="floor")
+    # Stable: by source rank, and within a source in row order (expert, token, slot).
+    order = torch.sort(src, stable=True).indices
+    blocks, start = [], 0
+    for s in range(w):
+        n = sum(r.source_counts[s])
+        rows = order[start:start + n]
+        start += n
+        local = r.pairs[rows] - s * tl * k
+        blocks.append(_Block(rows, local, r._source_counts_dev[s], list(r.source_counts[s]),
+                             _positions(local, tl * k).view(tl, k)))
+    return blocks
+
+
+def _make_routing(idx: torch.Tensor, num_experts: int, tokens_per_rank: int, group: dist.ProcessGroup,
+                  check: bool) -> TpMoeRouting:
+    """The routing of the gathered ``idx [T, K]`` (int64). One host read (the counts, and the
+    number of invalid ids). ``check``: raise FluxInputError for ids outside [-1, E) (the same
+    on every rank: every rank holds the same idx); else such slots count as -1."""
+    world = dist.get_world_size(group)
+    t, k = idx.shape
+    e = num_experts
+    flat = idx.reshape(-1)
+    valid = (flat >= 0) & (flat < e)
+    key = torch.where(valid, flat, torch.full_like(flat, e))
+    src = torch.div(torch.arange(t * k, device=idx.device), max(tokens_per_rank * k, 1), rounding_mode="floor")
+    cnt = torch.zeros(world * (e + 1) + 1, dtype=torch.int64, device=idx.device)
+    cnt.scatter_add_(0, src * (e + 1) + key, torch.ones_like(key))
+    cnt[-1] = ((~valid) & (flat != -1)).sum()
+    host = cnt.tolist()  # the host read: P sizes the output
+    if check and host[-1]:
+        raise FluxInputError(_bad_ids_message(idx, num_experts, tokens_per_rank))
+    source_counts = [host[s * (e + 1):s * (e + 1) + e] for s in range(world)]
+    counts_host = [sum(source_counts[s][x] for s in range(world)) for x in range(e)]
+    sc_dev = cnt[:-1].view(world, e + 1)[:, :e]
+    order = torch.sort(key, stable=True).indices  # by expert, then gathered pair t * K + k
+    pairs = order[:sum(counts_host)].contiguous()
+    return TpMoeRouting(group, num_experts, tokens_per_rank, k, idx, sc_dev.sum(0), counts_host, source_counts,
+                        pairs, _source_counts_dev=sc_dev)
+
+
+def _bad_ids_message(idx: torch.Tensor, num_experts: int, tokens_per_rank: int) -> str:
+    """Every rank's first id outside [-1, E), by rank (host read; failing calls only)."""
+    host = idx.cpu()
+    bad = ((host < -1) | (host >= num_experts)).nonzero().tolist()
+    per_rank = {}
+    for t, k in bad:
+        s = t // tokens_per_rank
+        if s not in per_rank:
+            per_rank[s] = [t - s * tokens_per_rank, k, int(host[t, k]), 0]
+        per_rank[s][3] += 1
+    parts = [f"rank {s}: topk_idx[{t}, {k}] = {v} is outside [-1, {num_experts}) ({n} such entries)"
+             for s, (t, k, v, n) in sorted(per_rank.items())]
+    return f"{OP}: invalid arguments on " + "; ".join(parts)
+
+
+# --------------------------------------------------------------------------------------
+# Strategy choice
+
+
+def _is_gloo(group: dist.ProcessGroup) -> bool:
+    return "gloo" in str(dist.get_backend(group)).lower()
+
+
+def _should_overlap(device: torch.device, group: dist.ProcessGroup, tokens_per_rank: int, hidden: int) -> bool:
+    """Whether the chunked strategy is worth its extra launches: CUDA tensors on an NCCL group
+    of two or more ranks, and a token shard of at least OVERLAP_MIN_SHARD elements. Depends only
+    on what every rank shares (the group, the device type, T_l and H), so every rank decides
+    alike."""
+    if device.type != "cuda" or dist.get_world_size(group) < 2:
+        return False
+    if "nccl" not in str(dist.get_backend(group)).lower():
+        return False
+    return tokens_per_rank * hidden >= OVERLAP_MIN_SHARD
+
+
+def _choose_strategy(device: torch.device, group: dist.ProcessGroup, tokens_per_rank: int,
+                     hidden: int) -> Tuple[str, Optional[str]]:
+    """(strategy, problem or None): FLUX_STRATEGY_MOE_TP if set, else ``_should_overlap``."""
+    forced = os.environ.get(STRATEGY_ENV, "").strip()
+    if forced:
+        if forced not in STRATEGIES:
+            return "sequential", f"{STRATEGY_ENV}={forced!r} is not one of {list(STRATEGIES)}"
+        if forced == "chunked" and device.type == "cuda" and _is_gloo(group):
+            return "sequential", (f"{STRATEGY_ENV}=chunked moves CUDA tensors through NCCL point-to-point "
+                                  "transfers, and this group is gloo")
+        return forced, None
+    return ("chunked" if _should_overlap(device, group, tokens_per_rank, hidden) else "sequential"), None
+
+
+# --------------------------------------------------------------------------------------
+# Checks
+
+
+def _common_fields(sig: Signature, device: torch.device, group: dist.ProcessGroup, what: str) -> None:
+    dev = group_device(group)
+    if device.type != dev.type:
+        sig.fail(f"{what} is on {device} but the process group communicates on {dev.type} "
+                 "(NCCL groups take CUDA tensors, gloo groups CPU tensors)")
+    elif device.type == "cuda" and device.index != torch.cuda.current_device():
+        sig.fail(f"{what} is on {device} but the current CUDA device is {torch.cuda.current_device()}")
+
+
+def _weight_fields(sig: Signature, weight: torch.Tensor, layout: str, k_in: int, what_in: str,
+                   dtype: torch.dtype, device: torch.device) -> Optional[int]:
+    """Checks of a grouped weight ``[E, N, K]`` / ``[E, K, N]`` against ``k_in``; returns N."""
+    if layout not in WEIGHT_LAYOUTS:
+        sig.fail(f"weight_layout must be 'nk' ([E, N, K], nn.Linear per expert) or 'kn' ([E, K, N]), got {layout!r}")
+        return None
+    if weight.dim() != 3:
+        sig.fail(f"weight must be 3-D ({'[E, N, K]' if layout == 'nk' else '[E, K, N]'}), got shape "
+                 f"{tuple(weight.shape)}")
+        return None
+    n, k = (weight.shape[1], weight.shape[2]) if layout == "nk" else (weight.shape[2], weight.shape[1])
+    if k != k_in:
+        sig.fail(f"{what_in} has {k_in} columns but weight {tuple(weight.shape)} ({layout!r}) has K={k}")
+    if weight.dtype != dtype:
+        sig.fail(f"weight dtype {weight.dtype} differs from the input dtype {dtype}")
+    if weight.device != device:
+        sig.fail(f"weight is on {weight.device} but the input is on {device}")
+    return n
+
+
+def _signature_ag(x, topk_idx, weight, group, layout, strategy, why) -> Signature:
+    sig = Signature(OP)
+    for name, t in (("x", x), ("topk_idx", topk_idx), ("weight", weight)):
+        if not isinstance(t, torch.Tensor):
+            sig.fail(f"{name} must be a tensor, got {type(t).__name__}")
+            return sig
+    sig.add("weight_layout", WEIGHT_LAYOUTS.index(layout) if layout in WEIGHT_LAYOUTS else -1)
+    sig.add("x.dtype", dtype_code(x.dtype))
+    sig.add("x.dim()", x.dim())
+    sig.add("T_l (x.shape[0])", x.shape[0] if x.dim() >= 1 else -1)
+    sig.add("H (x.shape[-1])", x.shape[-1] if x.dim() >= 1 else -1)
+    sig.add("topk_idx.dim()", topk_idx.dim())
+    sig.add("K (topk_idx.shape[-1])", topk_idx.shape[-1] if topk_idx.dim() >= 1 else -1)
+    sig.add("weight.dim()", weight.dim())
+    sig.add("E (weight.shape[0])", weight.shape[0] if weight.dim() >= 1 else -1)
+    sig.add("strategy", STRATEGIES.index(strategy))
+    if why:
+        sig.fail(why)
+    if x.dim() != 2:
+        sig.fail(f"x must be 2-D [T_l, H], got shape {tuple(x.shape)}")
+        return sig
+    if x.dtype not in SUPPORTED_DTYPES:
+        sig.fail(f"x dtype {x.dtype} is not supported (use one of {[str(d) for d in SUPPORTED_DTYPES]})")
+    if topk_idx.dim() != 2 or topk_idx.shape[-1] < 1:
+        sig.fail(f"topk_idx must be 2-D [T_l, K] with K >= 1, got shape {tuple(topk_idx.shape)}")
+    elif topk_idx.shape[0] != x.shape[0]:
+        sig.fail(f"topk_idx has {topk_idx.shape[0]} rows but x has {x.shape[0]} tokens")
+    if topk_idx.dtype not in _INDEX_DTYPES:
+        sig.fail(f"topk_idx dtype {topk_idx.dtype} is not supported (int64 or int32)")
+    if topk_idx.device != x.device:
+        sig.fail(f"topk_idx is on {topk_idx.device} but x is on {x.device}")
+    _weight_fields(sig, weight, layout, x.shape[1], "x", x.dtype, x.device)
+    if weight.dim() == 3 and weight.shape[0] < 1:
+        sig.fail("weight has no expert (E = 0)")
+    _common_fields(sig, x.device, group, "x")
+    return sig
+
+
+def _agree(sig: Signature, group: dist.ProcessGroup) -> None:
+    """One all-gather of (error flag, hash of the fields that must agree) through the group, read
+    on the host; on any problem the ranks exchange their messages through the store and every
+    rank raises the same FluxInputError."""
+    h = zlib.crc32(repr(sig.fields).encode())
+    mine = torch.tensor([[1 if sig.error else 0, h]], dtype=torch.int64, device=group_device(group))
+    verdicts = all_gather_dim0(mine, group).tolist()
+    if all(v[0] == 0 and v[1] == h for v in verdicts):
+        return
+    ranks = tuple(dist.get_process_group_ranks(group))
+    reports = _exchange(ranks, dist.get_rank(), (sig.values(), sig.error, sig.fields))
+    raise FluxInputError(_compose(sig.op, [(err, fields) for _, err, fields in reports]))
+
+
+def _signature_rs(h, weight, routing, topk_weights, group, layout, strategy, why) -> Signature:
+    sig = Signature(OP_RS)
+    if not isinstance(routing, TpMoeRouting):
+        sig.fail("routing must be the TpMoeRouting returned by flux.ag_scatter_grouped_mm, got "
+                 f"{type(routing).__name__}")
+        return sig
+    for name, t in (("h", h), ("weight", weight), ("topk_weights", topk_weights)):
+        if not isinstance(t, torch.Tensor):
+            sig.fail(f"{name} must be a tensor, got {type(t).__name__}")
+            return sig
+    sig.add("weight_layout", WEIGHT_LAYOUTS.index(layout) if layout in WEIGHT_LAYOUTS else -1)
+    sig.add("h.dtype", dtype_code(h.dtype))
+    sig.add("topk_weights.dtype", dtype_code(topk_weights.dtype))
+    sig.add("weight.dim()", weight.dim())
+    if weight.dim() == 3 and layout in WEIGHT_LAYOUTS:
+        sig.add("H (the weight's N)", weight.shape[1] if layout == "nk" else weight.shape[2])
+    sig.add("E (weight.shape[0])", weight.shape[0] if weight.dim() >= 1 else -1)
+    sig.add("strategy", STRATEGIES.index(strategy))
+    if why:
+        sig.fail(why)
+    if tuple(dist.get_process_group_ranks(routing.group)) != tuple(dist.get_process_group_ranks(group)):
+        sig.fail("group is not the group of the routing's ag_scatter_grouped_mm")
+    if h.dim() != 2:
+        sig.fail(f"h must be 2-D [P, K], got shape {tuple(h.shape)}")
+        return sig
+    if h.shape[0] != routing.num_rows:
+        sig.fail(f"h has {h.shape[0]} rows but the routing has P = {routing.num_rows}")
+    if h.dtype not in SUPPORTED_DTYPES:
+        sig.fail(f"h dtype {h.dtype} is not supported (use one of {[str(d) for d in SUPPORTED_DTYPES]})")
+    if h.device != routing.pairs.device:
+        sig.fail(f"h is on {h.device} but the routing is on {routing.pairs.device}")
+    _weight_fields(sig, weight, layout, h.shape[1], "h", h.dtype, h.device)
+    if weight.dim() == 3 and weight.shape[0] != routing.num_experts:
+        sig.fail(f"weight has E = {weight.shape[0]} experts but the routing has {routing.num_experts}")
+    if tuple(topk_weights.shape) != (routing.tokens_per_rank, routing.topk):
+        sig.fail(f"topk_weights has shape {tuple(topk_weights.shape)}, expected this rank's "
+                 f"[T_l, K] = [{routing.tokens_per_rank}, {routing.topk}]")
+    if not topk_weights.is_floating_point():
+        sig.fail(f"topk_weights must be floating, got {topk_weights.dtype}")
+    if topk_weights.device != h.device:
+        sig.fail(f"topk_weights is on {topk_weights.device} but h is on {h.device}")
+    _common_fields(sig, h.device, group, "h")
+    return sig
+
+
+# --------------------------------------------------------------------------------------
+# Local pieces
+
+
+def _flip(layout: str) -> str:
+    # A weight [E, N, K] read as "kn" is [E, K_in=N, N_out=K]: the backward's product d out @ W_e.
+    return "kn" if layout == "nk" else "nk"
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _scatter_rows(tokens: torch.Tensor, local: torch.Tensor, k: int, scale: Optional[torch.Tensor]) -> torch.Tensor:
+    """``tokens[local // K]`` (times ``scale[local]``, in fp32 or wider, then rounded back): the
+    rows of the pairs ``local`` (pair indices into ``tokens``' ``[T', K]``)."""
+    rows = tokens[torch.div(local, k, rounding_mode="floor")]
+    if scale is None:
+        return rows
+    acc = _acc_dtype(tokens.dtype)
+    return (rows.to(acc) * scale[local].to(acc)[:, None]).to(tokens.dtype)
+
+
+def _sum_slots(rows: torch.Tensor, pos: torch.Tensor, weights: Optional[torch.Tensor],
+               dtype: torch.dtype) -> torch.Tensor:
+    """``out[t] = sum over valid k of weights[t, k] * rows[pos[t, k]]`` (weights None: 1), ``pos``
+    ``[T', K]`` with ``len(rows)`` for no row; accumulated in fp32 (fp64 for fp64) from slot 0 on
+    (a fixed order: the same on every device), returned in ``dtype``."""
+    acc = _acc_dtype(dtype)
+    n = rows.shape[0]
+    ext = torch.cat([rows, rows.new_zeros((1, rows.shape[1]))])
+    valid = pos < n
+    out = torch.zeros((pos.shape[0], rows.shape[1]), dtype=acc, device=rows.device)
+    zero = torch.zeros((), dtype=acc, device=rows.device)
+    for k in range(pos.shape[1]):
+        v = valid[:, k:k + 1]
+        # where, not a product: a NaN weight in a -1 slot must not count
+        w = v.to(acc) if weights is None else torch.where(v, weights[:, k:k + 1].to(acc), zero)
+        out += w * ext[pos[:, k]].to(acc)
+    return out.to(dtype)
+
+
+def _mm(rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, counts_host: List[int],
+        layout: str) -> torch.Tensor:
+    return grouped_mm(rows.contiguous(), weight, counts, counts_host=counts_host, weight_layout=layout)
+
+
+def _weight_grad(a: torch.Tensor, g: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
+                 counts_host: List[int], layout: str) -> torch.Tensor:
+    """The gradient of a grouped weight for ``out_e = a_e @ W_e^T`` ("nk") or ``a_e @ W_e`` ("kn"):
+    ``g_e^T a_e`` ``[N, K]`` or ``a_e^T g_e`` ``[K, N]`` per expert (zero for an expert without
+    rows); a ``[P, K]`` the GEMM's input rows, g ``[P, N]`` its output's gradient."""
+    nk = layout == "nk"
+    a, g = a.contiguous(), g.contiguous()
+    if grouped_mm_impl(a, weight, layout)[0] == "kernel":
+        try:
+            offs = _offsets(counts, False, a.device, weight.shape[0], OP)
+            dw = _gmm(g.t(), a, offs) if nk else _gmm(a.t(), g, offs)
+            # the kernel may leave an expert without rows unwritten
+            return dw.masked_fill((counts.to(a.device) == 0).view(-1, 1, 1), 0)
+        except (RuntimeError, TypeError, NotImplementedError):
+            pass  # a refusal of the kernel (an older torch): the loop below, as grouped_mm falls back
+    dw = torch.zeros(weight.shape, dtype=a.dtype, device=a.device)
+    start = 0
+    for e, c in enumerate(counts_host):
+        if c:
+            ae, ge = a[start:start + c], g[start:start + c]
+            dw[e] = ge.t() @ ae if nk else ae.t() @ ge
+        start += c
+    return dw
+
+
+def _p2p(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, group: dist.ProcessGroup):
+    """Send ``send`` to group rank ``dst`` and receive ``recv`` from ``src`` (one NCCL group call;
+    on gloo, host transfers). Returns the works: ``wait()`` makes the current stream wait (NCCL)
+    or blocks (gloo)."""
+    return dist.batch_isend_irecv([dist.P2POp(dist.isend, send, group=group, group_peer=dst),
+                                   dist.P2POp(dist.irecv, recv, group=group, group_peer=src)])
+
+
+# --------------------------------------------------------------------------------------
+# Strategies. Part 1's computation: (out [P, N], gathered input [T, H] or None); ``scale``:
+# the gathered routing weights as ``[T * K]`` (part 2's backward) or None.
+
+
+def _ag_scatter_sequential(x, weight, layout, routing, scale, keep_gathered):
+    gathered = all_gather_dim0(x, routing.group)
+    rows = _scatter_rows(gathered, routing.pairs, routing.topk, scale)
+    out = _mm(rows, weight, routing.counts, routing.counts_host, layout)
+    return out, gathered if keep_gathered else None
+
+
+def _ag_scatter_chunked(x, weight, layout, routing, scale, keep_gathered):
+    group, world, rank = routing.group, routing.world, routing.rank
+    tl, k = routing.tokens_per_rank, routing.topk
+    x = x.contiguous()
+    blocks = routing.blocks()
+    n = weight.shape[1] if layout == "nk" else weight.shape[2]
+    out = x.new_empty((routing.num_rows, n))
+    gathered = x.new_empty((world, tl, x.shape[1]))
+    # Every transfer is enqueued first (they run one after the other on NCCL's stream): step i
+    # brings rank r - i's shard while this rank's goes to r + i.
+    works = [_p2p(x, (rank + i) % world, gathered[(rank - i) % world], (rank - i) % world, group)
+             for i in range(1, world)]
+
+    def block(s, shard):
+        b = blocks[s]
+        sc = None if scale is None else scale[s * tl * k:(s + 1) * tl * k]
+        y = _mm(_scatter_rows(shard, b.local, k, sc), weight, b.counts, b.counts_host, layout)
+        out.index_copy_(0, b.rows, y)
+
+    block(rank, x)  # this rank's own tokens, straight from x, while the shards travel
+    for i in range(1, world):
+        for w in works[i - 1]:
+            w.wait()
+        s = (rank - i) % world
+        block(s, gathered[s])
+    if not keep_gathered:
+        return out, None
+    gathered[rank].copy_(x)
+    return out, gathered.view(world * tl, x.shape[1])
+
+
+# Part 2's computation: (out [T_l, H], partial [P, H] or None); ``wg``: the gathered routing
+# weights ``[T, K]``, or None for unit weights (part 1's backward).
+
+
+def _mm_gather_rs_sequential(h, weight, layout, routing, wg, keep_partial):
+    partial = _mm(h, weight, routing.counts, routing.counts_host, layout)
+    y = _sum_slots(partial, routing.pair_rows(), wg, h.dtype)
+    return reduce_scatter_dim0(y, routing.group), partial if keep_partial else None
+
+
+def _mm_gather_rs_chunked(h, weight, layout, routing, wg, keep_partial):
+    group, world, rank = routing.group, routing.world, routing.rank
+    tl = routing.tokens_per_rank
+    blocks = routing.blocks()
+    n = weight.shape[1] if layout == "nk" else weight.shape[2]
+    partial = h.new_empty((routing.num_rows, n)) if keep_partial else None
+    recv = h.new_empty((world, tl, n))
+
+    def block(d):  # the partial sums of rank d's tokens, [T_l, N] in h's dtype
+        b = blocks[d]
+        y = _mm(h[b.rows], weight, b.counts, b.counts_host, layout)
+        if partial is not None:
+            partial.index_copy_(0, b.rows, y)
+        return _sum_slots(y, b.pos, None if wg is None else wg[d * tl:(d + 1) * tl], h.dtype)
+
+    works, sent = [], []
+    for i in range(1, world):  # the peers' tokens first, each sent while the next block computes
+        d = (rank + i) % world
+        y = block(d)
+        sent.append(y)  # kept alive until its transfer is waited for
+        works.append(_p2p(y, d, recv[(rank - i) % world], (rank - i) % world, group))
+    own = block(rank)
+    for ws in works:
+        for w in ws:
+            w.wait()
+    acc = _acc_dtype(h.dtype)
+    out = torch.zeros((tl, n), dtype=acc, device=h.device)
+    for s in range(world):  # rank order: the same sum on every rank and for every strategy order
+        out += (own if s == rank else recv[s]).to(acc)
+    return out.to(h.dtype), partial
+
+
+_AG_SCATTER = {"sequential": _ag_scatter_sequential, "chunked": _ag_scatter_chunked}
+_MM_GATHER_RS = {"sequential": _mm_gather_rs_sequential, "chunked": _mm_gather_rs_chunked}
+
+
+# --------------------------------------------------------------------------------------
+# Implementations (checked)
+
+
+def _ag_scatter_impl(x, topk_idx, weight, group, layout, keep_gathered):
+    """Check, route, run. Returns (out, routing, gathered or None, strategy)."""
+    ok = isinstance(x, torch.Tensor) and x.dim() == 2
+    strategy, why = _choose_strategy(x.device, group, x.shape[0], x.shape[1]) if ok else ("sequential", None)
+    _agree(_signature_ag(x, topk_idx, weight, group, layout, strategy, why), group)
+    idx = all_gather_dim0(topk_idx.to(torch.int64), group)
+    routing = _make_routing(idx, weight.shape[0], x.shape[0], group, check=True)
+    out, gathered = _AG_SCATTER[strategy](x, weight, layout, routing, None, keep_gathered)
+    return out, routing, gathered, strategy
+
+
+def _mm_gather_rs_impl(h, weight, routing, topk_weights, group, layout, keep_partial):
+    """Check, gather the routing weights, run. Returns (out, gathered weights, partial or None,
+    strategy)."""
+    hidden = -1
+    if isinstance(weight, torch.Tensor) and weight.dim() == 3 and layout in WEIGHT_LAYOUTS:
+        hidden = weight.shape[1] if layout == "nk" else weight.shape[2]
+    tl = routing.tokens_per_rank if isinstance(routing, TpMoeRouting) else 0
+    device = h.device if isinstance(h, torch.Tensor) else torch.device("cpu")
+    strategy, why = _choose_strategy(device, group, tl, hidden)
+    check_collectively(_signature_rs(h, weight, routing, topk_weights, group, layout, strategy, why), group)
+    wg = all_gather_dim0(topk_weights, group)
+    out, partial = _MM_GATHER_RS[strategy](h.contiguous(), weight, layout, routing, wg, keep_partial)
+    return out, wg, partial, strategy
+
+
+# --------------------------------------------------------------------------------------
+# Eager autograd
+
+
+class _AgScatterFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topk_idx, weight, group, layout):
+        keep = bool(ctx.needs_input_grad[2])
+        out, routing, gathered, strategy = _ag_scatter_impl(x, topk_idx, weight, group, layout, keep)
+        ctx.routing, ctx.layout, ctx.strategy = routing, layout, strategy
+        ctx.save_for_backward(weight, gathered)
+        return out, routing
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_routing):
+        weight, gathered = ctx.saved_tensors
+        r, layout = ctx.routing, ctx.layout
+        g = grad_out.to(weight.dtype).contiguous()
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:  # part 2's computation with unit weights, the weight flipped
+            grad_x, _ = _MM_GATHER_RS[ctx.strategy](g, weight, _flip(layout), r, None, False)
+        if ctx.needs_input_grad[2]:
+            grad_w = _weight_grad(_scatter_rows(gathered, r.pairs, r.topk, None), g, weight, r.counts,
+                                  r.counts_host, layout)
+        return grad_x, None, grad_w, None, None
+
+
+class _GroupedMmGatherRsFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, topk_weights, routing, group, layout):
+        keep = bool(ctx.needs_input_grad[2])
+        out, wg, partial, strategy = _mm_gather_rs_impl(h, weight, routing, topk_weights, group, layout, keep)
+        ctx.routing, ctx.layout, ctx.strategy, ctx.w_dtype = routing, layout, strategy, topk_weights.dtype
+        ctx.save_for_backward(h, weight, wg, partial)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        h, weight, wg, partial = ctx.saved_tensors
+        r, layout = ctx.routing, ctx.layout
+        need_h, need_w, need_tw = ctx.needs_input_grad[:3]
+        g = grad_out.to(h.dtype).contiguous()
+        grad_h = grad_w = grad_tw = None
+        dy = None  # all_gather(d out), [T, H]
+        if need_h:  # part 1's computation on d out, each row scaled by its weight, the weight flipped
+            grad_h, dy = _AG_SCATTER[ctx.strategy](g, weight, _flip(layout), r, wg.reshape(-1),
+                                                   need_w or need_tw)
+        elif need_w or need_tw:
+            dy = all_gather_dim0(g, r.group)
+        if need_w:
+            grad_w = _weight_grad(h, _scatter_rows(dy, r.pairs, r.topk, wg.reshape(-1)), weight, r.counts,
+                                  r.counts_host, layout)
+        if need_tw:
+            acc = _acc_dtype(h.dtype)
+            per_row = (partial.to(acc) * _scatter_rows(dy, r.pairs, r.topk, None).to(acc)).sum(-1)
+            gw = torch.zeros(r.num_tokens * r.topk, dtype=acc, device=h.device).index_copy_(0, r.pairs, per_row)
+            # each rank's partial holds its F shard's share: the sum over ranks, this rank's tokens
+            grad_tw = reduce_scatter_dim0(gw.view(r.num_tokens, r.topk), r.group).to(ctx.w_dtype)
+        return grad_h, grad_w, grad_tw, None, None, None
+
+
+# --------------------------------------------------------------------------------------
+# Public API
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+@torch.compiler.disable  # P, the output's row count, is read on the host
+def ag_scatter_grouped_mm(x: torch.Tensor, topk_idx: torch.Tensor, weight: torch.Tensor, *,
+                          group: Optional[dist.ProcessGroup] = None,
+                          weight_layout: str = "nk") -> Tuple[torch.Tensor, TpMoeRouting]:
+    """All-gather the tokens and their routing, scatter the (token, slot) pairs into expert-major
+    order, and multiply each expert's rows by this rank's shard of that expert's weight.
+
+    Same as ``X, I = all_gather(x), all_gather(topk_idx); out = cat([X[tokens of e] @ W_e^T for e])``
+    (see ``ag_scatter_grouped_mm_ref`` and the module docstring for the row order).
+
+    Args:
+        x: ``[T_l, H]`` this rank's tokens (the same T_l on every rank); bf16, fp16, fp32 or fp64.
+        topk_idx: ``[T_l, K]`` int64 or int32: global expert ids in ``[0, E)``, or -1 (slot unused).
+        weight: this rank's shard, ``[E, N, H]`` (``weight_layout="nk"``: nn.Linear per expert, e.g.
+            w13's ``[E, 2F/W, H]``) or ``[E, H, N]`` (``"kn"``); x's dtype and device; E is the
+            number of experts.
+        group: the tensor-parallel process group (default: the world); NCCL for CUDA tensors, gloo
+            for CPU tensors.
+        weight_layout: ``"nk"`` or ``"kn"``.
+
+    Returns:
+        ``(out, routing)``: out ``[P, N]`` in x's dtype, one row per valid gathered pair (P the same
+        on every rank), by expert, then gathered token index, then slot; routing the
+        ``TpMoeRouting`` for ``grouped_mm_gather_rs`` (``routing.counts`` / ``counts_host``: rows per
+        expert). Differentiable in x and weight.
+
+    Raises:
+        FluxInputError, on every rank alike and before any token moves, when some rank's arguments
+        are invalid (shapes, dtypes, devices, an id outside [-1, E)) or the ranks disagree on T_l,
+        H, K, E, the dtype or the layout.
+    """
+    group = resolve_group(group, OP)
+    if _needs_grad(x, weight):
+        return _AgScatterFunction.apply(x, topk_idx, weight, group, weight_layout)
+    out, routing, _, _ = _ag_scatter_impl(x, topk_idx, weight, group, weight_layout, False)
+    return out, routing
+
+
+@torch.compiler.disable  # the partner of ag_scatter_grouped_mm, whose routing is host data
+def grouped_mm_gather_rs(h: torch.Tensor, weight: torch.Tensor, routing: TpMoeRouting, topk_weights: torch.Tensor,
+                         *, group: Optional[dist.ProcessGroup] = None, weight_layout: str = "nk") -> torch.Tensor:
+    """Multiply each expert's rows by this rank's shard of that expert's weight, sum every token's
+    slots with its routing weights, and reduce-scatter the partial sums over the group.
+
+    Same as ``partial = cat([h[rows of e] @ W_e^T for e]); Y[t] = sum_k all_gather(topk_weights)[t, k]
+    * partial[row of (t, k)]; out = reduce_scatter(Y)`` (see ``grouped_mm_gather_rs_ref``).
+
+    Args:
+        h: ``[P, F_l]`` in ``routing``'s row order (e.g. the activation of
+            ``ag_scatter_grouped_mm``'s output); bf16, fp16, fp32 or fp64.
+        weight: this rank's shard, ``[E, H, F_l]`` (``"nk"``: w2 per expert as nn.Linear) or
+            ``[E, F_l, H]`` (``"kn"``); h's dtype and device.
+        routing: the ``TpMoeRouting`` of the matching ``ag_scatter_grouped_mm`` call.
+        topk_weights: ``[T_l, K]`` floating: this rank's tokens' routing weights (gathered here);
+            slots with id -1 are ignored.
+        group: default: the routing's group (the same group if given).
+        weight_layout: ``"nk"`` or ``"kn"``.
+
+    Returns:
+        ``[T_l, H]`` in h's dtype: this rank's tokens, summed over the group's F shards. The slot
+        sum is accumulated in fp32 (fp64 for fp64) from slot 0 on, rounded to h's dtype, then
+        reduced. Differentiable in h, weight and topk_weights.
+
+    Raises:
+        FluxInputError, on every rank alike, when some rank's arguments are invalid (h's rows are
+        not the routing's P, the weight's E is not the routing's, shapes, dtypes, devices) or the
+        ranks disagree on H, the dtypes or the layout.
+    """
+    if group is None and isinstance(routing, TpMoeRouting):
+        group = routing.group
+    group = resolve_group(group, OP_RS)
+    if _needs_grad(h, weight, topk_weights):
+        return _GroupedMmGatherRsFunction.apply(h, weight, topk_weights, routing, group, weight_layout)
+    return _mm_gather_rs_impl(h, weight, routing, topk_weights, group, weight_layout, False)[0]
+
+
+# --------------------------------------------------------------------------------------
+# Unchecked references (differentiable: the gather's backward is a reduce-scatter and vice versa)
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, group):
+        ctx.group = group
+        return all_gather_dim0(t, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_dim0(grad, ctx.group), None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, group):
+        ctx.group = group
+        return reduce_scatter_dim0(t, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_dim0(grad, ctx.group), None
+
+
+def ag_scatter_grouped_mm_ref(x: torch.Tensor, topk_idx: torch.Tensor, weight: torch.Tensor, *,
+                              group: Optional[dist.ProcessGroup] = None,
+                              weight_layout: str = "nk") -> Tuple[torch.Tensor, TpMoeRouting]:
+    """``(out, routing)`` of ``ag_scatter_grouped_mm`` by all_gather, a per-expert selection of the
+    gathered tokens and one torch.mm per expert; unchecked (ids outside [-1, E) count as -1),
+    differentiable in x and weight."""
+    group = resolve_group(group, OP)
+    gathered = _AllGather.apply(x, group)
+    idx = all_gather_dim0(topk_idx.to(torch.int64), group)
+    blocks = []
+    for e in range(weight.shape[0]):
+        tok, _ = (idx == e).nonzero(as_tuple=True)  # lexicographic: token, then slot
+        we = weight[e]
+        blocks.append(gathered[tok] @ (we.t() if weight_layout == "nk" else we))
+    return torch.cat(blocks), _make_routing(idx, weight.shape[0], x.shape[0], group, check=False)
+
+
+def grouped_mm_gather_rs_ref(h: torch.Tensor, weight: torch.Tensor, routing: TpMoeRouting,
+                             topk_weights: torch.Tensor, *, group: Optional[dist.ProcessGroup] = None,
+                             weight_layout: str = "nk") -> torch.Tensor:
+    """``grouped_mm_gather_rs`` by one torch.mm per expert over its rows, the weighted sum of the
+    gathered tokens' slots (index_add, fp32 or wider) and reduce_scatter; unchecked,
+    differentiable in h, weight and topk_weights. Reads only ``routing.topk_idx``."""
+    group = resolve_group(group if group is not None else routing.group, OP_RS)
+    idx = routing.topk_idx
+    wg = _AllGather.apply(topk_weights, group)
+    acc = _acc_dtype(h.dtype)
+    n = weight.shape[1] if weight_layout == "nk" else weight.shape[2]
+    y = torch.zeros((idx.shape[0], n), dtype=acc, device=h.device)
+    start = 0
+    for e in range(weight.shape[0]):
+        tok, slot = (idx == e).nonzero(as_tuple=True)
+        we = weight[e]
+        part = h[start:start + tok.shape[0]] @ (we.t() if weight_layout == "nk" else we)
+        start += tok.shape[0]
+        y = y.index_add(0, tok, wg[tok, slot].to(acc)[:, None] * part.to(acc))
+    return _ReduceScatter.apply(y.to(h.dtype), group)
+
+
+__all__ = ["OVERLAP_MIN_SHARD", "STRATEGIES", "TpMoeRouting", "ag_scatter_grouped_mm", "ag_scatter_grouped_mm_ref",
+           "grouped_mm_gather_rs", "grouped_mm_gather_rs_ref"]
