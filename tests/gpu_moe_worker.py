@@ -18,7 +18,14 @@ results are computed here without any collective, and exactly:
   every pair to one expert;
 - the bounded variant captured in a CUDA graph and replayed on new routings;
 - gradients (x, topk_weights, the experts' y) of dispatch -> expert -> combine through the
-  public functions equal to those of the reference all_to_all strategy (NCCL or gloo), bitwise.
+  public functions equal to those of the reference all_to_all strategy (NCCL or gloo), bitwise;
+- fp8 dispatch (bf16 tokens whose 128-element blocks span magnitudes): the received fp8 rows and
+  scales byte for byte equal to quantize_fp8 of every rank's tokens (quantised here, on this GPU,
+  without a collective) in the layout, unbounded and bounded, the same bytes as all_to_all's, the
+  combine of the dequantised rows and the straight-through gradients equal to all_to_all's;
+- flux.nn.MoE with chunks = 2, 3 (communication on a side stream, overlapped with the experts)
+  against chunks = 1: output and gradients, repeated steps (buffers reused by the allocator),
+  token counts the blocks do not divide and a rank without tokens, unbounded and bounded.
 """
 import os
 
@@ -215,6 +222,121 @@ def gradients_match_all_to_all(rank, world, dev, group):
 
 
 _CHOOSE = moe_mod._choose_strategy
+
+
+def fp8_inputs(rank, tokens, hidden, k, experts, dev, seed):
+    """inputs(), x made bf16 with non-integer values and a power-of-two magnitude per 128-element
+    block (2^-8 .. 2^5), so the quantisation rounds and the scales differ between blocks."""
+    x, idx, w = inputs(rank, tokens, hidden, k, experts, torch.float32, "cpu", seed)
+    gen = torch.Generator().manual_seed(seed * 1000 + rank + 500)
+    mag = 2.0 ** torch.randint(-8, 6, (tokens, hidden // 128, 1), generator=gen).float()
+    x = (x + torch.rand(x.shape, generator=gen)).view(tokens, hidden // 128, 128) * mag
+    return x.view(tokens, hidden).to(torch.bfloat16).to(dev), idx.to(dev), w.to(dev)
+
+
+def packed_bytes(q, scales):
+    """A row's fp8 bytes, then its scales' bytes: ``[..., H + 4 H / 128]`` uint8."""
+    return torch.cat([q.view(torch.uint8), scales.view(torch.uint8)], -1)
+
+
+@case
+def fp8_dispatch_layout(rank, world, dev, group):
+    shapes = ((lambda s: 37 + 11 * s, 7168, 8, 64, None), (lambda s: 64 - 9 * s, 7168, 8, 64, 64),
+              (lambda s: 0 if s == 1 else 20, 128, 2, 8, None), (lambda s: 30, 256, 4, 8, 32))
+    for tokens_of, hidden, k, experts, cap in shapes:
+        all_inputs = [fp8_inputs(s, tokens_of(s), hidden, k, experts, dev, seed=80 + k) for s in range(world)]
+        x, idx, w = all_inputs[rank]
+        # What every rank sends, quantised here: rows of packed bytes, routed on the host.
+        sent = [(packed_bytes(*moe_mod.quantize_fp8(t[0])).cpu(), t[1].cpu(), None) for t in all_inputs]
+        want_rows, want_counts = expected_dispatch(sent, rank, world, experts)
+        el = experts // world
+        got = {}
+        for name in ("symm", "all_to_all"):
+            (q, scales), counts, handle = moe_mod.run_strategy(name, x, idx, w, experts, group=group,
+                                                               max_tokens_per_rank=cap, fp8=True)
+            what = f"{name} H={hidden} K={k} C={cap}"
+            assert handle.strategy == name and handle.fp8, what
+            assert q.dtype == torch.float8_e4m3fn and scales.dtype == torch.float32, what
+            assert counts.tolist() == want_counts, f"{what}: counts {counts.tolist()} != {want_counts}"
+            rows = packed_bytes(q, scales).cpu()
+            if cap is None:
+                assert torch.equal(rows, want_rows), f"{what}: received fp8 rows or scales differ"
+                y = moe_mod.dequantize_fp8(q, scales) * (1 + torch.repeat_interleave(
+                    torch.arange(el, device=dev), counts)[:, None]).to(torch.bfloat16)
+            else:
+                assert q.shape == (el, world * cap, hidden) and scales.shape == (el, world * cap, hidden // 128)
+                start = 0
+                for e, n in enumerate(want_counts):
+                    assert torch.equal(rows[e, :n], want_rows[start:start + n]), f"{what}: expert {e}: rows differ"
+                    assert not rows[e, n:].any(), f"{what}: expert {e}: rows past the count are not zero"
+                    start += n
+                y = moe_mod.dequantize_fp8(q, scales) * (1 + torch.arange(el, device=dev)[:, None, None]).to(
+                    torch.bfloat16)
+            got[name] = (rows, flux.moe_combine(y, handle))
+        assert torch.equal(got["symm"][0], got["all_to_all"][0]), f"H={hidden} C={cap}: symm and all_to_all differ"
+        assert torch.equal(got["symm"][1], got["all_to_all"][1]), f"H={hidden} C={cap}: combine differs"
+
+
+@case
+def fp8_gradients_match_all_to_all(rank, world, dev, group):
+    experts, hidden, k = 16, 512, 4
+    for cap in (None, 48):
+        x0, idx, w0 = fp8_inputs(rank, 40 + 3 * rank, hidden, k, experts, dev, seed=90)
+        scale = torch.linspace(0.5, 1.5, hidden, device=dev, dtype=torch.bfloat16)
+        g = torch.randn(x0.shape, generator=torch.Generator().manual_seed(20 + rank)).to(dev, torch.bfloat16)
+        grads = {}
+        for name in ("all_to_all", "symm"):
+            moe_mod._choose_strategy = (lambda n: lambda *a: n)(name)
+            x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+            recv, _, handle = flux.moe_dispatch(x, idx, w, experts, group=group, max_tokens_per_rank=cap, fp8=True)
+            assert handle.strategy == name and handle.fp8
+            out = flux.moe_combine(moe_mod.dequantize_fp8(*recv) * scale, handle)
+            out.backward(g)
+            grads[name] = (out.detach(), x.grad, w.grad)
+        moe_mod._choose_strategy = _CHOOSE
+        assert grads["symm"][1] is not None and grads["symm"][1].abs().sum() > 0, f"cap={cap}: no gradient for x"
+        for what, a, b in zip(("out", "d x", "d topk_weights"), grads["symm"], grads["all_to_all"]):
+            assert torch.equal(a, b), f"cap={cap}: {what} differs from all_to_all by {float((a - b).abs().max())}"
+
+
+def rel_err(a, b):
+    """max |a - b| relative to max |b| (0 for empty tensors)."""
+    if b.numel() == 0:
+        return 0.0
+    return float((a - b).abs().max()) / (float(b.abs().max()) or 1.0)
+
+
+@case
+def moe_layer_chunks(rank, world, dev, group):
+    import flux.nn as fnn
+
+    hidden, ffn, experts, k = 1024, 512, 16, 4
+    for dtype, cap, tol in ((torch.float32, None, 1e-5), (torch.float32, 96, 1e-5), (torch.bfloat16, 96, 2e-2)):
+        tokens = [90, 0][rank % 2] if cap is None else [96, 37][rank % 2]
+        ref = None
+        for c in (1, 2, 3):
+            moe = fnn.MoE(hidden, ffn, experts, k, group=group, seed=9, dtype=dtype, device=dev,
+                          max_tokens_per_rank=cap, chunks=c)
+            for step in range(3):  # the same data each step (a buffer reused too early would show)
+                gen = torch.Generator().manual_seed(100 + rank)
+                x = torch.randn(tokens, hidden, generator=gen).to(dev, dtype).requires_grad_()
+                g = torch.randn(tokens, hidden, generator=gen).to(dev, dtype)
+                moe.zero_grad()
+                y = moe(x)
+                y.backward(g)
+                got = [y.detach().float(), x.grad.float(), moe.w13.grad.float(), moe.w2.grad.float(),
+                       moe.router.weight.grad.float()]
+                if step == 0:
+                    first = got
+                for name, a, b in zip(("out", "d x", "d w13", "d w2", "d router"), got, first):
+                    err = rel_err(a, b)
+                    assert err <= tol, f"{dtype} C={cap} chunks={c} step {step}: {name} changed by {err:.3g} (of max)"
+            if ref is None:
+                ref = first
+                continue
+            for name, a, b in zip(("out", "d x", "d w13", "d w2", "d router"), first, ref):
+                err = rel_err(a, b)
+                assert err <= tol, f"{dtype} C={cap} chunks={c}: {name} differs from chunks=1 by {err:.3g} (of max)"
 
 
 def main():

@@ -12,7 +12,12 @@ an independent single-process computation:
   autograd through the unsharded computation in float64, eagerly and through the dispatcher ops;
 - bad arguments: the same FluxInputError on every rank, then the group still works; the
   bounded variant's deferred verdict (the CUDA path's) run on gloo;
-- torch.library.opcheck of flux::moe_dispatch and flux::moe_combine.
+- torch.library.opcheck of flux::moe_dispatch and flux::moe_combine;
+- fp8 dispatch: quantize_fp8 / dequantize_fp8 in this process (the format, the round trip within
+  fp8's rounding bound, the checks); the received fp8 rows and scales byte for byte equal to
+  quantize_fp8 of every rank's tokens, computed here (unbounded, bounded, the deferred verdict's
+  path, the reference, the dispatcher ops); the straight-through gradient equal, bitwise, to that
+  of an unquantised dispatch of the dequantised tokens; its errors on every rank.
 """
 import pytest
 import torch
@@ -260,6 +265,162 @@ def _grad_ops(rank, world):
 
 
 # --------------------------------------------------------------------------------------
+# fp8 dispatch
+
+
+def fp8_tokens(seed, rank, tokens, h, dtype):
+    """Tokens whose 128-element blocks span magnitudes (2^-12 .. 2^8), one all-zero block per
+    token (a clamped amax) when H allows, and tiny values that become fp8 subnormals."""
+    g = torch.Generator().manual_seed(seed * 131 + rank)
+    nb = h // 128
+    mag = 2.0 ** torch.randint(-12, 9, (tokens, nb, 1), generator=g).to(F64)
+    x = torch.randn((tokens, nb, 128), generator=g, dtype=F64) * mag
+    x[:, :, :4] *= 2.0 ** -14  # fp8 subnormals after scaling (|x / scale| < 2^-6)
+    if nb > 1 and tokens:
+        x[:, torch.randint(0, nb, (1,), generator=g)] = 0
+    return x.reshape(tokens, h).to(dtype)
+
+
+def test_quantize_fp8_format_and_round_trip():
+    for dtype in (BF16, torch.float16, F32):
+        x = fp8_tokens(1, 0, 33, 512, dtype)
+        q, scales = moe_ops.quantize_fp8(x)
+        assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape
+        assert scales.dtype == F32 and scales.shape == (33, 4)
+        amax = x.float().view(33, 4, 128).abs().amax(-1)
+        assert torch.equal(scales, amax.clamp(min=1e-4) / 448), dtype
+        qf = q.float().view(33, 4, 128)
+        big = amax >= 1e-4
+        assert torch.equal(qf.abs().amax(-1)[big], torch.full_like(amax[big], 448.0)), "block max is not +-448"
+        assert (qf.abs().amax(-1)[~big] < 448).all() and not qf[amax == 0].any()
+        assert (amax == 0).any(), "no all-zero block: the test data does not exercise the clamp"
+        back = moe_ops.dequantize_fp8(q, scales, F32)
+        assert back.dtype == F32 and back.shape == x.shape
+        # fp8 e4m3: 3 mantissa bits (relative error <= 2^-4) for |x / scale| >= 2^-6, subnormal
+        # spacing 2^-9 below (error <= 2^-10 scale); a little slack for fp32's own rounding.
+        xs = x.float().view(33, 4, 128)
+        err = (back.view(33, 4, 128) - xs).abs()
+        bound = torch.maximum(xs.abs() * 2.0 ** -4, scales[..., None] * 2.0 ** -10) * (1 + 2.0 ** -20)
+        assert (err <= bound).all(), f"{dtype}: round trip error {float((err / bound).max())} of the bound"
+        assert (err > 0).any(), "no rounding at all: the test data does not exercise fp8"
+        assert moe_ops.dequantize_fp8(q, scales).dtype == BF16
+        # Leading dimensions pass through (the bounded layout).
+        q3, s3 = moe_ops.quantize_fp8(x.view(3, 11, 512))
+        assert torch.equal(q3.view(33, 512).view(torch.uint8), q.view(torch.uint8)) and torch.equal(s3.view(33, 4),
+                                                                                                    scales)
+    with pytest.raises(flux.FluxInputError, match="not a multiple of 128"):
+        moe_ops.quantize_fp8(torch.ones(2, 100))
+    with pytest.raises(flux.FluxInputError, match="scales must have shape"):
+        moe_ops.dequantize_fp8(q, scales[:, :3])
+    with pytest.raises(flux.FluxInputError, match="float8_e4m3fn"):
+        moe_ops.dequantize_fp8(q.float(), scales)
+
+
+def _packed_rows(x):
+    """Rows of quantize_fp8(x) as ``[T, H + 4 H / 128]`` bytes (fp8 bytes, then the scales')."""
+    q, s = moe_ops.quantize_fp8(x)
+    return torch.cat([q.view(torch.uint8), s.view(torch.uint8)], 1)
+
+
+def _check_fp8_recv(recv, counts, want_bytes, want_counts, h, what):
+    q, s = recv
+    assert q.dtype == torch.float8_e4m3fn and s.dtype == F32, what
+    assert q.shape[:-1] == s.shape[:-1] and q.shape[-1] == h and s.shape[-1] == h // 128, what
+    got = torch.cat([q.view(torch.uint8), s.view(torch.uint8)], -1)
+    assert got.shape == want_bytes.shape, f"{what}: {tuple(got.shape)} != {tuple(want_bytes.shape)}"
+    assert torch.equal(got, want_bytes), f"{what}: fp8 rows or scales differ from quantize_fp8 of the tokens"
+    assert counts.tolist() == want_counts, what
+
+
+@case("moe-fp8-layout", worlds=WORLDS)
+def _fp8_layout(rank, world):
+    """The received fp8 rows and scales are quantize_fp8 of every rank's tokens, computed here,
+    byte for byte, in the dispatch's layout: unbounded, bounded (zeros past the counts), the
+    deferred verdict's path, the reference, the dispatcher ops; combine of the dequantised rows."""
+    group = dist.group.WORLD
+    for h, k, e, dtype, sizes, cap in ((256, 2, 2 * world, BF16, [5, 0, 7, 3], 8), (128, 4, 8, F32, [4, 6, 1, 2], 6),
+                                       (384, 1, 4 * world, torch.float16, [3, 3, 0, 5], 5)):
+        sizes = sizes[:world]
+        _, idxs, ws = zip(*all_inputs(50 + h, world, sizes, 4, k, e))
+        xs = [fp8_tokens(h, s, sizes[s], h, dtype) for s in range(world)]
+        x, idx, w = xs[rank], idxs[rank], ws[rank]
+        packed = [_packed_rows(t) for t in xs]
+        for c in (None, cap):
+            what = f"H={h} K={k} E={e} {dtype} C={c}"
+            want, want_counts = expected_recv(packed, idxs, rank, world, e, packed[0].shape[1], torch.uint8, c)
+            recv, counts, handle = flux.moe_dispatch(x, idx, w, e, max_tokens_per_rank=c, fp8=True)
+            _check_fp8_recv(recv, counts, want, want_counts, h, what)
+            assert handle.fp8 and "fp8" in repr(handle) and handle.recv_shape == tuple(recv[0].shape), what
+            ref_recv, ref_counts = flux.moe_dispatch_ref(x, idx, w, e, max_tokens_per_rank=c, fp8=True)
+            _check_fp8_recv(ref_recv, ref_counts, want, want_counts, h, what + " (moe_dispatch_ref)")
+            # Combine stays in the experts' dtype: here the dequantised rows, back to their tokens.
+            y = moe_ops.dequantize_fp8(*recv, dtype=F32)
+            out = flux.moe_combine(y, handle)
+            deq = moe_ops.dequantize_fp8(*moe_ops.quantize_fp8(x), dtype=F64)
+            torch.testing.assert_close(out.to(F64), expected_round_trip(deq, idx, w.to(F64)), rtol=1e-6, atol=0)
+            with _ThroughOps(), torch.no_grad():
+                recv2, counts2, handle2 = flux.moe_dispatch(x, idx, w, e, max_tokens_per_rank=c, fp8=True)
+            _check_fp8_recv(recv2, counts2, want, want_counts, h, what + " (dispatcher op)")
+            assert handle2.fp8 and handle2.recv_shape == handle.recv_shape, what
+            if c is not None:  # the bounded variant's verdict without a host read (CUDA groups' path)
+                raw, counts3, handle3 = moe_ops._dispatch_impl(x, idx, w, e, group, c, defer_verdict=True, fp8=True)
+                handle3.check()
+                _check_fp8_recv(moe_ops._unpack_fp8(raw, h), counts3, want, want_counts, h, what + " (deferred)")
+    return True
+
+
+@case("moe-fp8-grad", worlds=WORLDS)
+def _fp8_grad(rank, world):
+    """The straight-through gradient: dispatch with fp8 -> dequantize_fp8 -> experts -> combine
+    gives, bitwise, the output and the gradients (x's, the weights', the experts') of an
+    unquantised dispatch of z = dequantize_fp8(quantize_fp8(x)), x's gradient equal to z's.
+    dequantize_fp8 is called twice on the same rows (their gradients sum)."""
+    e, h, k = 2 * world, 256, 3
+    for cap, sizes in ((None, [4, 0, 3, 5]), (5, [5, 2, 5, 1])):
+        sizes = sizes[:world]
+        _, idxs, ws = zip(*all_inputs(70, world, sizes, 4, k, e))
+        x0 = fp8_tokens(71, rank, sizes[rank], h, F32)
+        idx = idxs[rank]
+        gen = torch.Generator().manual_seed(72)
+        a = torch.randn((e // world, 1, h), generator=gen)  # per local expert: a diagonal linear map
+        b = torch.randn((e // world, 1, h), generator=gen)
+        g = torch.randn((sizes[rank], h), generator=torch.Generator().manual_seed(73 + rank))
+        results = []
+        for fp8 in (True, False):
+            x = (x0 if fp8 else moe_ops.dequantize_fp8(*moe_ops.quantize_fp8(x0), dtype=F32)).clone()
+            x.requires_grad_()
+            w = ws[rank].clone().requires_grad_()
+            ea, eb = a.clone().requires_grad_(), b.clone().requires_grad_()
+            recv, counts, handle = flux.moe_dispatch(x, idx, w, e, max_tokens_per_rank=cap, fp8=fp8)
+            if fp8:
+                assert not recv[0].requires_grad and recv[1].requires_grad
+                r1, r2 = moe_ops.dequantize_fp8(*recv, dtype=F32), moe_ops.dequantize_fp8(*recv, dtype=F32)
+            else:
+                r1 = r2 = recv
+            if cap is None:
+                ids = torch.repeat_interleave(torch.arange(e // world), counts)
+                y = r1 * ea[ids, 0] + r2 * eb[ids, 0]
+            else:
+                y = r1 * ea + r2 * eb
+            out = flux.moe_combine(y, handle)
+            (out * g).sum().backward()
+            results.append((out.detach(), x.grad, w.grad, ea.grad, eb.grad))
+        for name, p, q in zip(("out", "d x", "d topk_weights", "d a", "d b"), *results):
+            assert torch.equal(p, q), f"C={cap}: {name} of the fp8 dispatch differs from the unquantised one's"
+        assert results[0][1].abs().sum() > 0 or sizes[rank] == 0
+    # recv_scales used other than through dequantize_fp8: x gets a zero gradient (and every rank
+    # still runs the dispatch's backward collective).
+    x = fp8_tokens(74, rank, 3, 128, F32).requires_grad_()
+    idx, w = all_inputs(75, world, [3] * world, 4, 2, e)[rank][1:]
+    recv, _, _ = flux.moe_dispatch(x, idx, w, e, fp8=True)
+    (recv[1] * 2).sum().backward()
+    assert torch.equal(x.grad, torch.zeros_like(x))
+    # Through the dispatcher ops an fp8 dispatch has no gradient: refused, on every rank alike.
+    with _ThroughOps():
+        _expect_error(lambda: flux.moe_dispatch(x, idx, w, e, fp8=True), "not differentiable through the dispatcher")
+    return True
+
+# --------------------------------------------------------------------------------------
 # Bad arguments: the same FluxInputError on every rank, then the group still works
 
 
@@ -282,8 +443,10 @@ def _expect_error(fn, *fragments, op="flux.moe_dispatch"):
 
 def _bad_case(name, build, *fragments):
     def fn(rank, world):
-        x, idx, w, e, cap = build(rank, world)
-        msg = _expect_error(lambda: flux.moe_dispatch(x, idx, w, e, max_tokens_per_rank=cap), *fragments)
+        args = build(rank, world)  # (x, idx, w, e, cap), then optionally moe_dispatch's other keywords
+        x, idx, w, e, cap = args[:5]
+        kw = args[5] if len(args) > 5 else {}
+        msg = _expect_error(lambda: flux.moe_dispatch(x, idx, w, e, max_tokens_per_rank=cap, **kw), *fragments)
         _good_call(rank, world)
         return msg  # compared across ranks by test_bad_arguments
 
@@ -345,6 +508,21 @@ def _rows_differ(rank, world):
     return x, idx[:3] if rank == 1 else idx, w[:3] if rank == 1 else w, e, None
 
 
+def _fp8_hidden(rank, world):
+    x, idx, w, e, _ = _base(rank, world, h=192)
+    return x, idx, w, e, 4, {"fp8": True}
+
+
+def _fp8_dtype(rank, world):
+    x, idx, w, e, _ = _base(rank, world, h=128)
+    return x.double(), idx, w, e, None, {"fp8": True}
+
+
+def _fp8_differs(rank, world):
+    x, idx, w, e, _ = _base(rank, world, h=128)
+    return x, idx, w, e, None, {"fp8": rank != 1}
+
+
 _bad_case("id-on-one-rank", _bad_id(False), "invalid arguments on rank 1:", "topk_idx[2, 0] =", "outside [-1,")
 _bad_case("negative-id-bounded", _bad_id(True, -2), "invalid arguments on rank 1:", "topk_idx[2, 0] = -2")
 _bad_case("duplicate", _duplicate, "invalid arguments on rank 0:", "lists expert 1 twice")
@@ -355,6 +533,10 @@ _bad_case("over-capacity", _over_capacity, "invalid arguments on rank 1:", "T = 
 _bad_case("capacity-differs", _capacity_differs, "differ between ranks: max_tokens_per_rank", "rank 1")
 _bad_case("float-idx", _float_idx, "invalid arguments on rank 1:", "topk_idx dtype torch.float32")
 _bad_case("rows-differ", _rows_differ, "invalid arguments on rank 1:", "topk_idx has 3 rows but x has 4")
+_bad_case("fp8-hidden", _fp8_hidden, "rank 0: fp8=True needs H (x.shape[-1]) a positive multiple of 128",
+          "rank 1: fp8=True needs H", "got 192")
+_bad_case("fp8-dtype", _fp8_dtype, "rank 0: fp8=True quantises bf16, fp16 or fp32 x, got torch.float64")
+_bad_case("fp8-differs", _fp8_differs, "differ between ranks: fp8 is 1 on rank 0 but 0 on rank 1")
 
 
 @case("moe-bad-combine", worlds=WORLDS)
@@ -426,6 +608,10 @@ def _opcheck(rank, world):
         y = (recv_x * 2).requires_grad_()
         torch.library.opcheck(torch.ops.flux.moe_combine.default,
                               (y, w.clone().requires_grad_(), send_pairs, recv_dest, meta, gname, e, cap))
+        # fp8: the op returns the packed byte rows (no gradient flows through them)
+        xq = make_inputs(41, rank, 3 + rank, 128, k, e, dtype=BF16)[0]
+        torch.library.opcheck(torch.ops.flux.moe_dispatch.default, (xq, idx, w.clone().requires_grad_(), e, gname,
+                                                                    cap, True))
     return True
 
 

@@ -9,7 +9,9 @@ flux.nn.MoE runs in gloo processes (worlds 2 and 4): forward and backward (input
 every parameter's gradient) against an unsharded single-process MoE built from the same full
 parameters, in float64, with top-k 1 and 2, unbounded and bounded dispatch, experts (and a whole
 rank's experts) that receive no token; and its shard-only initialisation, the same layer at
-every group size for a seed.
+every group size for a seed. ``chunks`` = 2, 3 and 8 (token blocks, pipelined on CUDA, in order
+here) against ``chunks=1``: the same output and gradients, with token counts that the blocks do
+not divide, a rank without tokens, blocks of 0 tokens, unbounded and bounded.
 """
 import math
 import os
@@ -287,11 +289,47 @@ def _init_shard_only(rank, world):
     dist.all_gather(w13s, a.w13.data)
     assert not torch.equal(w13s[0], w13s[1]), "two ranks hold the same experts"
     assert "MoE" in fnn.__all__ and f"{e // world} per rank" in repr(a)
-    with pytest.raises(NotImplementedError, match="chunks"):
-        fnn.MoE(h, f, e, 2, seed=1, chunks=2)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="chunks must be a positive int"):
+            fnn.MoE(h, f, e, 2, seed=1, chunks=bad)
     with pytest.raises(ValueError, match="not divisible by the group size"):
         fnn.MoE(h, f, e + 1, 2, seed=1)
     return True
+
+
+@case("moelayer-chunks", worlds=(2, 4))
+def _chunks(rank, world):
+    """chunks = 2, 3, 8 against chunks = 1 (float64): output, input gradient and every parameter's
+    gradient. Tokens per rank 7, 0, 5, 4 (7 and 5 not divisible by 2 or 3; rank 1 has none; 8
+    blocks leave blocks of 0 tokens on every rank); unbounded and bounded (C = 8: blocks of at most
+    ceil(8 / c) tokens)."""
+    import flux.nn as fnn
+
+    h, f, e, k = 8, 6, 3 * world, 2
+    tokens = [7, 0, 5, 4][:world]
+    gen = torch.Generator().manual_seed(21)
+    x_all = torch.randn(sum(tokens), h, generator=gen, dtype=torch.float64)
+    g_all = torch.randn(sum(tokens), h, generator=gen, dtype=torch.float64)
+    lo = sum(tokens[:rank])
+    mine = slice(lo, lo + tokens[rank])
+    seen = []
+    for cap in (None, 8):
+        results = {}
+        for c in (1, 2, 3, 8):
+            moe = fnn.MoE(h, f, e, k, seed=4, dtype=torch.float64, max_tokens_per_rank=cap, chunks=c)
+            assert moe.chunks == c and f"chunks={c}" in repr(moe)
+            x = x_all[mine].clone().requires_grad_()
+            y = moe(x)
+            (y * g_all[mine]).sum().backward()
+            results[c] = [y.detach(), x.grad, moe.router.weight.grad, moe.w13.grad, moe.w2.grad]
+            seen.append(c)
+        for c in (2, 3, 8):
+            for name, a, b in zip(("output", "input gradient", "router gradient", "w13 gradient", "w2 gradient"),
+                                  results[c], results[1]):
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12,
+                                           msg=lambda m: f"chunks={c} C={cap}: {name}: {m}")
+        assert results[1][3].abs().sum() > 0, "no expert of this rank got a gradient: the case routes too little"
+    return seen
 
 
 @pytest.fixture(scope="module")
@@ -307,6 +345,11 @@ def test_moe_layer_matches_the_unsharded_layer(batch, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_moe_layer_on_the_all_to_all_baseline_matches_the_unsharded_layer(batch, world):
     batch(world).assert_ok("moelayer-a2a-baseline")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_moe_layer_chunks_match_one_chunk(batch, world):
+    batch(world).assert_ok("moelayer-chunks")
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -5,10 +5,12 @@
 
 Each rank of the group holds E/W experts (rank r: global experts r*E/W .. (r+1)*E/W - 1) and
 routes its own T tokens; the dispatch brings every token to the ranks of its chosen experts and
-the combine brings the expert outputs back.
+the combine brings the expert outputs back. With ``chunks`` > 1 the tokens go in blocks, the
+communication of one block on a side CUDA stream while the experts compute another (``MoE``).
 """
+import contextlib
 import math
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -18,7 +20,7 @@ import torch.nn.functional as F
 import flux
 from flux.nn import _shared_seed, uniform_lines
 from flux.ops.grouped_mm import grouped_mm, grouped_mm_padded
-from flux.runtime import resolve_group
+from flux.runtime import group_name, resolve_group
 
 # Derived seeds of the three weights: each is a lines-by-seed matrix (uniform_lines) of its own.
 _ROUTER_SEED, _W13_SEED, _W2_SEED = 0x2545F491, 0x9E3779B9, 0x7F4A7C15
@@ -78,9 +80,41 @@ class MoE(nn.Module):
     experts run as batched GEMMs over the slabs (``grouped_mm_padded``). None: the unbounded
     dispatch (rows grouped by expert) and ``grouped_mm``.
 
-    ``chunks``: the seam for overlapping the dispatch and combine with the expert GEMMs, chunk by
-    chunk of experts (dispatch chunk i+1 while chunk i computes). Not implemented yet: it must be
-    1, and forward runs dispatch, experts and combine one after the other.
+    ``chunks=c``: overlap the token movement with the expert GEMMs. This rank's T tokens are
+    routed together, then split into c blocks of consecutive tokens (the first ``T % c`` blocks one
+    token longer; blocks of 0 tokens when T < c, including T = 0), each dispatched, computed and
+    combined on its own; the outputs are concatenated in token order. The arithmetic of every
+    token is that of ``chunks=1`` (its routing, its experts' rows, its combine); only the grouping
+    of rows into GEMMs differs. On CUDA the blocks are pipelined::
+
+        side stream (all communication):  D0  D1  C0  D2  C1  ...  D(c-1)  C(c-2)  C(c-1)
+        caller's stream (experts):             E0      E1      ...       E(c-1)
+
+    so block i+1's dispatch and block i-1's combine run while block i's experts compute (events
+    order each block's dispatch -> experts -> combine; the tensors one stream makes and the other
+    reads are recorded on the reader's stream, so the caching allocator does not hand them out
+    again before the reader is done). All communication goes through one side stream per device
+    and group, shared by every MoE layer: two dispatches or combines on one group never run
+    concurrently (flux's MoE strategies order the reuse of their workspace with barriers on the
+    stream they are called on, so only within one stream). The host issues block i's experts
+    before block i+1's dispatch, so the unbounded dispatch's host read of its counts waits while
+    the GPU has work queued. The backward pass is not pipelined by the layer: autograd runs each
+    dispatch's and combine's backward on the side stream (where their forward ran) and the
+    experts' on the caller's, in its own order. On the CPU the same blocks run in the same order,
+    one after the other. Every rank must use the same c (each block is one collective dispatch
+    and combine on every rank). Bounded (``max_tokens_per_rank=C``): each block is a bounded
+    dispatch with ``ceil(C / c)`` tokens per rank, which every block satisfies when T <= C.
+
+    The overlap has not been measured yet. Choosing c: with D, X and C the whole forward's
+    dispatch, experts and combine times (D and C share the side stream), the pipeline takes about
+    ``(D + X + C) / c + (c - 1) / c * max(X, D + C)`` against ``D + X + C`` unchunked: it hides at
+    most ``min(X, D + C)``, half of it at c = 2, three quarters at c = 4. Each block also costs a
+    dispatch's and a combine's fixed costs (the argument check's all-gather, barriers, and in the
+    unbounded variant a host synchronisation) and makes the expert GEMMs smaller (each expert's
+    rows split c ways: keep a few hundred rows per local expert per block), and the symm
+    strategy's row copies run on SMs that the GEMMs then share. So: c = 2 where the communication
+    and the experts take comparable times, 4 for large T; measure the layer's step at c = 1, 2
+    and 4 and keep the fastest.
 
     ``dispatcher``: the object whose ``dispatch`` and ``combine`` move the tokens (default
     ``FluxDispatcher``: flux.moe_dispatch / flux.moe_combine).
@@ -101,9 +135,8 @@ class MoE(nn.Module):
             raise ValueError(f"{name}: num_experts={num_experts} is not divisible by the group size {world}")
         if top_k > num_experts:
             raise ValueError(f"{name}: top_k={top_k} is more than num_experts={num_experts}")
-        if chunks != 1:
-            raise NotImplementedError(f"{name}: chunks={chunks}: overlapping the dispatch and combine with the "
-                                      "expert GEMMs chunk by chunk is not implemented yet; chunks must be 1")
+        if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
+            raise ValueError(f"{name}: chunks must be a positive int, got {chunks!r}")
         if max_tokens_per_rank is not None and max_tokens_per_rank <= 0:
             raise ValueError(f"{name}: max_tokens_per_rank must be positive or None, got {max_tokens_per_rank}")
         self.hidden, self.ffn, self.num_experts, self.top_k = hidden, ffn, num_experts, top_k
@@ -176,15 +209,124 @@ class MoE(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.hidden)
         idx, weights = self.route(x2)
+        if self.chunks > 1:
+            return self._forward_chunked(x2, idx, weights).reshape(shape)
         recv_x, counts, handle = self.dispatcher.dispatch(x2, idx, weights, self.num_experts, group=self.group,
                                                           max_tokens_per_rank=self.max_tokens_per_rank)
         y = self.experts(recv_x, counts, getattr(handle, "counts_host", None))
         return self.dispatcher.combine(y, handle).reshape(shape)
 
+    def _forward_chunked(self, x2: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``chunks`` > 1 (class docstring): ``[T, H]`` routed tokens -> ``[T, H]``, block by block.
+        The collective calls are the same on every rank: for c blocks, dispatch 0, then for each
+        block i dispatch i+1 (if any) and combine i."""
+        c = self.chunks
+        sizes = _block_sizes(x2.shape[0], c)
+        cap = None if self.max_tokens_per_rank is None else -(-self.max_tokens_per_rank // c)
+        blocks = list(zip(x2.split(sizes), idx.split(sizes), weights.split(sizes)))
+        streams = _Streams(x2.device, self.group)
+        streams.side_waits((x2, idx, weights))  # the routing, computed on the caller's stream
+
+        def dispatch(i):
+            with streams.comm():
+                out = self.dispatcher.dispatch(*blocks[i], self.num_experts, group=self.group,
+                                               max_tokens_per_rank=cap)
+            return out, streams.mark(side=True)
+
+        outs = []
+        pending = dispatch(0)
+        for i in range(c):
+            (recv_x, counts, handle), received = pending
+            streams.main_waits((recv_x, counts), received)
+            y = self.experts(recv_x, counts, getattr(handle, "counts_host", None))
+            computed = streams.mark(side=False)
+            if i + 1 < c:
+                pending = dispatch(i + 1)  # queued before combine i: it runs while experts i compute
+            streams.side_waits((y,), computed)
+            with streams.comm():
+                outs.append(self.dispatcher.combine(y, handle))
+        streams.main_waits(outs)
+        return torch.cat(outs)
+
     def extra_repr(self) -> str:
         return (f"hidden={self.hidden}, ffn={self.ffn}, num_experts={self.num_experts} "
                 f"({self.local_experts} per rank, from {self.first_expert}), top_k={self.top_k}, "
-                f"renormalize={self.renormalize}, max_tokens_per_rank={self.max_tokens_per_rank}")
+                f"renormalize={self.renormalize}, max_tokens_per_rank={self.max_tokens_per_rank}, chunks={self.chunks}")
+
+
+def _block_sizes(tokens: int, chunks: int):
+    """``chunks`` token counts summing to ``tokens``, the first ``tokens % chunks`` one larger."""
+    return [tokens // chunks + (1 if i < tokens % chunks else 0) for i in range(chunks)]
+
+
+# The chunked forward's communication stream of each (CUDA device, group), shared by every MoE
+# layer: dispatches and combines on one group (and, through autograd, their backward passes)
+# then run one after another on one stream, as the strategies' barriers need.
+_COMM_STREAMS: Dict[Tuple[int, str], "torch.cuda.Stream"] = {}
+
+
+def _comm_stream(device: torch.device, group: dist.ProcessGroup) -> "torch.cuda.Stream":
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, group_name(group))
+    stream = _COMM_STREAMS.get(key)
+    if stream is None:
+        stream = _COMM_STREAMS[key] = torch.cuda.Stream(device=index)
+    return stream
+
+
+def _record(tensors, stream) -> None:
+    """Tell the caching allocator that ``stream`` reads these CUDA tensors (nested tuples and
+    lists too: an fp8 dispatch's recv_x is a pair)."""
+    for t in tensors:
+        if isinstance(t, (tuple, list)):
+            _record(t, stream)
+        elif isinstance(t, torch.Tensor) and t.is_cuda:
+            t.record_stream(stream)
+
+
+class _Streams:
+    """The chunked forward's two streams on CUDA: communication on the side stream
+    (``_comm_stream``), the experts on the caller's (current) stream, ordered by events; every
+    tensor that one makes and the other reads is recorded on the reader. On the CPU there is one
+    order, the host's, and every method does nothing."""
+
+    def __init__(self, device: torch.device, group: dist.ProcessGroup):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.main = torch.cuda.current_stream(device)
+            self.side = _comm_stream(device, group)
+
+    def comm(self):
+        """Context in which the communication is issued (on the side stream)."""
+        return torch.cuda.stream(self.side) if self.cuda else contextlib.nullcontext()
+
+    def mark(self, side: bool):
+        """An event recorded now on the side (or the caller's) stream; None on the CPU."""
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.side if side else self.main)
+        return event
+
+    def side_waits(self, tensors, event=None) -> None:
+        """The side stream waits for the caller's stream (everything queued on it so far, or up to
+        ``event``) and may then read ``tensors``, made there."""
+        if self.cuda:
+            if event is None:
+                self.side.wait_stream(self.main)
+            else:
+                self.side.wait_event(event)
+            _record(tensors, self.side)
+
+    def main_waits(self, tensors, event=None) -> None:
+        """The caller's stream waits for the side stream (all of it, or up to ``event``) and may
+        then read ``tensors``, made there."""
+        if self.cuda:
+            if event is None:
+                self.main.wait_stream(self.side)
+            else:
+                self.main.wait_event(event)
+            _record(tensors, self.main)
 
 
 __all__ = ["FluxDispatcher", "MoE"]

@@ -14,7 +14,9 @@ Workspace regions (byte offsets, 256-aligned, the same on every rank):
     counts   [W, E] int32      row s: rank s's number of (token, slot) pairs per global expert
     rows     [rows_cap, H]     rows arriving here: dispatch (and ``to_experts``): the rows of our
                                experts, in recv_x's layout; ``to_sources``: our own pairs' rows
-                               back from the experts, at their index in our send order
+                               back from the experts, at their index in our send order. In the
+                               moved tensor's dtype, copied as bytes (an fp8 dispatch moves uint8
+                               rows of packed fp8 values and scales, H their byte length)
     tags     [rows_cap] int32  dispatch: per arriving row, its index in its sender's send order
 
 Dispatch on rank r (T tokens, K slots; E experts, E_l = E / W per rank)::
