@@ -350,7 +350,7 @@ def main():
     names = list(CASES) if which == "all" else which.split(",")
     out_dir = os.environ.get("FLUX_GPU_RESULTS_DIR")
     lines = []
-    why = _moe_symm.usable(group, torch.empty(1, device=dev))
+    why = _moe_symm.usable(group, dev)
     assert why is not None or moe_mod._choose_strategy(torch.empty(1, device=dev), group, False) == "symm"
     for name in names:
         rec = {"case": name, "rank": rank, "status": "ok", "error": None}

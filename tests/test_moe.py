@@ -523,6 +523,12 @@ def _fp8_differs(rank, world):
     return x, idx, w, e, None, {"fp8": rank != 1}
 
 
+def _x_not_a_tensor(rank, world):
+    x, idx, w, e, _ = _base(rank, world)
+    return (None if rank == 1 else x), idx, w, e, None
+
+
+_bad_case("x-not-a-tensor", _x_not_a_tensor, "invalid arguments on rank 1:", "x must be a tensor, got NoneType")
 _bad_case("id-on-one-rank", _bad_id(False), "invalid arguments on rank 1:", "topk_idx[2, 0] =", "outside [-1,")
 _bad_case("negative-id-bounded", _bad_id(True, -2), "invalid arguments on rank 1:", "topk_idx[2, 0] = -2")
 _bad_case("duplicate", _duplicate, "invalid arguments on rank 0:", "lists expert 1 twice")

@@ -332,9 +332,41 @@ def _chunks(rank, world):
     return seen
 
 
+@case("moelayer-bounded-deferred-error", worlds=(2,))
+def _bounded_deferred_error(rank, world):
+    """The bounded dispatch's verdict without a host read (what CUDA groups do), run on gloo: a rank
+    over max_tokens_per_rank makes every rank's layer raise the same FluxInputError (the layer
+    reads the verdict), not return zeros; with chunks too."""
+    from unittest import mock
+
+    import flux
+    import flux.nn as fnn
+    from flux.ops import moe as moe_ops
+
+    h, f, e = 8, 6, 2 * world
+    msgs = []
+    with mock.patch.object(moe_ops, "cuda_group", lambda g: True):
+        for c in (1, 2):
+            moe = fnn.MoE(h, f, e, 2, seed=5, dtype=torch.float64, max_tokens_per_rank=4, chunks=c)
+            x = torch.randn(9 if rank == 1 else 4, h, dtype=torch.float64)
+            try:
+                moe(x)
+            except flux.FluxInputError as err:
+                msgs.append(str(err))
+            else:
+                raise AssertionError(f"chunks={c}: no error although rank 1 has 9 tokens, max_tokens_per_rank 4")
+    assert all("rank 1: x.shape[0] (T) exceeds max_tokens_per_rank" in m for m in msgs), msgs
+    return msgs
+
+
 @pytest.fixture(scope="module")
 def batch(tmp_path_factory):
     return batches(__file__, "moelayer-", tmp_path_factory)
+
+
+def test_bounded_layer_raises_a_deferred_error_on_every_rank(batch):
+    msgs = batch(2).assert_ok("moelayer-bounded-deferred-error")
+    assert msgs[0] == msgs[1], msgs
 
 
 @pytest.mark.parametrize("world", [2, 4])

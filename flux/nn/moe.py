@@ -76,9 +76,12 @@ class MoE(nn.Module):
     the group's first rank draws one and broadcasts it (a collective).
 
     ``max_tokens_per_rank=C``: the bounded dispatch (``[E/W, W*C, H]`` per-expert slabs, rows past
-    each expert's count zero; no host synchronisation; every rank's T must be at most C); the
-    experts run as batched GEMMs over the slabs (``grouped_mm_padded``). None: the unbounded
-    dispatch (rows grouped by expert) and ``grouped_mm``.
+    each expert's count zero; no host synchronisation in the dispatch; every rank's T must be at
+    most C); the experts run as batched GEMMs over the slabs (``grouped_mm_padded``). On CUDA
+    groups the dispatch reports a rank over C (or bad ids) without a host read, every rank getting
+    zeros; the layer then reads that verdict after the combine (one host synchronisation) and
+    raises the same FluxInputError on every rank, except while a CUDA graph is being captured.
+    None: the unbounded dispatch (rows grouped by expert) and ``grouped_mm``.
 
     ``chunks=c``: overlap the token movement with the expert GEMMs. This rank's T tokens are
     routed together, then split into c blocks of consecutive tokens (the first ``T % c`` blocks one
@@ -103,7 +106,8 @@ class MoE(nn.Module):
     experts' on the caller's, in its own order. On the CPU the same blocks run in the same order,
     one after the other. Every rank must use the same c (each block is one collective dispatch
     and combine on every rank). Bounded (``max_tokens_per_rank=C``): each block is a bounded
-    dispatch with ``ceil(C / c)`` tokens per rank, which every block satisfies when T <= C.
+    dispatch with ``ceil(C / c)`` tokens per rank, which every block satisfies when T <= C (the
+    limit is per block: a T a little over C whose blocks fit runs).
 
     The overlap has not been measured yet. Choosing c: with D, X and C the whole forward's
     dispatch, experts and combine times (D and C share the side stream), the pipeline takes about
@@ -214,7 +218,21 @@ class MoE(nn.Module):
         recv_x, counts, handle = self.dispatcher.dispatch(x2, idx, weights, self.num_experts, group=self.group,
                                                           max_tokens_per_rank=self.max_tokens_per_rank)
         y = self.experts(recv_x, counts, getattr(handle, "counts_host", None))
-        return self.dispatcher.combine(y, handle).reshape(shape)
+        out = self.dispatcher.combine(y, handle)
+        self._check(x2, [handle])
+        return out.reshape(shape)
+
+    def _check(self, x: torch.Tensor, handles) -> None:
+        """Raise, on every rank alike, what a bounded dispatch on a CUDA group reported without a
+        host read (a rank over its block's max_tokens_per_rank, bad expert ids: every rank then got
+        zeros): read here (a host synchronisation), except while a CUDA graph is being captured,
+        where the zeros stand (the caller checks its inputs before capturing)."""
+        if self.max_tokens_per_rank is None or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return
+        for handle in handles:
+            check = getattr(handle, "check", None)
+            if check is not None:
+                check()
 
     def _forward_chunked(self, x2: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``chunks`` > 1 (class docstring): ``[T, H]`` routed tokens -> ``[T, H]``, block by block.
@@ -233,7 +251,7 @@ class MoE(nn.Module):
                                                max_tokens_per_rank=cap)
             return out, streams.mark(side=True)
 
-        outs = []
+        outs, handles = [], []
         pending = dispatch(0)
         for i in range(c):
             (recv_x, counts, handle), received = pending
@@ -245,7 +263,9 @@ class MoE(nn.Module):
             streams.side_waits((y,), computed)
             with streams.comm():
                 outs.append(self.dispatcher.combine(y, handle))
+            handles.append(handle)
         streams.main_waits(outs)
+        self._check(x2, handles)
         return torch.cat(outs)
 
     def extra_repr(self) -> str:

@@ -61,10 +61,11 @@ def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-def usable(group: dist.ProcessGroup, x: torch.Tensor) -> Optional[str]:
-    """None where this strategy can run, else the reason it cannot (the same on every rank:
-    it depends on the group and the device type only)."""
-    if x.device.type != "cuda":
+def usable(group: dist.ProcessGroup, device: torch.device) -> Optional[str]:
+    """None where this strategy can run for ``group``'s tensors on ``device`` (the group's device,
+    flux.runtime.group_device: never an argument not yet checked), else the reason it cannot; the
+    same on every rank: it depends on the group and the device type only."""
+    if device.type != "cuda":
         return "the tensors are not on a GPU"
     if dist.get_world_size(group) < 2:
         return "a group of one rank"
@@ -268,7 +269,12 @@ class SymmStrategy:
         token = _token("to_sources", handle.num_experts, h, handle.topk, y.dtype, handle.max_tokens_per_rank)
         ws, rows_off, _ = _move(y.reshape(-1, h).contiguous(), None, handle.recv_dest[:n_recv], None, group, token, landing,
                                 handle.num_experts, zero_first=False)
-        back = ws.view(dist.get_rank(group), [s, h], y.dtype, rows_off)
         # Padding rows (bounded: -1 slots) were never written: zeros, not whatever the region held.
+        # A bounded call with T > C on some rank (reported by handle.check()) has more send-order
+        # rows than the region holds; nothing was sent then, and the rows past it are zeros too.
+        n = min(s, landing)
+        back = ws.view(dist.get_rank(group), [n, h], y.dtype, rows_off)
+        if n < s:
+            back = torch.cat([back, back.new_zeros((s - n, h))])
         real = (handle.send_pairs < handle.num_tokens * handle.topk)[:, None]
         return torch.where(real, back, torch.zeros((), dtype=y.dtype, device=y.device))

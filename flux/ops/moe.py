@@ -778,11 +778,12 @@ def run_strategy(name: str, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight
     return (_unpack_fp8(recv_x, handle.hidden) if fp8 else recv_x), counts, handle
 
 
-def _choose_strategy(x: torch.Tensor, group: dist.ProcessGroup, bounded: bool) -> str:
-    """The strategy of one call: the same on every rank (it depends only on the group and the
-    device type, which the ranks share): ``symm`` wherever it can run (CUDA tensors, a group with a
-    symmetric workspace), else the reference ``all_to_all``."""
-    return "symm" if _moe_symm.usable(group, x) is None else "all_to_all"
+def _choose_strategy(x, group: dist.ProcessGroup, bounded: bool) -> str:
+    """The strategy of one call: the same on every rank (it depends only on the group and its
+    device, which the ranks share, never on ``x``, which is not checked yet): ``symm`` wherever it
+    can run (a CUDA group with a symmetric workspace), else the reference ``all_to_all``. It is part
+    of the checked signature, so ranks that would choose differently get an error, not a hang."""
+    return "symm" if _moe_symm.usable(group, group_device(group)) is None else "all_to_all"
 
 
 # --------------------------------------------------------------------------------------
@@ -801,6 +802,7 @@ def _dispatch_impl(x, topk_idx, topk_weights, num_experts, group, capacity, *, d
     if defer_verdict is None:
         defer_verdict = bounded and cuda_group(group)
     name = strategy or _choose_strategy(x, group, bounded)
+    sig.add("strategy", STRATEGIES.index(name))
     if defer_verdict and bounded:
         verdict = _check_deferred(sig, x, topk_idx, num_experts, group, capacity,
                                   getattr(_STRATEGY_IMPLS[name], "gather_small", None))
