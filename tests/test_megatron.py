@@ -378,6 +378,16 @@ def test_spec_for_megatron_lm():
 
     for norm in (rms.submodules.input_layernorm, rms.submodules.pre_mlp_layernorm, sub.q_layernorm, sub.k_layernorm):
         assert norm is not WrappedTorchNorm, norm
+    # MLA: megatron's MultiLatentAttention accepts only its own classes for the down projections
+    # (checked by identity), so they stay megatron's; the up projections and the output are flux's.
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    mla = fm.get_gpt_layer_flux_spec(multi_latent_attention=True).submodules.self_attention.submodules
+    for field in ("linear_q_down_proj", "linear_kv_down_proj", "linear_qkv_down_proj"):
+        cls = getattr(mla, field, None)
+        assert cls is None or cls is ColumnParallelLinear or not issubclass(cls, fm.FluxColumnParallelLinear), \
+            (field, cls)
+    assert mla.linear_proj is fm.FluxRowParallelLinear
 
 
 def test_sequence_parallel_torch_norm():

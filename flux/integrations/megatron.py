@@ -419,17 +419,24 @@ _FLUX_CLASSES = {
 }
 
 
+# Spec fields whose class megatron checks by identity (MultiLatentAttention accepts only the
+# classes it lists for its down projections): kept as megatron's own.
+_KEEP_FIELDS = frozenset({"linear_q_down_proj", "linear_kv_down_proj", "linear_qkv_down_proj"})
+
+
 def _swap_classes(obj, table):
     """``obj`` (a spec tree) with each class that is a key of ``table`` replaced by its value,
     through ModuleSpecs, submodule dataclasses, functools.partial builders (the MLP's, in
-    megatron-core 0.19) and lists, tuples and dicts. Everything else is kept as is."""
+    megatron-core 0.19) and lists, tuples and dicts, except in the fields of ``_KEEP_FIELDS``.
+    Everything else is kept as is."""
     if isinstance(obj, type):
         return table.get(obj, obj)
     if isinstance(obj, functools.partial):
         return functools.partial(_swap_classes(obj.func, table), *_swap_classes(obj.args, table),
                                  **_swap_classes(obj.keywords, table))
     if dataclasses.is_dataclass(obj):
-        changes = {f.name: _swap_classes(getattr(obj, f.name), table) for f in dataclasses.fields(obj) if f.init}
+        changes = {f.name: _swap_classes(getattr(obj, f.name), table) for f in dataclasses.fields(obj)
+                   if f.init and f.name not in _KEEP_FIELDS}
         return dataclasses.replace(obj, **changes)
     if isinstance(obj, (list, tuple)):
         return type(obj)(_swap_classes(x, table) for x in obj)
@@ -442,8 +449,9 @@ def get_gpt_layer_flux_spec(*args, **kwargs) -> ModuleSpec:
     """megatron-core's ``get_gpt_layer_local_spec(*args, **kwargs)`` (a GPT TransformerLayer of
     megatron-core's own modules: no Transformer Engine, unfused DotProductAttention) with
     megatron's ColumnParallelLinear and RowParallelLinear replaced by the flux layers wherever
-    the spec uses them (linear_qkv, linear_proj, linear_fc1, linear_fc2; the MLA projections and
-    the MoE experts' linears too, where the experts fall back to megatron's forward), and
+    the spec uses them (linear_qkv, linear_proj, linear_fc1, linear_fc2; the MLA up projections
+    and the MoE experts' linears too, where the experts fall back to megatron's forward; MLA's
+    down projections stay megatron's, whose classes MultiLatentAttention checks by identity), and
     WrappedTorchNorm (present without apex) by SequenceParallelTorchNorm. The layers use flux's
     ops when the TransformerConfig has ``sequence_parallel=True`` and a TP size above 1."""
     return _swap_classes(get_gpt_layer_local_spec(*args, **kwargs), _FLUX_CLASSES)
