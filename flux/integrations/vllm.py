@@ -22,8 +22,11 @@ vLLM's ``RowParallelLinear`` bias, which only TP rank 0 adds, so the reduced row
 hold it while only rank 0's graph has it. Rank 0 would then keep vLLM's reduce-scatter while its
 peers, whose graphs have a plain ``mm``, call flux's ``gemm_rs``: the ranks would wait on
 different collectives forever (vLLM's own AsyncTPPass has the same hazard). The pass therefore
-raises at compile time on a rank whose graph has such a bias, naming the cause: do not set
-``FLUX_VLLM=1`` for models with a bias on ``o_proj``/``down_proj``-like row-parallel layers.
+leaves such a graph alone and, after rewriting, the TP ranks compare (an all-gather of a hash
+over vLLM's TP CPU group, at compile time: the ranks compile the same sequence of graphs) the
+collectives their graphs will call; a rank with such a bias, or graphs that would call different
+collectives, make every rank raise at compile time, naming the cause: do not set ``FLUX_VLLM=1``
+for models with a bias on ``o_proj``/``down_proj``-like row-parallel layers.
 
 Left as they are (vLLM's ``AsyncTPPass``, when enabled, still sees them): FP8/FP4 scaled GEMMs,
 gathers or scatters along another dimension, a gathered tensor with other users than the GEMM,
@@ -71,6 +74,7 @@ import importlib.util
 import logging
 import os
 import sys
+import zlib
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
@@ -230,21 +234,68 @@ def _register_patterns(pm_pass, world: int, vllm_group: str, group_name: str, dt
     return [e[0] for e in entries]
 
 
-def _refuse_bias_before_scatter(graph: torch.fx.Graph, vllm_group: str) -> None:
-    """Raise where a GEMM with a bias feeds a reduce-scatter on the TP group (see the module's
-    documentation: fusing its peers' GEMMs would leave the ranks on different collectives)."""
+def _bias_before_scatter(graph: torch.fx.Graph, vllm_group: str) -> Optional[str]:
+    """A description of the first GEMM with a bias (addmm, or an add after mm) that feeds a
+    reduce-scatter on the TP group, or None."""
     scatter, addmm = torch.ops.vllm.reduce_scatter.default, torch.ops.aten.addmm.default
+    add, mm = torch.ops.aten.add.Tensor, torch.ops.aten.mm.default
     for node in graph.nodes:
         if node.op != "call_function" or node.target is not scatter:
             continue
         src = node.args[0] if node.args else node.kwargs.get("tensor")
         group = node.args[3] if len(node.args) > 3 else node.kwargs.get("group_name")
-        if group == vllm_group and getattr(src, "op", None) == "call_function" and src.target is addmm:
-            raise RuntimeError(
-                f"flux.integrations.vllm: the compiled graph reduce-scatters a GEMM with a bias ({src.name} -> "
-                f"{node.name} on vLLM group {group!r}). vLLM adds a RowParallelLinear bias on tensor-parallel rank 0 "
-                f"only, so the other ranks' GEMMs would become flux.gemm_rs while this one cannot, and the ranks "
-                f"would wait on different collectives. flux's vLLM pass does not support this model: unset {ENV}.")
+        if group != vllm_group or getattr(src, "op", None) != "call_function":
+            continue
+        if src.target is addmm or (src.target is add and any(getattr(a, "target", None) is mm for a in src.args)):
+            return f"{src.name} -> {node.name} on vLLM group {group!r}"
+    return None
+
+
+def _collective_sequence(graph: torch.fx.Graph, vllm_group: str) -> str:
+    """The graph's TP collectives in order, vLLM's and flux's (what the ranks must agree on)."""
+    vllm_ops = {torch.ops.vllm.reduce_scatter.default: "reduce_scatter", torch.ops.vllm.all_gather.default: "all_gather"}
+    flux_ops = {torch.ops.flux.gemm_rs.default: "flux.gemm_rs", torch.ops.flux.ag_gemm.default: "flux.ag_gemm"}
+    seq = []
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target in vllm_ops:
+            group = node.args[3] if len(node.args) > 3 else node.kwargs.get("group_name")
+            if group == vllm_group:
+                seq.append(vllm_ops[node.target])
+        elif node.target in flux_ops:
+            seq.append(flux_ops[node.target])
+    return ",".join(seq)
+
+
+def _agree_across_ranks(code: int, cpu_group) -> list:
+    """Every TP rank's ``code`` (an int64), through vLLM's TP CPU group: the ranks compile the same
+    sequence of graphs, so each rank's pass makes this call at the same point."""
+    import torch.distributed as dist
+
+    mine = torch.tensor([code], dtype=torch.int64)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(cpu_group))]
+    dist.all_gather(every, mine, group=cpu_group)
+    return [int(t.item()) for t in every]
+
+
+_REFUSED = -1  # a rank's code when its graph has a GEMM with a bias before a reduce-scatter
+
+
+def _check_agreement(codes: list, bias: Optional[str]) -> None:
+    """Raise, on every rank alike, when some rank refused its graph or the ranks' rewritten graphs
+    would make different collective calls (which would hang them)."""
+    if _REFUSED in codes:
+        where = f" ({bias})" if bias else ""
+        raise RuntimeError(
+            f"flux.integrations.vllm: TP rank(s) {[r for r, c in enumerate(codes) if c == _REFUSED]} reduce-scatter a "
+            f"GEMM with a bias{where}. vLLM adds a RowParallelLinear bias on tensor-parallel rank 0 only, so that "
+            f"rank's GEMM cannot become flux.gemm_rs while its peers' would, and the ranks would wait on different "
+            f"collectives. flux's vLLM pass does not support this model: unset {ENV}.")
+    if len(set(codes)) > 1:
+        raise RuntimeError(
+            f"flux.integrations.vllm: the TP ranks' graphs would make different collective calls after flux's "
+            f"rewrite (hashes per rank {codes}); refusing rather than hanging. Unset {ENV} for this model.")
 
 
 # --------------------------------------------------------------------------------------
@@ -277,6 +328,7 @@ def _pass_class():
             self.world_size = tp.world_size
             self.vllm_group_name = tp.unique_name
             self.group_name = tp.device_group.group_name
+            self.cpu_group = tp.cpu_group
             self.matched_count = 0
             self.pm_pass = PatternMatcherPass(pass_name=self.pass_name)
             device = getattr(self, "device", None) or "cpu"
@@ -289,8 +341,14 @@ def _pass_class():
 
         @timed
         def __call__(self, graph: torch.fx.Graph) -> None:
-            _refuse_bias_before_scatter(graph, self.vllm_group_name)
-            self.matched_count = self.pm_pass.apply(graph)
+            # Rewrite, then make sure every TP rank's graph calls the same collectives in the same
+            # order (vLLM's graphs may differ between ranks: a row-parallel bias on rank 0 only),
+            # raising on every rank at compile time instead of hanging at run time.
+            bias = _bias_before_scatter(graph, self.vllm_group_name)
+            self.matched_count = 0 if bias else self.pm_pass.apply(graph)
+            seq = _collective_sequence(graph, self.vllm_group_name)
+            code = _REFUSED if bias else zlib.crc32(seq.encode())
+            _check_agreement(_agree_across_ranks(code, self.cpu_group), bias)
             table = getattr(base, "match_table", None)
             if table is not None:
                 table[self.pass_name] += self.matched_count
