@@ -593,6 +593,37 @@ def _deferred(rank, world):
     return msgs
 
 
+@case("moe-deferred-local-error", worlds=WORLDS)
+def _deferred_local_error(rank, world):
+    """The bounded variant on a CUDA group (no per-call header; simulated on gloo): after a call
+    whose signature was checked, rank 1's next call has a local error (topk_weights of the wrong
+    shape) with the same signature fields. Its peers skip the store exchange, so rank 1 must not
+    wait there: its error travels in the device verdict, every rank's handle.check() raises the
+    same error naming rank 1, and the next call works."""
+    from unittest import mock
+
+    from flux.ops import _checks
+
+    e, h, k, cap = 2 * world, 4, 2, 4
+    x, idx, w = make_inputs(31, rank, cap, h, k, e, dtype=F32)
+    with mock.patch.object(_checks, "_carries_header", lambda g: False), \
+            mock.patch.object(moe_ops, "cuda_group", lambda g: True):
+        _checks.reset_cache()
+        recv_x, counts, handle = flux.moe_dispatch(x, idx, w, e, max_tokens_per_rank=cap)  # checked, remembered
+        handle.check()
+        wb = torch.ones(x.shape[0], k + 1) if rank == 1 else w
+        recv_x, counts, handle = flux.moe_dispatch(x, idx, wb, e, max_tokens_per_rank=cap)
+        assert not recv_x.any() and not counts.any(), "rows moved although rank 1's arguments were invalid"
+        assert not flux.moe_combine(recv_x + 1, handle).any()
+        msg = _expect_error(handle.check, "rank 1: its arguments are invalid")
+        recv_x, counts, handle = flux.moe_dispatch(x, idx, w, e, max_tokens_per_rank=cap)
+        handle.check()
+        ref_x, ref_counts, _ = moe_ops.run_strategy("all_to_all", x, idx, w, e, max_tokens_per_rank=cap)
+        assert torch.equal(recv_x, ref_x) and torch.equal(counts, ref_counts)
+        _checks.reset_cache()
+    return msg
+
+
 # --------------------------------------------------------------------------------------
 # opcheck
 #
@@ -646,6 +677,12 @@ def test_bad_arguments(batch, world, name):
     msgs = batch(world).assert_ok(name)
     assert all(m == msgs[0] for m in msgs), "FluxInputError messages differ between ranks:\n" + "\n".join(
         f"rank {r}: {m}" for r, m in enumerate(msgs))
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_deferred_local_error_raises_on_every_rank(batch, world):
+    msgs = batch(world).assert_ok("moe-deferred-local-error")
+    assert all(m == msgs[0] for m in msgs), msgs
 
 
 @pytest.mark.parametrize("world", WORLDS)

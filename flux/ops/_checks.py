@@ -170,6 +170,18 @@ def check_collectively(sig: Signature, group: dist.ProcessGroup) -> None:
     raise FluxInputError(_compose(sig.op, [(err, fields) for _, err, fields in reports]))
 
 
+def skips_exchange_if_valid(sig: Signature, group: dist.ProcessGroup) -> bool:
+    """Whether ``check_collectively`` would skip the exchange for this signature were it free of
+    local errors: a CUDA group (no per-call header), the same fields validated before, and
+    FLUX_CHECK_EVERY_CALL off. Then peers making the same call without an error skip it too, and a
+    rank with a local error must report it some other way than the store exchange, which its
+    peers would never join (flux/ops/moe.py's deferred verdict does)."""
+    if os.environ.get("FLUX_CHECK_EVERY_CALL", "0") == "1" or _carries_header(group):
+        return False
+    values = (0,) + tuple(sig.values()[1:])
+    return values in _validated.get(tuple(dist.get_process_group_ranks(group)), ())
+
+
 def _compose(op: str, reports) -> str:
     errs = [f"rank {r}: {e}" for r, (e, _) in enumerate(reports) if e]
     if errs:

@@ -131,13 +131,15 @@ needs the eager path's link between dequantize_fp8 and the dispatch, so through 
 dispatch is not differentiable (``moe_dispatch`` refuses an x that needs a gradient there).
 """
 import dataclasses
+import logging
 import zlib
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from flux.ops._checks import FluxInputError, Signature, _compose, _exchange, check_collectively, dtype_code
+from flux.ops._checks import (FluxInputError, Signature, _compose, _exchange, check_collectively, dtype_code,
+                               skips_exchange_if_valid)
 from flux.ops import _moe_symm
 from flux.ops._common import SUPPORTED_DTYPES, call_mode
 from flux.ops._moe_symm import SymmStrategy
@@ -147,6 +149,7 @@ from flux.runtime.groups import cuda_group
 OP = "flux.moe_dispatch"
 OP_COMBINE = "flux.moe_combine"
 STRATEGIES = ("all_to_all", "symm")
+_log = logging.getLogger("flux")
 _INDEX_DTYPES = (torch.int64, torch.int32)
 
 # fp8 dispatch: blocks of 128 elements along H, one fp32 scale each (DeepSeek-V3's activations).
@@ -159,8 +162,9 @@ _ROW_ALIGN = 16  # bytes: the packed rows' length is a multiple, so rows copy in
 
 # Codes of the data-dependent verdict (bits), which the bounded variant on CUDA groups
 # exchanges on the device and reports only through MoeHandle.check().
-_BAD_ID, _DUPLICATE, _OVER_CAPACITY = 2, 4, 8
+_BAD_ID, _DUPLICATE, _OVER_CAPACITY, _LOCAL_ARGS = 2, 4, 8, 16
 _CODE_TEXT = {
+    _LOCAL_ARGS: "its arguments are invalid (that rank logged the details on the 'flux' logger)",
     _BAD_ID: "topk_idx holds an expert id outside [-1, num_experts)",
     _DUPLICATE: "a row of topk_idx lists an expert twice (a token may list an expert at most once)",
     _OVER_CAPACITY: "x.shape[0] (T) exceeds max_tokens_per_rank",
@@ -547,16 +551,28 @@ def _check_host(sig: Signature, topk_idx, num_experts, group) -> None:
     raise FluxInputError(_compose(OP, [(err, fields) for _, err, fields in reports]))
 
 
-def _check_deferred(sig: Signature, x, topk_idx, num_experts, group, capacity, gather=None) -> torch.Tensor:
+def _check_deferred(sig: Signature, x, topk_idx, num_experts, group, capacity, gather=None):
     """The bounded variant without a host read: the fields that must agree (and host-known
     local errors) through check_collectively; the data verdict and T > C all-gathered on the
-    device (``gather``: the strategy's own way, else a collective of the group). Returns every
-    rank's code, ``[W]`` int64 on x's device."""
-    check_collectively(sig, group)
-    code = _data_code(topk_idx, num_experts)
-    if x.shape[0] > capacity:
-        code = code + _OVER_CAPACITY
-    return (gather or _all_gather_small)(code.reshape(1), group).reshape(-1)
+    device (``gather``: the strategy's own way, else a collective of the group). Returns (every
+    rank's code, ``[W]`` int64 on x's device; this rank's local error, deferred, or None): a local
+    error whose peers skip the exchange (their signature was checked before) travels as the code
+    _LOCAL_ARGS rather than in an exchange nobody else joins."""
+    local = None
+    if sig.error is not None and skips_exchange_if_valid(sig, group):
+        # The peers' identical, valid calls skip the store exchange (their signature was checked
+        # before): this rank's local error goes into the device verdict instead, with stand-ins
+        # of no tokens so that nothing it sends is read (every rank then gets zeros, and
+        # handle.check() raises on every rank).
+        local = sig.error
+        _log.warning("%s: rank %d: %s", OP, dist.get_rank(group), local)
+        code = torch.tensor(_LOCAL_ARGS, dtype=torch.int64, device=x.device)
+    else:
+        check_collectively(sig, group)
+        code = _data_code(topk_idx, num_experts)
+        if x.shape[0] > capacity:
+            code = code + _OVER_CAPACITY
+    return (gather or _all_gather_small)(code.reshape(1), group).reshape(-1), local
 
 
 # --------------------------------------------------------------------------------------
@@ -804,9 +820,13 @@ def _dispatch_impl(x, topk_idx, topk_weights, num_experts, group, capacity, *, d
     name = strategy or _choose_strategy(x, group, bounded)
     sig.add("strategy", STRATEGIES.index(name))
     if defer_verdict and bounded:
-        verdict = _check_deferred(sig, x, topk_idx, num_experts, group, capacity,
-                                  getattr(_STRATEGY_IMPLS[name], "gather_small", None))
+        verdict, local = _check_deferred(sig, x, topk_idx, num_experts, group, capacity,
+                                         getattr(_STRATEGY_IMPLS[name], "gather_small", None))
         any_error = (verdict != 0).any()
+        if local is not None:  # stand-ins of no tokens, of the agreed H and K (see _check_deferred)
+            x = x.new_zeros((0, x.shape[-1]))
+            topk_idx = topk_idx.new_zeros((0, topk_idx.shape[-1]))
+            topk_weights = topk_weights.new_zeros((0, topk_idx.shape[-1]))
     else:
         if bounded and sig.error is None and x.shape[0] > capacity:
             sig.fail(f"x has T = {x.shape[0]} tokens, more than max_tokens_per_rank = {capacity}")
