@@ -322,15 +322,21 @@ def megatron_case(args, dev, dtype, group, hidden, ffn, tokens):
     return params, {k: v for k, v in fns.items() if k in args.variants.split(",")}, {}
 
 
-def run(args):
-    if args.cpu:
+def init_distributed(cpu: bool):
+    """(device, dtype) of a benchmark process under torchrun: gloo and fp32 on the CPU (smoke
+    runs), else NCCL on this rank's GPU and bf16."""
+    if cpu:
         dist.init_process_group("gloo")
-        dev, dtype = torch.device("cpu"), torch.float32
-    else:
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        dev, dtype = torch.device("cuda", local), torch.bfloat16
-        dist.init_process_group("nccl", device_id=dev)
+        return torch.device("cpu"), torch.float32
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    dev = torch.device("cuda", local)
+    dist.init_process_group("nccl", device_id=dev)
+    return dev, torch.bfloat16
+
+
+def run(args):
+    dev, dtype = init_distributed(args.cpu)
     group, rank, world = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
     bench = Bench(args, dev)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4

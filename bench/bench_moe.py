@@ -65,7 +65,7 @@ import torch.distributed as dist  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import flux  # noqa: E402
-from bench_layers import Bench, _f, rel_err  # noqa: E402
+from bench_layers import Bench, _f, init_distributed, rel_err  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------
@@ -269,14 +269,7 @@ def layer_case(args, bench, layer, tokens, topk, dev, dtype, rank, tol):
 
 
 def run(args):
-    if args.cpu:
-        dist.init_process_group("gloo")
-        dev, dtype = torch.device("cpu"), torch.float32
-    else:
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        dev, dtype = torch.device("cuda", local), torch.bfloat16
-        dist.init_process_group("nccl", device_id=dev)
+    dev, dtype = init_distributed(args.cpu)
     group, rank, world = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
     bench = Bench(args, dev)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5

@@ -1,5 +1,5 @@
-"""Helpers shared by the CPU tests (tests/test_ops.py) and the GPU worker
-(tests/gpu_worker.py): deterministic inputs and the tolerance rule.
+"""Helpers shared by the CPU tests (tests/test_*.py) and the GPU worker (tests/gpu_worker.py):
+deterministic inputs, the tolerance rule, and the check of a FluxInputError's message.
 
 Tolerance: an op's output is compared with a float64 reference by relative norm error, and
 must be within twice the error of the same-precision unfused baseline (the result computed
@@ -35,3 +35,20 @@ def check_against(out, ref, base, what):
     eps = EPS[out.dtype]
     assert err <= 2 * berr + eps, f"{what}: relative error {err:.3g} > 2 * baseline {berr:.3g} + {eps:g}"
     return err, berr
+
+
+def expect_flux_error(fn, op, *fragments):
+    """Call ``fn``, which must raise flux.FluxInputError with a message that starts with
+    ``op + ":"`` and contains every fragment; return the message."""
+    import flux
+
+    try:
+        fn()
+    except flux.FluxInputError as err:
+        msg = str(err)
+    else:
+        raise AssertionError("no FluxInputError was raised")
+    assert msg.startswith(op + ":"), f"message does not start with the op name: {msg!r}"
+    for f in fragments:
+        assert f in msg, f"expected {f!r} in {msg!r}"
+    return msg

@@ -26,6 +26,7 @@ import torch.distributed as dist
 import flux
 from flux.ops import moe as moe_ops
 from _dist import CASES, batches, case
+from _ref import expect_flux_error
 
 WORLDS = (2, 4)
 F64, F32, BF16 = torch.float64, torch.float32, torch.bfloat16
@@ -429,16 +430,7 @@ def _good_call(rank, world):
 
 
 def _expect_error(fn, *fragments, op="flux.moe_dispatch"):
-    try:
-        fn()
-    except flux.FluxInputError as err:
-        msg = str(err)
-    else:
-        raise AssertionError("no FluxInputError was raised")
-    assert msg.startswith(op + ":"), f"message does not start with the op name: {msg!r}"
-    for f in fragments:
-        assert f in msg, f"expected {f!r} in {msg!r}"
-    return msg
+    return expect_flux_error(fn, op, *fragments)
 
 
 def _bad_case(name, build, *fragments):

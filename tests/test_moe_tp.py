@@ -25,6 +25,7 @@ import torch.nn.functional as F
 import flux
 from flux.ops import moe_tp
 from _dist import CASES, batches, case
+from _ref import expect_flux_error
 
 WORLDS = (2, 4)
 F64, F32 = torch.float64, torch.float32
@@ -361,17 +362,7 @@ def _good_call(rank, world):
     assert out.shape == x.shape
 
 
-def _expect_error(fn, op, *fragments):
-    try:
-        fn()
-    except flux.FluxInputError as err:
-        msg = str(err)
-    else:
-        raise AssertionError("no FluxInputError was raised")
-    assert msg.startswith(op + ":"), f"message does not start with the op name: {msg!r}"
-    for f in fragments:
-        assert f in msg, f"expected {f!r} in {msg!r}"
-    return msg
+
 
 
 def _base(rank, world, e=6):
@@ -383,7 +374,7 @@ def _bad1(name, change, *fragments):
     def fn(rank, world):
         x, idx, _, w1, _ = _base(rank, world)
         x, idx, w1 = change(rank, world, x, idx, w1)
-        msg = _expect_error(lambda: flux.ag_scatter_grouped_mm(x, idx, w1), "flux.ag_scatter_grouped_mm",
+        msg = expect_flux_error(lambda: flux.ag_scatter_grouped_mm(x, idx, w1), "flux.ag_scatter_grouped_mm",
                             *fragments)
         _good_call(rank, world)
         return msg
@@ -397,7 +388,7 @@ def _bad2(name, change, *fragments):
         x, idx, tw, w1, w2 = _base(rank, world)
         h, routing = flux.ag_scatter_grouped_mm(x, idx, w1)
         args = change(rank, world, h, w2, routing, tw)
-        msg = _expect_error(lambda: flux.grouped_mm_gather_rs(*args), "flux.grouped_mm_gather_rs", *fragments)
+        msg = expect_flux_error(lambda: flux.grouped_mm_gather_rs(*args), "flux.grouped_mm_gather_rs", *fragments)
         _good_call(rank, world)
         return msg
 
@@ -441,7 +432,7 @@ _bad2("routing", lambda r, w, h, w2, rt, tw: (h, w2, _on(1, r, None, rt), tw),
 def _bad_strategy_env(rank, world):
     x, idx, _, w1, _ = _base(rank, world)
     with strategy("fused" if rank == 0 else "sequential"):
-        msg = _expect_error(lambda: flux.ag_scatter_grouped_mm(x, idx, w1), "flux.ag_scatter_grouped_mm",
+        msg = expect_flux_error(lambda: flux.ag_scatter_grouped_mm(x, idx, w1), "flux.ag_scatter_grouped_mm",
                             "invalid arguments on rank 0: FLUX_STRATEGY_MOE_TP='fused' is not one of")
     _good_call(rank, world)
     return msg
