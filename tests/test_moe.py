@@ -19,6 +19,8 @@ an independent single-process computation:
   path, the reference, the dispatcher ops); the straight-through gradient equal, bitwise, to that
   of an unquantised dispatch of the dequantised tokens; its errors on every rank.
 """
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -583,6 +585,23 @@ def _deferred(rank, world):
     assert f"rank {world - 1}: x.shape[0] (T) exceeds max_tokens_per_rank" in msgs[2], msgs[2]
     _good_call(rank, world)
     return msgs
+
+
+@case("moe-forced-strategy", worlds=WORLDS)
+def _forced_strategy(rank, world):
+    """FLUX_STRATEGY_MOE: all_to_all runs; symm, which needs a GPU group, raises on every rank;
+    an unknown name raises."""
+    from unittest import mock
+
+    x, idx, w = make_inputs(32, rank, 3, 4, 2, 2 * world, dtype=F32)
+    with mock.patch.dict(os.environ, {"FLUX_STRATEGY_MOE": "all_to_all"}):
+        assert flux.moe_dispatch(x, idx, w, 2 * world)[2].strategy == "all_to_all"
+    with mock.patch.dict(os.environ, {"FLUX_STRATEGY_MOE": "symm"}):
+        a = _expect_error(lambda: flux.moe_dispatch(x, idx, w, 2 * world), "FLUX_STRATEGY_MOE=symm, but it cannot run")
+    with mock.patch.dict(os.environ, {"FLUX_STRATEGY_MOE": "nccl"}):
+        b = _expect_error(lambda: flux.moe_dispatch(x, idx, w, 2 * world), "is not a strategy")
+    _good_call(rank, world)
+    return [a, b]
 
 
 @case("moe-deferred-local-error", worlds=WORLDS)

@@ -132,6 +132,7 @@ dispatch is not differentiable (``moe_dispatch`` refuses an x that needs a gradi
 """
 import dataclasses
 import logging
+import os
 import zlib
 from typing import List, Optional, Sequence, Tuple
 
@@ -149,6 +150,7 @@ from flux.runtime.groups import cuda_group
 OP = "flux.moe_dispatch"
 OP_COMBINE = "flux.moe_combine"
 STRATEGIES = ("all_to_all", "symm")
+STRATEGY_ENV = "FLUX_STRATEGY_MOE"  # forces a strategy (the same on every rank, or the check fails)
 _log = logging.getLogger("flux")
 _INDEX_DTYPES = (torch.int64, torch.int32)
 
@@ -798,8 +800,17 @@ def _choose_strategy(x, group: dist.ProcessGroup, bounded: bool) -> str:
     """The strategy of one call: the same on every rank (it depends only on the group and its
     device, which the ranks share, never on ``x``, which is not checked yet): ``symm`` wherever it
     can run (a CUDA group with a symmetric workspace), else the reference ``all_to_all``. It is part
-    of the checked signature, so ranks that would choose differently get an error, not a hang."""
-    return "symm" if _moe_symm.usable(group, group_device(group)) is None else "all_to_all"
+    of the checked signature, so ranks that would choose differently get an error, not a hang.
+    ``FLUX_STRATEGY_MOE=all_to_all|symm`` forces one (a forced ``symm`` that cannot run raises)."""
+    forced = os.environ.get(STRATEGY_ENV, "")
+    why = _moe_symm.usable(group, group_device(group))
+    if forced:
+        if forced not in STRATEGIES:
+            raise FluxInputError(f"{OP}: {STRATEGY_ENV}={forced!r} is not a strategy ({', '.join(STRATEGIES)})")
+        if forced == "symm" and why is not None:
+            raise FluxInputError(f"{OP}: {STRATEGY_ENV}=symm, but it cannot run here: {why}")
+        return forced
+    return "symm" if why is None else "all_to_all"
 
 
 # --------------------------------------------------------------------------------------
