@@ -62,34 +62,16 @@ import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import flux  # noqa: E402
-from flux.runtime import all_gather_dim0, reduce_scatter_dim0  # noqa: E402
+from flux.runtime import differentiable_all_gather_dim0, differentiable_reduce_scatter_dim0  # noqa: E402
 
 MODES = ("fwd", "fwdbwd")
 
 
-def _collective(forward, backward):
-    """An autograd function running ``forward(x, group)``, whose backward is ``backward`` (the
-    other collective): Megatron's sequence-parallel regions."""
-    class _Collective(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, group):
-            ctx.group = group
-            return forward(x, group)
-
-        @staticmethod
-        def backward(ctx, g):
-            return backward(g.contiguous(), ctx.group), None
-
-    return _Collective
-
-
-_AllGather = _collective(all_gather_dim0, reduce_scatter_dim0)
-_ReduceScatter = _collective(reduce_scatter_dim0, all_gather_dim0)
-
-
 def nccl_mlp(x, w1, b1, w2, b2, group):
-    h = F.gelu(F.linear(_AllGather.apply(x, group), w1, b1))
-    return _ReduceScatter.apply(F.linear(h, w2), group) + b2
+    # The NCCL + cuBLAS block: Megatron's sequence-parallel regions (each collective's backward is
+    # the other) around F.linear.
+    h = F.gelu(F.linear(differentiable_all_gather_dim0(x, group), w1, b1))
+    return differentiable_reduce_scatter_dim0(F.linear(h, w2), group) + b2
 
 
 def flux_mlp(x, w1, b1, w2, b2, group):
@@ -414,14 +396,22 @@ def run(args):
                             f"{m} loop {r['loop_ms']:.3f} graph {_f(r['graph_ms'])} host {r['host_ms']:.3f}"
                             for m, r in res.items()), flush=True)
                 rec["status"] = "ok"
-    if rank == 0:
+    return finish(args, dev, dtype, records, table(records))
+
+
+def finish(args, dev, dtype, records, text, **metadata) -> int:
+    """The end of a benchmark run: rank 0 writes the JSON (--out: the metadata with the command,
+    then the records) and prints ``text`` (the table); every rank leaves the group. Returns the
+    exit code: 0 when every record is ok or skipped."""
+    world = dist.get_world_size()
+    if dist.get_rank() == 0:
         meta = {"command": " ".join(["torchrun", f"--nproc_per_node={world}"] + sys.argv), "world_size": world,
                 "torch": torch.__version__, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-                "dtype": str(dtype), "steps": args.steps, "rounds": args.rounds}
+                "dtype": str(dtype), "steps": args.steps, "rounds": args.rounds, **metadata}
         if args.out:
             with open(args.out, "w") as fh:
                 json.dump({"metadata": meta, "results": records}, fh, indent=1)
-        print("\n" + table(records))
+        print("\n" + text)
     ok = all(r.get("status", "").startswith(("ok", "skipped")) for r in records)
     dist.destroy_process_group()
     return 0 if ok else 1

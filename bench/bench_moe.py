@@ -51,7 +51,6 @@ for each and flux's speedups. On the CPU (--cpu: gloo, fp32) it only checks that
 and that flux and the baseline agree.
 """
 import argparse
-import json
 import os
 import sys
 
@@ -65,7 +64,7 @@ import torch.distributed as dist  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import flux  # noqa: E402
-from bench_layers import Bench, _f, init_distributed, rel_err  # noqa: E402
+from bench_layers import Bench, _f, finish, init_distributed, rel_err  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------
@@ -295,18 +294,8 @@ def run(args):
                                 print(f"T={tokens} H={hidden} K={topk} E={experts} {kind}: {rec['status']}", flush=True)
                         if dev.type == "cuda":
                             torch.cuda.empty_cache()
-    if rank == 0:
-        meta = {"command": " ".join(["torchrun", f"--nproc_per_node={world}"] + sys.argv), "world_size": world,
-                "torch": torch.__version__, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-                "dtype": str(dtype), "steps": args.steps, "rounds": args.rounds, "ffn": args.ffn,
-                "skew": args.skew, "bytes": "rows of remote (token, slot) pairs x H x itemsize, mean over ranks"}
-        if args.out:
-            with open(args.out, "w") as fh:
-                json.dump({"metadata": meta, "results": records}, fh, indent=1)
-        print("\n" + table(records))
-    ok = all(r.get("status", "").startswith(("ok", "skipped")) for r in records)
-    dist.destroy_process_group()
-    return 0 if ok else 1
+    return finish(args, dev, dtype, records, table(records) if rank == 0 else "", ffn=args.ffn, skew=args.skew,
+                  bytes="rows of remote (token, slot) pairs x H x itemsize, mean over ranks")
 
 
 def cell(args, bench, rec, group, rank, world, dev, dtype, itemsize, tol, layers):

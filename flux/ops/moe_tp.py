@@ -110,7 +110,8 @@ import torch.distributed as dist
 from flux.ops._checks import FluxInputError, Signature, _compose, _exchange, check_collectively, dtype_code
 from flux.ops._common import SUPPORTED_DTYPES
 from flux.ops.grouped_mm import _gmm, _offsets, grouped_mm, grouped_mm_impl
-from flux.runtime import all_gather_dim0, group_device, reduce_scatter_dim0, resolve_group
+from flux.runtime import (all_gather_dim0, differentiable_all_gather_dim0, differentiable_reduce_scatter_dim0,
+                          group_device, reduce_scatter_dim0, resolve_group)
 
 OP = "flux.ag_scatter_grouped_mm"
 OP_RS = "flux.grouped_mm_gather_rs"
@@ -787,28 +788,6 @@ def grouped_mm_gather_rs(h: torch.Tensor, weight: torch.Tensor, routing: TpMoeRo
 # Unchecked references (differentiable: the gather's backward is a reduce-scatter and vice versa)
 
 
-class _AllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, t, group):
-        ctx.group = group
-        return all_gather_dim0(t, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter_dim0(grad, ctx.group), None
-
-
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, t, group):
-        ctx.group = group
-        return reduce_scatter_dim0(t, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_dim0(grad, ctx.group), None
-
-
 def ag_scatter_grouped_mm_ref(x: torch.Tensor, topk_idx: torch.Tensor, weight: torch.Tensor, *,
                               group: Optional[dist.ProcessGroup] = None,
                               weight_layout: str = "nk") -> Tuple[torch.Tensor, TpMoeRouting]:
@@ -816,7 +795,7 @@ def ag_scatter_grouped_mm_ref(x: torch.Tensor, topk_idx: torch.Tensor, weight: t
     gathered tokens and one torch.mm per expert; unchecked (ids outside [-1, E) count as -1),
     differentiable in x and weight."""
     group = resolve_group(group, OP)
-    gathered = _AllGather.apply(x, group)
+    gathered = differentiable_all_gather_dim0(x, group)
     idx = all_gather_dim0(topk_idx.to(torch.int64), group)
     blocks = []
     for e in range(weight.shape[0]):
@@ -834,7 +813,7 @@ def grouped_mm_gather_rs_ref(h: torch.Tensor, weight: torch.Tensor, routing: TpM
     differentiable in h, weight and topk_weights. Reads only ``routing.topk_idx``."""
     group = resolve_group(group if group is not None else routing.group, OP_RS)
     idx = routing.topk_idx
-    wg = _AllGather.apply(topk_weights, group)
+    wg = differentiable_all_gather_dim0(topk_weights, group)
     acc = _acc_dtype(h.dtype)
     n = weight.shape[1] if weight_layout == "nk" else weight.shape[2]
     y = torch.zeros((idx.shape[0], n), dtype=acc, device=h.device)
@@ -845,7 +824,7 @@ def grouped_mm_gather_rs_ref(h: torch.Tensor, weight: torch.Tensor, routing: TpM
         part = h[start:start + tok.shape[0]] @ (we.t() if weight_layout == "nk" else we)
         start += tok.shape[0]
         y = y.index_add(0, tok, wg[tok, slot].to(acc)[:, None] * part.to(acc))
-    return _ReduceScatter.apply(y.to(h.dtype), group)
+    return differentiable_reduce_scatter_dim0(y.to(h.dtype), group)
 
 
 __all__ = ["OVERLAP_MIN_SHARD", "STRATEGIES", "TpMoeRouting", "ag_scatter_grouped_mm", "ag_scatter_grouped_mm_ref",

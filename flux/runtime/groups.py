@@ -103,3 +103,36 @@ def traceable_reduce_scatter_dim0(t: torch.Tensor, group: dist.ProcessGroup) -> 
     import torch.distributed._functional_collectives as fc
 
     return fc.wait_tensor(fc.reduce_scatter_tensor(t.contiguous(), "sum", 0, group))
+
+
+class _AllGatherDim0(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, group):
+        ctx.group = group
+        return all_gather_dim0(t, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_dim0(grad, ctx.group), None
+
+
+class _ReduceScatterDim0(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, group):
+        ctx.group = group
+        return reduce_scatter_dim0(t, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_dim0(grad, ctx.group), None
+
+
+def differentiable_all_gather_dim0(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``all_gather_dim0`` with autograd: its backward is the reduce-scatter of the gradient
+    (Megatron's sequence-parallel gather; the unfused references and the baselines use it)."""
+    return _AllGatherDim0.apply(t, group)
+
+
+def differentiable_reduce_scatter_dim0(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``reduce_scatter_dim0`` with autograd: its backward is the all-gather of the gradient."""
+    return _ReduceScatterDim0.apply(t, group)
