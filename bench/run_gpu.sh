@@ -16,6 +16,7 @@
 # OUTDIR/layers.json. --moe: bench/bench_moe.py (MoE dispatch/combine and layer against an all-to-all
 # dispatcher; arguments in $MOE_ARGS) into OUTDIR/moe.json. --host-profile: bench/profile_host.py (the CUDA
 # API calls and ATen ops of one call, per strategy) into OUTDIR/host.json. Their output goes to bench.log too.
+# The MoE benchmark runs before the layers one; STEP_TIMEOUT (s, default 600) bounds each of them.
 # --shared 4,8: also run the GPU cases with 4, then 8 ranks sharing this machine's GPUs
 # (tests/test_ops.py::test_gpu_shared: gloo, FLUX_GLOO_CUDA=1; correctness only), into
 # OUTDIR/tests-shared-W.log.
@@ -115,12 +116,12 @@ if [ $HOSTPROF -eq 1 ]; then
   timeout 300 torchrun --nproc_per_node="$NPROC" bench/profile_host.py --out "$OUTDIR/host.json" 2>&1 | tee -a "$OUTDIR/bench.log"
   rc=${PIPESTATUS[0]}; [ $rc -eq 0 ] || rc_bench=$rc
 fi
-if [ $LAYERS -eq 1 ]; then
-  timeout 600 torchrun --nproc_per_node="$NPROC" bench/bench_layers.py --out "$OUTDIR/layers.json" ${LAYERS_ARGS:-} 2>&1 | tee -a "$OUTDIR/bench.log"
+if [ $MOE -eq 1 ]; then
+  timeout ${STEP_TIMEOUT:-600} torchrun --nproc_per_node="$NPROC" bench/bench_moe.py --out "$OUTDIR/moe.json" ${MOE_ARGS:-} 2>&1 | tee -a "$OUTDIR/bench.log"
   rc=${PIPESTATUS[0]}; [ $rc -eq 0 ] || rc_bench=$rc
 fi
-if [ $MOE -eq 1 ]; then
-  timeout 600 torchrun --nproc_per_node="$NPROC" bench/bench_moe.py --out "$OUTDIR/moe.json" ${MOE_ARGS:-} 2>&1 | tee -a "$OUTDIR/bench.log"
+if [ $LAYERS -eq 1 ]; then
+  timeout ${STEP_TIMEOUT:-600} torchrun --nproc_per_node="$NPROC" bench/bench_layers.py --out "$OUTDIR/layers.json" ${LAYERS_ARGS:-} 2>&1 | tee -a "$OUTDIR/bench.log"
   rc=${PIPESTATUS[0]}; [ $rc -eq 0 ] || rc_bench=$rc
 fi
 if [ $MATRIX -eq 1 ]; then
