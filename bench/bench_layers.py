@@ -306,14 +306,19 @@ def megatron_case(args, dev, dtype, group, hidden, ffn, tokens):
 
 def init_distributed(cpu: bool):
     """(device, dtype) of a benchmark process under torchrun: gloo and fp32 on the CPU (smoke
-    runs), else NCCL on this rank's GPU and bf16."""
+    runs), else NCCL on this rank's GPU and bf16; with FLUX_GLOO_CUDA=1, ranks may share GPUs
+    over gloo (what flux's own ops can run there; timings are then not those of separate GPUs)."""
     if cpu:
         dist.init_process_group("gloo")
         return torch.device("cpu"), torch.float32
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local)
-    dev = torch.device("cuda", local)
-    dist.init_process_group("nccl", device_id=dev)
+    dev = torch.device("cuda", local % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    if os.environ.get("FLUX_GLOO_CUDA") == "1":  # ranks sharing GPUs (flux's test mode): gloo, flux only
+        os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
+        dist.init_process_group("gloo")
+    else:
+        dist.init_process_group("nccl", device_id=dev)
     return dev, torch.bfloat16
 
 

@@ -177,6 +177,9 @@ def parse_args(argv=None):
     p.add_argument("--ffn", type=int, default=2048, help="the layer's expert FFN size")
     p.add_argument("--no-layer", action="store_true", help="skip the MoE layer forward+backward")
     p.add_argument("--no-bounded", action="store_true", help="skip the bounded (max_tokens_per_rank) variant")
+    p.add_argument("--flux-only", action="store_true",
+                   help="only flux (checked against flux.moe_dispatch_ref), no baseline and no layer: for ranks "
+                        "sharing a GPU (FLUX_GLOO_CUDA=1, gloo), where NCCL cannot run")
     p.add_argument("--bounded-max-gib", type=float, default=16.0,
                    help="skip the bounded variant where its [E/W, W*T, H] slab is larger (GiB)")
     p.add_argument("--steps", type=int, default=10, help="calls per timed loop and per graph")
@@ -312,30 +315,43 @@ def cell(args, bench, rec, group, rank, world, dev, dtype, itemsize, tol, layers
     def a2a_dispatch():
         return base.dispatch(x, idx, w, experts, group=group)
 
+    def reference(cap=None):
+        if args.flux_only:  # rows and counts from the reference (combines are compared with flux's unbounded)
+            rr, rc = flux.moe_dispatch_ref(x, idx, w, experts, group=group, max_tokens_per_rank=cap)
+            return rr, rc, None
+        rr, rc, rh = base.dispatch(x, idx, w, experts, group=group, max_tokens_per_rank=cap)
+        return rr, rc, lambda y: base.combine(y, rh)
+
     # Correctness: the same rows, counts and combined output.
     fr, fc, fh = fx_dispatch()()
-    br, bc, bh = a2a_dispatch()
+    br, bc, bcomb = reference()
     check_same(bench, "dispatched rows", [fr, fc.float()], [br, bc.float()], 0.0)
-    rec["rel_err_combine"] = check_same(bench, "combine", [flux.moe_combine(fr, fh)], [base.combine(br, bh)], tol)
+    if not args.flux_only:
+        rec["rel_err_combine"] = check_same(bench, "combine", [flux.moe_combine(fr, fh)], [bcomb(br)], tol)
     rec["flux"] = {"dispatch": timed(bench, fx_dispatch(), args, graph=False),
                    "combine": timed(bench, lambda: flux.moe_combine(fr, fh), args, graph=False)}
-    rec["a2a"] = {"dispatch": timed(bench, a2a_dispatch, args, graph=False),
-                  "combine": timed(bench, lambda: base.combine(br, bh), args, graph=False)}
-    del fr, fc, fh, br, bc, bh
+    if not args.flux_only:
+        rec["a2a"] = {"dispatch": timed(bench, a2a_dispatch, args, graph=False),
+                      "combine": timed(bench, lambda: bcomb(br), args, graph=False)}
+    unbounded_out = flux.moe_combine(fr, fh)
+    del fr, fc, br, bc
     slab_gib = experts // world * world * tokens * hidden * itemsize / 2 ** 30
     if args.no_bounded:
         rec["bounded_status"] = "skipped (--no-bounded)"
     elif slab_gib > args.bounded_max_gib:
         rec["bounded_status"] = f"skipped: the slab is {slab_gib:.1f} GiB (--bounded-max-gib {args.bounded_max_gib})"
     else:
-        br, bc, bh = base.dispatch(x, idx, w, experts, group=group, max_tokens_per_rank=tokens)
-        fr, fc, fh = fx_dispatch(tokens)()
+        br, bc, bcomb = reference(tokens)
+        fr, fc, fbh = fx_dispatch(tokens)()
+        fbh.check()
         check_same(bench, "bounded dispatched rows", [fr, fc.float()], [br, bc.float()], 0.0)
-        check_same(bench, "bounded combine", [flux.moe_combine(fr, fh)], [base.combine(br, bh)], tol)
+        # Combine of the dispatched rows themselves: the unbounded combine's result.
+        check_same(bench, "bounded combine", [flux.moe_combine(fr, fbh)],
+                   [unbounded_out if args.flux_only else bcomb(br)], tol)
         rec["flux_bounded"] = {"dispatch": timed(bench, fx_dispatch(tokens), args, graph=True),
-                               "combine": timed(bench, lambda: flux.moe_combine(fr, fh), args, graph=True)}
+                               "combine": timed(bench, lambda: flux.moe_combine(fr, fbh), args, graph=True)}
         rec["bounded_status"] = "ok"
-        del fr, fc, fh, br, bc, bh
+        del fr, fc, fbh, br, bc
     for name in ("flux", "a2a", "flux_bounded"):
         for op in ("dispatch", "combine"):
             r = rec.get(name, {}).get(op)
@@ -343,7 +359,8 @@ def cell(args, bench, rec, group, rank, world, dev, dtype, itemsize, tol, layers
                 r["gbps_loop"] = gbps(rec["remote_bytes"], r["loop_ms"])
                 if r.get("graph_ms") is not None:
                     r["gbps_graph"] = gbps(rec["remote_bytes"], r["graph_ms"])
-    if not args.no_layer:
+    del fh, unbounded_out
+    if not args.no_layer and not args.flux_only:
         key = (hidden, experts)
         if key not in layers:
             layers.clear()  # one layer at a time on the device
@@ -351,7 +368,8 @@ def cell(args, bench, rec, group, rank, world, dev, dtype, itemsize, tol, layers
         rec["layer"] = layer_case(args, bench, layers[key], tokens, topk, dev, dtype, rank, tol)
     if rank == 0:
         print(f"T={tokens} H={hidden} K={topk} E={experts} {rec['routing']}: " + "; ".join(
-            f"{n} {op} {_f(rec[n][op]['loop_ms'])}" for n in ("flux", "a2a") for op in ("dispatch", "combine"))
+            f"{n} {op} {_f(rec[n][op]['loop_ms'])}" for n in ("flux", "a2a") if n in rec
+            for op in ("dispatch", "combine"))
             + (f"; layer flux {_f(rec['layer']['flux']['loop_ms'])} a2a {_f(rec['layer']['a2a']['loop_ms'])}"
                if "layer" in rec else ""), flush=True)
 
@@ -373,12 +391,12 @@ def table(records):
             continue
         parts = []
         for op in ("dispatch", "combine"):
-            f, a = r["flux"][op], r["a2a"][op]
+            f, a = r["flux"][op], r.get("a2a", {}).get(op, {})
             b = r.get("flux_bounded", {}).get(op)
             bnd = "-" if b is None else f"{_f(b['loop_ms'])}/{_f(b.get('graph_ms'))}"
-            g = f"{_f(f['gbps_loop'], '.1f')}/{_f(a['gbps_loop'], '.1f')}"
-            parts.append(f"{_f(f['loop_ms']):>8}/{_f(a['loop_ms']):<8} {bnd:>13} {g:>11} "
-                         f"{ratio(a['loop_ms'], f['loop_ms']):>5}")
+            g = f"{_f(f['gbps_loop'], '.1f')}/{_f(a.get('gbps_loop'), '.1f')}"
+            parts.append(f"{_f(f['loop_ms']):>8}/{_f(a.get('loop_ms')):<8} {bnd:>13} {g:>11} "
+                         f"{ratio(a.get('loop_ms'), f['loop_ms']):>5}")
         lay = r.get("layer")
         lay_s = "-" if lay is None else f"{_f(lay['flux']['loop_ms']):>7}/{_f(lay['a2a']['loop_ms']):<7}"
         lay_x = "-" if lay is None else ratio(lay["a2a"]["loop_ms"], lay["flux"]["loop_ms"])

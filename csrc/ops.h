@@ -35,4 +35,24 @@ void moe_scatter_rows_(const at::Tensor& src, const std::optional<at::Tensor>& s
                        const at::Tensor& dst_rows, const std::optional<at::Tensor>& tags, int64_t ptrs_dev,
                        int64_t world, int64_t dst_offset_bytes, int64_t tag_offset_bytes);
 
+// The bounded MoE exchange (csrc/moe/moe_bounded.cu; flux/ops/_moe_symm.py, _Bounded).
+void moe_route_(const at::Tensor& topk_idx, int64_t num_experts, int64_t world, int64_t rank, int64_t capacity,
+                int64_t host_code, at::Tensor& send_pairs, at::Tensor& send_code, at::Tensor& pair_pos,
+                at::Tensor& send_counts, at::Tensor& code);
+void moe_send_(const at::Tensor& src, const std::optional<at::Tensor>& order, int64_t k, const at::Tensor& dst_code,
+               bool tags, const std::optional<at::Tensor>& counts, const std::optional<at::Tensor>& code,
+               at::Tensor& done, int64_t ptrs_dev, int64_t pads_dev, int64_t world, int64_t rank, int64_t local_experts,
+               int64_t rows_off, int64_t tags_off, int64_t counts_off, int64_t channel);
+void moe_recv_pack_(at::Tensor& out, const std::optional<at::Tensor>& recv_code,
+                    const std::optional<at::Tensor>& counts_out, const std::optional<at::Tensor>& verdict,
+                    const std::optional<at::Tensor>& counts_in, const std::optional<at::Tensor>& counts_save,
+                    const std::optional<at::Tensor>& send_code, const std::optional<at::Tensor>& send_pairs,
+                    const std::optional<at::Tensor>& pair_pos, const std::optional<at::Tensor>& send_counts,
+                    at::Tensor& done, int64_t ws_base, int64_t pads_dev, int64_t world, int64_t rank,
+                    int64_t local_experts, int64_t capacity, int64_t rows_off, int64_t tags_off, int64_t counts_off,
+                    int64_t channel, int64_t timeout_ms);
+void moe_recv_sum_(at::Tensor& out, const std::optional<at::Tensor>& weights, const at::Tensor& pair_pos,
+                   int64_t n_send, at::Tensor& done, int64_t ws_base, int64_t pads_dev, int64_t world, int64_t rank,
+                   int64_t rows_off, int64_t channel, int64_t timeout_ms);
+
 }  // namespace flux

@@ -13,6 +13,21 @@ TORCH_LIBRARY(flux, m) {
   // Writes into symmetric-workspace memory given by address (not a tensor argument).
   m.def("moe_scatter_rows_(Tensor src, Tensor? src_rows, Tensor dst_ranks, Tensor dst_rows, Tensor? tags, "
         "int ptrs_dev, int world, int dst_offset_bytes, int tag_offset_bytes) -> ()");
+  // The bounded MoE exchange (csrc/moe/moe_bounded.cu): routing, rows and flags into the peers'
+  // workspaces and signal pads (given by address), and the receive kernels that wait for the flags.
+  m.def("moe_route_(Tensor topk_idx, int num_experts, int world, int rank, int capacity, int host_code, "
+        "Tensor(a!) send_pairs, Tensor(b!) send_code, Tensor(c!) pair_pos, Tensor(d!) send_counts, "
+        "Tensor(e!) code) -> ()");
+  m.def("moe_send_(Tensor src, Tensor? order, int k, Tensor dst_code, bool tags, Tensor? counts, Tensor? code, "
+        "Tensor(a!) done, int ptrs_dev, int pads_dev, int world, int rank, int local_experts, int rows_off, "
+        "int tags_off, int counts_off, int channel) -> ()");
+  m.def("moe_recv_pack_(Tensor(a!) out, Tensor(b!)? recv_code, Tensor(c!)? counts_out, Tensor(d!)? verdict, "
+        "Tensor? counts_in, Tensor(e!)? counts_save, Tensor(f!)? send_code, Tensor(g!)? send_pairs, "
+        "Tensor(h!)? pair_pos, Tensor(i!)? send_counts, Tensor(j!) done, int ws_base, int pads_dev, int world, "
+        "int rank, int local_experts, int capacity, int rows_off, int tags_off, int counts_off, int channel, "
+        "int timeout_ms) -> ()");
+  m.def("moe_recv_sum_(Tensor(a!) out, Tensor? weights, Tensor pair_pos, int n_send, Tensor(b!) done, int ws_base, "
+        "int pads_dev, int world, int rank, int rows_off, int channel, int timeout_ms) -> ()");
   // Fused AllGather+GEMM (csrc/ag_gemm/ag_gemm_fused.cu): out = a_full @ weight^T (+ bias), tiles of
   // remote rows waiting on flags[src]; a_full is a symmetric workspace written by peers;
   // error_record: host-mapped address of 2 uint32 (waiting rank + 1, missing rank), or 0.
@@ -36,6 +51,10 @@ TORCH_LIBRARY_IMPL(flux, CUDA, m) {
   m.impl("reduce_chunks_", &flux::reduce_chunks_);
   m.impl("reduce_peers_", &flux::reduce_peers_);
   m.impl("moe_scatter_rows_", &flux::moe_scatter_rows_);
+  m.impl("moe_route_", &flux::moe_route_);
+  m.impl("moe_send_", &flux::moe_send_);
+  m.impl("moe_recv_pack_", &flux::moe_recv_pack_);
+  m.impl("moe_recv_sum_", &flux::moe_recv_sum_);
   m.impl("ag_gemm_fused_", &flux::ag_gemm_fused_);
   m.impl("gemm_rs_fused_", &flux::gemm_rs_fused_);
 }

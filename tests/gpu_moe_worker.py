@@ -17,6 +17,8 @@ results are computed here without any collective, and exactly:
 - 20 calls in a row on alternating shapes (workspace and barrier reuse), a rank sending nothing,
   every pair to one expert;
 - the bounded variant captured in a CUDA graph and replayed on new routings;
+- the bounded variant's verdict (bad ids, duplicates, T > C, a local argument error after a
+  checked call): nothing moves and every rank's handle.check() raises naming the rank;
 - gradients (x, topk_weights, the experts' y) of dispatch -> expert -> combine through the
   public functions equal to those of the reference all_to_all strategy (NCCL or gloo), bitwise;
 - fp8 dispatch (bf16 tokens whose 128-element blocks span magnitudes): the received fp8 rows and
@@ -197,6 +199,58 @@ def bounded_graph_replay(rank, world, dev, group):
                 if int(idxc[t, j]) >= 0:
                     want[t] += wc[t, j] * xf[t].float()
         assert torch.equal(out_g.float().cpu(), want.to(torch.bfloat16).float()), f"replay {rep}: combine"
+
+
+@case
+def bounded_errors_on_every_rank(rank, world, dev, group):
+    """The bounded dispatch's verdict, exchanged with the rows: a bad id on rank 1, a duplicate on
+    rank 0, T > C on the last rank, then (after a checked call) a local argument error on rank 1
+    whose peers skip the store exchange: nothing moves (recv_x, counts, combine zero on every
+    rank), every rank's handle.check() raises naming the rank, and the next call is right."""
+    import contextlib
+    from unittest import mock
+
+    from flux.ops import _checks
+
+    experts, hidden, k, cap = 4 * world, 256, 2, 8
+    x, idx, w = inputs(rank, cap, hidden, k, experts, torch.bfloat16, dev, seed=80)
+    want = {"id": "rank 1: topk_idx holds an expert id outside",
+            "duplicate": "rank 0: a row of topk_idx lists an expert twice",
+            "capacity": f"rank {world - 1}: x.shape[0] (T) exceeds max_tokens_per_rank"}
+    for bad, text in want.items():
+        xb, ib = x, idx.clone()
+        if rank == 1 and bad == "id":
+            ib[0, 1] = experts + 3
+        if rank == 0 and bad == "duplicate":
+            ib[2] = torch.tensor([0, 0], device=dev)
+        if rank == world - 1 and bad == "capacity":
+            xb, ib = torch.cat([x, x[:1]]), torch.cat([ib, ib[:1]])
+        wb = torch.ones(xb.shape[0], k, device=dev)
+        recv, counts, handle = flux.moe_dispatch(xb, ib, wb, experts, group=group, max_tokens_per_rank=cap)
+        assert handle.strategy == "symm"
+        assert not recv.any() and not counts.any(), f"{bad}: rows moved although a rank's data was invalid"
+        assert not flux.moe_combine(recv + 1, handle).any(), f"{bad}: combine after an invalid dispatch"
+        try:
+            handle.check()
+        except flux.FluxInputError as e:
+            assert text in str(e), f"{bad}: {e}"
+        else:
+            raise AssertionError(f"{bad}: handle.check() did not raise")
+    header = mock.patch.object(_checks, "_carries_header", lambda g: False) if SHARED else contextlib.nullcontext()
+    with header, mock.patch.object(moe_mod, "cuda_group", lambda g: True):
+        _checks.reset_cache()
+        flux.moe_dispatch(x, idx, w, experts, group=group, max_tokens_per_rank=cap)[2].check()
+        wb = torch.ones(x.shape[0], k + 1, device=dev) if rank == 1 else w
+        recv, counts, handle = flux.moe_dispatch(x, idx, wb, experts, group=group, max_tokens_per_rank=cap)
+        assert not recv.any() and not counts.any(), "rows moved although rank 1's arguments were invalid"
+        try:
+            handle.check()
+        except flux.FluxInputError as e:
+            assert "rank 1: its arguments are invalid" in str(e), str(e)
+        else:
+            raise AssertionError("a local error on rank 1: handle.check() did not raise")
+        _checks.reset_cache()
+    run_once(rank, world, dev, group, lambda s: cap, hidden, k, experts, torch.bfloat16, seed=81, cap=cap)
 
 
 @case

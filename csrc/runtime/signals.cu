@@ -25,53 +25,11 @@
 #include <ATen/cuda/CUDAContext.h>
 
 #include "common/check.h"
+#include "common/sync.cuh"
 #include "runtime/runtime.h"
 
 namespace flux {
 namespace {
-
-__device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ void st_release_sys(uint32_t* p, uint32_t v) {
-  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-
-__device__ __forceinline__ void st_relaxed_sys(uint32_t* p, uint32_t v) {
-  asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-
-__device__ __forceinline__ uint64_t globaltimer_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
-__device__ __noinline__ void timed_out(const char* what, int rank, int peer, int channel, uint64_t timeout_ms) {
-  printf("flux: rank %d timed out after %llu ms in %s waiting for rank %d (channel %d); "
-         "rank %d did not make the same flux call\n",
-         rank, (unsigned long long)timeout_ms, what, peer, channel, peer);
-  __trap();
-}
-
-// Spin until (*slot == want) == equal, acquire, bounded by timeout_ms (0: no bound). Returns the
-// value seen.
-__device__ __forceinline__ uint32_t bounded_wait(const uint32_t* slot, uint32_t want, bool equal,
-                                                 uint64_t timeout_ms, const char* what, int rank, int peer,
-                                                 int channel) {
-  const uint64_t start = globaltimer_ns();
-  uint32_t spins = 0;
-  while (true) {
-    const uint32_t v = ld_acquire_sys(slot);
-    if ((v == want) == equal) return v;
-    if (++spins % 1024 == 0 && timeout_ms != 0 && globaltimer_ns() - start > timeout_ms * 1000000ull) {
-      timed_out(what, rank, peer, channel, timeout_ms);
-    }
-  }
-}
 
 // The token's top two bits name the op (flux/ops/_plans.py): 1 ag_gemm, 2 gemm_rs, 3 the MoE ops.
 __device__ __forceinline__ const char* op_of(uint32_t token) {

@@ -55,6 +55,7 @@ from flux.runtime import symm
 
 _ALIGN = 256
 _SHIFT = 32
+MOE_CHANNEL = 1  # the signal pad channel of the bounded moves' flags (flux/runtime/symm.py: data channels)
 
 
 def _align(n: int) -> int:
@@ -101,7 +102,7 @@ def _decode(code: torch.Tensor):
 
 
 def _move(rows: torch.Tensor, src_rows, dst_code: torch.Tensor, tags, group, token: int, rows_cap: int,
-          num_experts: int, zero_first: bool):
+          num_experts: int):
     """Every row i with dst_code[i] >= 0 (rows[src_rows[i]], or rows[i]) into its rank's rows
     region at its row, tags beside them; barriers before and after. Returns (workspace, rows
     offset, tags offset)."""
@@ -110,8 +111,6 @@ def _move(rows: torch.Tensor, src_rows, dst_code: torch.Tensor, tags, group, tok
     rows_off, tags_off, total = _regions(world, num_experts, rows_cap, row_bytes)
     rt = _runtime.get(group, total)  # grows collectively: every rank asks for the same size
     ws = symm.get_workspace(group, 1)
-    if zero_first:  # rows of the region that nobody writes read as zeros
-        ws.view(dist.get_rank(group), [rows_cap * row_bytes], torch.uint8, rows_off).zero_()
     dst_rank, dst_row = _decode(dst_code)
     rt.enqueue_barrier(token)
     torch.ops.flux.moe_scatter_rows_(rows, src_rows, dst_rank, dst_row, tags, ws.buffer_ptrs_dev, world,
@@ -126,23 +125,9 @@ class SymmStrategy:
     name = "symm"
 
     @staticmethod
-    def gather_small(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        """``[W, n]``: every rank's int64 ``t`` ``[n]``, through the counts region between two
-        barriers (no NCCL call and no host read, so the bounded dispatch's deferred verdict can
-        be captured in a CUDA graph with the rest)."""
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
-        n = t.numel()
-        rt = _runtime.get(group, _align(world * n * 8))
-        ws = symm.get_workspace(group, 1)
-        token = _token("gather", n, 0, 0, t.dtype, None)
-        rt.enqueue_barrier(token)
-        for p in range(world):
-            ws.view(p, [world, n], torch.int64)[rank].copy_(t.reshape(-1).to(torch.int64))
-        rt.enqueue_barrier(token)
-        return ws.view(rank, [world, n], torch.int64).clone()
-
-    @staticmethod
     def dispatch(x, topk_idx, num_experts, group, capacity, any_error):
+        """The unbounded dispatch (the bounded one is dispatch_bounded)."""
+        assert capacity is None and any_error is None
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         t, k = topk_idx.shape
         h = x.shape[-1]
@@ -152,8 +137,6 @@ class SymmStrategy:
         token = _token("dispatch", num_experts, h, k, x.dtype, capacity)
         idx = topk_idx.reshape(-1).to(torch.int64)
         ok = (idx >= 0) & (idx < num_experts)
-        if any_error is not None:  # a rank's data was invalid: every rank sends nothing
-            ok &= ~any_error
         key = torch.where(ok, idx, torch.full_like(idx, num_experts))  # invalid slots sort last
         key_sorted, order = torch.sort(key, stable=True)
         # (bincount would read its input's maximum on the host: no graph capture)
@@ -176,47 +159,31 @@ class SymmStrategy:
         before_us = counts[:rank].sum(0)  # rows of expert g from the senders before us
         mine = counts[:, rank * el:(rank + 1) * el]  # [W, E_l]: what we receive
 
-        if capacity is None:
-            host = counts.tolist()  # the unbounded variant's one host synchronisation
-            per_expert = [sum(host[s][e] for s in range(world)) for e in range(num_experts)]
-            starts, rows_of_rank = [], []
-            for d in range(world):
-                acc = 0
-                for e in range(d * el, (d + 1) * el):
-                    starts.append(acc)
-                    acc += per_expert[e]
-                rows_of_rank.append(acc)
-            expert_start = torch.tensor(starts, dtype=torch.int64, device=dev)
-            rows_cap = max(rows_of_rank)
-            n_recv = rows_of_rank[rank]
-            n_send = sum(host[rank])
-            sizes = per_expert[rank * el:(rank + 1) * el] + [sum(row) for row in host] + [rows_cap]
-        else:
-            expert_start = (torch.arange(num_experts, device=dev) % el) * (world * capacity)
-            rows_cap = n_recv = el * world * capacity
-            n_send = t * k
-            sizes = []
+        host = counts.tolist()  # the unbounded variant's one host synchronisation
+        per_expert = [sum(host[s][e] for s in range(world)) for e in range(num_experts)]
+        starts, rows_of_rank = [], []
+        for d in range(world):
+            acc = 0
+            for e in range(d * el, (d + 1) * el):
+                starts.append(acc)
+                acc += per_expert[e]
+            rows_of_rank.append(acc)
+        expert_start = torch.tensor(starts, dtype=torch.int64, device=dev)
+        rows_cap = max(rows_of_rank)
+        n_recv = rows_of_rank[rank]
+        n_send = sum(host[rank])
+        sizes = per_expert[rank * el:(rank + 1) * el] + [sum(row) for row in host] + [rows_cap]
         send_code = _encode(torch.div(g, el, rounding_mode="floor"), expert_start[g] + before_us[g] + rank_in_expert,
                             valid)[:n_send]
         tags = torch.arange(n_send, device=dev, dtype=torch.int32)
         ws, rows_off, tags_off = _move(x, torch.div(order[:n_send], k, rounding_mode="floor"), send_code, tags,
-                                       group, token, rows_cap, num_experts, zero_first=capacity is not None)
+                                       group, token, rows_cap, num_experts)
         arrived_tags = ws.view(rank, [n_recv], torch.int32, tags_off).to(torch.int64)
-        if capacity is None:
-            recv_x = ws.view(rank, [n_recv, h], x.dtype, rows_off).clone()
-            # Senders of the arriving rows: per local expert, blocks of C[s, e] rows, s = 0 .. W-1.
-            senders = torch.arange(world, device=dev).repeat(el)
-            sender = torch.repeat_interleave(senders, mine.t().reshape(-1), output_size=n_recv)
-            arrived = torch.ones(n_recv, dtype=torch.bool, device=dev)
-        else:
-            span = world * capacity
-            recv_x = ws.view(rank, [el, span, h], x.dtype, rows_off).clone()
-            # Row j of local expert e came from the sender s with cum[s-1] <= j < cum[s].
-            cum = torch.cumsum(mine.t(), 1).contiguous()  # [E_l, W]
-            j = torch.arange(span, device=dev).expand(el, span).contiguous()
-            sender = torch.searchsorted(cum, j, right=True).reshape(-1)
-            arrived = (j < cum[:, -1:]).reshape(-1)
-        recv_code = _encode(sender, arrived_tags, arrived)
+        recv_x = ws.view(rank, [n_recv, h], x.dtype, rows_off).clone()
+        # Senders of the arriving rows: per local expert, blocks of C[s, e] rows, s = 0 .. W-1.
+        senders = torch.arange(world, device=dev).repeat(el)
+        sender = torch.repeat_interleave(senders, mine.t().reshape(-1), output_size=n_recv)
+        recv_code = _encode(sender, arrived_tags, torch.ones(n_recv, dtype=torch.bool, device=dev))
         send_pairs = torch.where(valid, order, torch.full_like(order, t * k))[:n_send].contiguous()
         return recv_x, mine.sum(0), send_pairs, torch.cat([recv_code, send_code]), sizes
 
@@ -231,7 +198,7 @@ class SymmStrategy:
                     el + world + 1)
         n_recv, n_send = el * world * capacity, topk_idx.shape[0] * k
         return (x.new_empty((el, world * capacity, h)), torch.empty(el, **i64), torch.empty(n_send, **i64),
-                torch.empty(n_recv + n_send, **i64), 0)
+                torch.empty(_bounded_dest_len(n_recv, n_send, world, el), **i64), 0)
 
     @staticmethod
     def _recv_rows(handle) -> int:
@@ -240,41 +207,179 @@ class SymmStrategy:
             n *= s
         return n
 
+    # ----------------------------------------------------------------------------------
+    # The bounded variant: csrc/moe/moe_bounded.cu (see _Bounded)
+
+    @staticmethod
+    def dispatch_bounded(x, topk_idx, num_experts, group, capacity, host_code):
+        """The bounded dispatch, which also exchanges the ranks' error codes: returns
+        ``(recv_x, counts, send_pairs, recv_dest, [], verdict)``. host_code: this rank's host-known
+        code (flux/ops/moe.py: _LOCAL_ARGS, _OVER_CAPACITY or 0); the route kernel adds the data
+        verdict, and a rank with a nonzero code sends nothing; when any rank's code is nonzero,
+        every rank's outputs are zeros (counts, recv_x) and -1 / padding (routing)."""
+        b = _Bounded(group, num_experts, capacity, topk_idx.shape[-1])
+        t, k, h = topk_idx.shape[0], topk_idx.shape[-1], x.shape[-1]
+        n = t * k
+        dev = x.device
+        dest = torch.empty(_bounded_dest_len(b.n_recv, n, b.world, b.el), dtype=torch.int64, device=dev)
+        recv_code, send_code, pair_pos, cmat = _bounded_views(dest, b.n_recv, n)
+        send_pairs = torch.empty(n, dtype=torch.int64, device=dev)
+        send_counts = torch.empty(num_experts, dtype=torch.int32, device=dev)
+        code = torch.empty(1, dtype=torch.int64, device=dev)
+        torch.ops.flux.moe_route_(topk_idx.to(torch.int64).contiguous(), num_experts, b.world, b.rank, capacity,
+                                  host_code, send_pairs, send_code, pair_pos, send_counts, code)
+        x = x.contiguous()
+        ws = b.enter(x, "dispatch")
+        b.send(ws, x, send_pairs, k, send_code, True, send_counts, code)
+        recv_x = torch.empty((b.el, b.world * capacity, h), dtype=x.dtype, device=dev)
+        counts = torch.empty(b.el, dtype=torch.int64, device=dev)
+        verdict = torch.empty(b.world, dtype=torch.int64, device=dev)
+        b.recv_pack(ws, recv_x, recv_code, counts, verdict, None, cmat, send_code, send_pairs, pair_pos, send_counts)
+        return recv_x, counts, send_pairs, dest, [], verdict
+
+    @staticmethod
+    def combine_bounded(y, weights, handle, need_returned):
+        """The bounded combine (y in float32, bfloat16 or float16): ``(out [T, H] in y's dtype,
+        y's rows back in send order [S, H] or None)``, out[t] the weighted sum of its slots'
+        rows (weights None: 1), equal bitwise to flux/ops/moe.py's _sum_slots."""
+        b = _Bounded(handle.group, handle.num_experts, handle.max_tokens_per_rank, handle.topk)
+        n = handle.num_tokens * handle.topk
+        recv_code, _, pair_pos, _ = _bounded_views(handle.recv_dest, b.n_recv, n)
+        y = y.reshape(-1, y.shape[-1]).contiguous()
+        ws = b.enter(y, "to_sources")
+        b.send(ws, y, None, 1, recv_code, False, None, None)
+        out = torch.empty((handle.num_tokens, y.shape[-1]), dtype=y.dtype, device=y.device)
+        w = None if weights is None else weights.detach().to(torch.float32).contiguous()
+        b.recv_sum(ws, out, w, pair_pos, n)
+        return out, (SymmStrategy._returned(ws, b, y, handle) if need_returned else None)
+
+    @staticmethod
+    def _returned(ws, b, y, handle):
+        """After a bounded move back: the rows in send order, zeros for padding."""
+        h, s = y.shape[-1], handle.send_pairs.shape[0]
+        # A call with T > C on some rank (reported by handle.check()) has more send-order rows
+        # than the region holds; nothing was sent then, and the rows past it are zeros too.
+        n = min(s, b.landing)
+        back = ws.view(b.rank, [n, h], y.dtype, b.offsets(y)[1])
+        if n < s:
+            back = torch.cat([back, back.new_zeros((s - n, h))])
+        real = (handle.send_pairs < handle.num_tokens * handle.topk)[:, None]
+        return torch.where(real, back, torch.zeros((), dtype=y.dtype, device=y.device))
+
+    # ----------------------------------------------------------------------------------
+
     @staticmethod
     def to_experts(rows, handle):
         """``[S, H]`` rows in send order -> recv_x's layout on their experts' ranks."""
         group, h = handle.group, rows.shape[-1]
         n_recv = SymmStrategy._recv_rows(handle)
-        send_code = handle.recv_dest[n_recv:]
+        rows = rows.contiguous()
         if handle.bounded:
-            rows_cap = n_recv
-        else:
-            rows_cap = handle.host_extra()[handle.world]
+            b = _Bounded(group, handle.num_experts, handle.max_tokens_per_rank, handle.topk)
+            _, send_code, _, cmat = _bounded_views(handle.recv_dest, n_recv, handle.num_tokens * handle.topk)
+            ws = b.enter(rows, "to_experts")
+            b.send(ws, rows, None, 1, send_code, False, None, None)
+            out = torch.empty((n_recv, h), dtype=rows.dtype, device=rows.device)
+            b.recv_pack(ws, out, None, None, None, cmat, None, None, None, None, None)
+            return out.view(*handle.recv_shape[:-1], h)
+        send_code = handle.recv_dest[n_recv:]
+        rows_cap = handle.host_extra()[handle.world]
         token = _token("to_experts", handle.num_experts, h, handle.topk, rows.dtype, handle.max_tokens_per_rank)
-        ws, rows_off, _ = _move(rows.contiguous(), None, send_code, None, group, token, rows_cap, handle.num_experts,
-                                zero_first=handle.bounded)
-        out = ws.view(dist.get_rank(group), [n_recv, h], rows.dtype, rows_off).clone()
-        return out.view(*handle.recv_shape[:-1], h)
+        ws, rows_off, _ = _move(rows, None, send_code, None, group, token, rows_cap, handle.num_experts)
+        return ws.view(dist.get_rank(group), [n_recv, h], rows.dtype, rows_off).clone()
 
     @staticmethod
     def to_sources(y, handle):
         """recv_x-layout rows -> ``[S, H]`` back on their senders, in send order (padding zero)."""
         group, h = handle.group, y.shape[-1]
         n_recv = SymmStrategy._recv_rows(handle)
-        s = handle.send_pairs.shape[0]
+        y = y.reshape(-1, h).contiguous()
         if handle.bounded:
-            landing = handle.max_tokens_per_rank * handle.topk
-        else:
-            landing = max(handle.host_extra()[:handle.world])
+            b = _Bounded(group, handle.num_experts, handle.max_tokens_per_rank, handle.topk)
+            recv_code = _bounded_views(handle.recv_dest, n_recv, handle.num_tokens * handle.topk)[0]
+            ws = b.enter(y, "to_sources")
+            b.send(ws, y, None, 1, recv_code, False, None, None)
+            b.wait(ws)
+            return SymmStrategy._returned(ws, b, y, handle)
+        s = handle.send_pairs.shape[0]
+        landing = max(handle.host_extra()[:handle.world])
         token = _token("to_sources", handle.num_experts, h, handle.topk, y.dtype, handle.max_tokens_per_rank)
-        ws, rows_off, _ = _move(y.reshape(-1, h).contiguous(), None, handle.recv_dest[:n_recv], None, group, token, landing,
-                                handle.num_experts, zero_first=False)
-        # Padding rows (bounded: -1 slots) were never written: zeros, not whatever the region held.
-        # A bounded call with T > C on some rank (reported by handle.check()) has more send-order
-        # rows than the region holds; nothing was sent then, and the rows past it are zeros too.
-        n = min(s, landing)
-        back = ws.view(dist.get_rank(group), [n, h], y.dtype, rows_off)
-        if n < s:
-            back = torch.cat([back, back.new_zeros((s - n, h))])
+        ws, rows_off, _ = _move(y, None, handle.recv_dest[:n_recv], None, group, token, landing, handle.num_experts)
+        back = ws.view(dist.get_rank(group), [s, h], y.dtype, rows_off)
         real = (handle.send_pairs < handle.num_tokens * handle.topk)[:, None]
         return torch.where(real, back, torch.zeros((), dtype=y.dtype, device=y.device))
+
+
+def _bounded_dest_len(n_recv: int, n_send: int, world: int, el: int) -> int:
+    return n_recv + 2 * n_send + world * el
+
+
+def _bounded_views(dest: torch.Tensor, n_recv: int, n_send: int):
+    """The bounded handle's recv_dest: (recv_code [R], send_code [S], pair_pos [S], counts
+    [W * E_l]). recv_code: per recv_x row, ``sender << 32 | its index in the sender's send order``
+    (-1: padding); send_code: per send-order row, ``rank << 32 | row in that rank's [E_l, W, C]
+    blocks`` (-1: none); pair_pos: per (token, slot) pair, its send index (S: no row); counts:
+    ``[s, e]`` the rows rank s sent to our local expert e (zeros after an error)."""
+    return (dest[:n_recv], dest[n_recv:n_recv + n_send], dest[n_recv + n_send:n_recv + 2 * n_send],
+            dest[n_recv + 2 * n_send:])
+
+
+_DONE: dict = {}  # (group name, device) -> int32 [2]: the send and receive kernels' block counters
+
+
+class _Bounded:
+    """One bounded move over the workspace (csrc/moe/moe_bounded.cu): the entry barrier, then
+    the send kernel (rows into the destinations' [E_l, W, C] blocks or, back, at their send
+    index; the last block writes the counts and sets every rank's flag to 1 + its code), then a
+    receive kernel that waits for every rank's flag (bounded, naming the missing rank)."""
+
+    def __init__(self, group, num_experts: int, capacity: int, k: int):
+        self.group = group
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.el = num_experts // self.world
+        self.num_experts, self.capacity, self.k = num_experts, capacity, k
+        self.n_recv = self.el * self.world * capacity
+        self.landing = capacity * k  # rows back: one per (token, slot) of at most C tokens
+
+    def offsets(self, rows: torch.Tensor):
+        """(counts, rows, tags, total) byte offsets for rows of ``rows``' width and dtype."""
+        row_bytes = rows.shape[-1] * rows.element_size()
+        cap = max(self.n_recv, self.landing)
+        rows_off = _align(self.world * self.el * 4)
+        tags_off = rows_off + _align(cap * row_bytes)
+        return 0, rows_off, tags_off, tags_off + _align(cap * 4)
+
+    def enter(self, rows: torch.Tensor, phase: str):
+        rt = _runtime.get(self.group, self.offsets(rows)[3])  # grows collectively: the same size everywhere
+        ws = symm.get_workspace(self.group, 1)
+        key = (self.group.group_name, rows.device.index)
+        if key not in _DONE:
+            _DONE[key] = torch.zeros(2, dtype=torch.int32, device=rows.device)
+        self.done = _DONE[key]
+        rt.enqueue_barrier(_token(phase, self.num_experts, rows.shape[-1], self.k, rows.dtype, self.capacity))
+        return ws
+
+    def send(self, ws, rows, order, k, dst_code, tags, counts, code):
+        c, r, t, _ = self.offsets(rows)
+        base = ws.base_offset
+        torch.ops.flux.moe_send_(rows, order, k, dst_code, tags, counts, code, self.done[0:1], ws.buffer_ptrs_dev,
+                                 ws.pads_dev, self.world, self.rank, self.el, base + r, base + t, base + c,
+                                 MOE_CHANNEL)
+
+    def recv_pack(self, ws, out, recv_code, counts_out, verdict, counts_in, counts_save, send_code, send_pairs,
+                  pair_pos, send_counts):
+        c, r, t, _ = self.offsets(out)
+        torch.ops.flux.moe_recv_pack_(out.view(self.n_recv, -1), recv_code, counts_out, verdict, counts_in,
+                                      counts_save, send_code, send_pairs, pair_pos, send_counts, self.done[1:2],
+                                      ws.buffer.data_ptr(), ws.pads_dev, self.world, self.rank, self.el, self.capacity,
+                                      r, t, c, MOE_CHANNEL, symm.timeout_ms())
+
+    def recv_sum(self, ws, out, weights, pair_pos, n_send):
+        torch.ops.flux.moe_recv_sum_(out, weights, pair_pos, n_send, self.done[1:2], ws.buffer.data_ptr(), ws.pads_dev,
+                                     self.world, self.rank, self.offsets(out)[1], MOE_CHANNEL, symm.timeout_ms())
+
+    def wait(self, ws):
+        """Only the receive kernel's wait (a sum over no tokens)."""
+        out = torch.empty((0, 1), dtype=torch.float32, device=ws.device)
+        pos = torch.empty(0, dtype=torch.int64, device=ws.device)
+        self.recv_sum(ws, out, None, pos, 0)

@@ -553,28 +553,31 @@ def _check_host(sig: Signature, topk_idx, num_experts, group) -> None:
     raise FluxInputError(_compose(OP, [(err, fields) for _, err, fields in reports]))
 
 
-def _check_deferred(sig: Signature, x, topk_idx, num_experts, group, capacity, gather=None):
-    """The bounded variant without a host read: the fields that must agree (and host-known
-    local errors) through check_collectively; the data verdict and T > C all-gathered on the
-    device (``gather``: the strategy's own way, else a collective of the group). Returns (every
-    rank's code, ``[W]`` int64 on x's device; this rank's local error, deferred, or None): a local
-    error whose peers skip the exchange (their signature was checked before) travels as the code
-    _LOCAL_ARGS rather than in an exchange nobody else joins."""
-    local = None
+def _deferred_host_code(sig: Signature, x, group, capacity) -> Tuple[int, Optional[str]]:
+    """The bounded variant's checks without a host read: the fields that must agree (and
+    host-known local errors) through check_collectively. Returns (this rank's host-known code:
+    _LOCAL_ARGS, _OVER_CAPACITY or 0; its local error, deferred, or None): a local error whose
+    peers skip the exchange (their signature was checked before) travels as the code _LOCAL_ARGS
+    rather than in an exchange nobody else joins."""
     if sig.error is not None and skips_exchange_if_valid(sig, group):
         # The peers' identical, valid calls skip the store exchange (their signature was checked
         # before): this rank's local error goes into the device verdict instead, with stand-ins
         # of no tokens so that nothing it sends is read (every rank then gets zeros, and
         # handle.check() raises on every rank).
-        local = sig.error
-        _log.warning("%s: rank %d: %s", OP, dist.get_rank(group), local)
-        code = torch.tensor(_LOCAL_ARGS, dtype=torch.int64, device=x.device)
-    else:
-        check_collectively(sig, group)
-        code = _data_code(topk_idx, num_experts)
-        if x.shape[0] > capacity:
-            code = code + _OVER_CAPACITY
-    return (gather or _all_gather_small)(code.reshape(1), group).reshape(-1), local
+        _log.warning("%s: rank %d: %s", OP, dist.get_rank(group), sig.error)
+        return _LOCAL_ARGS, sig.error
+    check_collectively(sig, group)
+    return (_OVER_CAPACITY if x.shape[0] > capacity else 0), None
+
+
+def _check_deferred(sig: Signature, x, topk_idx, num_experts, group, capacity):
+    """_deferred_host_code, then the data verdict (_data_code) all-gathered through the group.
+    Returns (every rank's code, ``[W]`` int64 on x's device; this rank's local error or None)."""
+    host_code, local = _deferred_host_code(sig, x, group, capacity)
+    code = torch.tensor(host_code, dtype=torch.int64, device=x.device)
+    if local is None:
+        code = code + _data_code(topk_idx, num_experts)
+    return _all_gather_small(code.reshape(1), group).reshape(-1), local
 
 
 # --------------------------------------------------------------------------------------
@@ -830,11 +833,17 @@ def _dispatch_impl(x, topk_idx, topk_weights, num_experts, group, capacity, *, d
         defer_verdict = bounded and cuda_group(group)
     name = strategy or _choose_strategy(x, group, bounded)
     sig.add("strategy", STRATEGIES.index(name))
+    impl = _STRATEGY_IMPLS[name]
+    # A strategy with dispatch_bounded exchanges the data verdict along with the rows.
+    fused = bounded and hasattr(impl, "dispatch_bounded")
+    host_code, local, any_error = 0, None, None
     if defer_verdict and bounded:
-        verdict, local = _check_deferred(sig, x, topk_idx, num_experts, group, capacity,
-                                         getattr(_STRATEGY_IMPLS[name], "gather_small", None))
-        any_error = (verdict != 0).any()
-        if local is not None:  # stand-ins of no tokens, of the agreed H and K (see _check_deferred)
+        if fused:
+            host_code, local = _deferred_host_code(sig, x, group, capacity)
+        else:
+            verdict, local = _check_deferred(sig, x, topk_idx, num_experts, group, capacity)
+            any_error = (verdict != 0).any()
+        if local is not None:  # stand-ins of no tokens, of the agreed H and K (see _deferred_host_code)
             x = x.new_zeros((0, x.shape[-1]))
             topk_idx = topk_idx.new_zeros((0, topk_idx.shape[-1]))
             topk_weights = topk_weights.new_zeros((0, topk_idx.shape[-1]))
@@ -843,10 +852,13 @@ def _dispatch_impl(x, topk_idx, topk_weights, num_experts, group, capacity, *, d
             sig.fail(f"x has T = {x.shape[0]} tokens, more than max_tokens_per_rank = {capacity}")
         _check_host(sig, topk_idx, num_experts, group)
         verdict = torch.zeros(dist.get_world_size(group), dtype=torch.int64, device=x.device)
-        any_error = None
     rows = _pack_fp8(x) if fp8 else x  # after the checks: H and the dtype are known good
-    recv_x, counts, send_pairs, recv_dest, sizes = _STRATEGY_IMPLS[name].dispatch(
-        rows, topk_idx, num_experts, group, capacity, any_error)
+    if fused:
+        recv_x, counts, send_pairs, recv_dest, sizes, verdict = impl.dispatch_bounded(
+            rows, topk_idx, num_experts, group, capacity, host_code)
+    else:
+        recv_x, counts, send_pairs, recv_dest, sizes = impl.dispatch(rows, topk_idx, num_experts, group, capacity,
+                                                                     any_error)
     meta = torch.tensor([STRATEGIES.index(name)] + list(sizes), dtype=torch.int64)
     h = x.shape[1]
     handle = MoeHandle(group, name, num_experts, x.shape[0], topk_idx.shape[1], h, capacity, topk_weights,
@@ -870,14 +882,23 @@ def _check_combine(y, handle) -> None:
         raise FluxInputError(f"{OP_COMBINE}: y is on {y.device} but the dispatch ran on {handle.send_pairs.device}")
 
 
-def _combine_impl(y, weights, handle) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(out ``[T, H]`` in y's dtype, y's rows back on this rank ``[S, H]`` in send order)."""
-    returned = _STRATEGY_IMPLS[handle.strategy].to_sources(y.contiguous(), handle)
+_FUSED_SUM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _combine_impl(y, weights, handle, need_returned: bool = True) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(out ``[T, H]`` in y's dtype, y's rows back on this rank ``[S, H]`` in send order, or None
+    when not needed and the strategy sums as the rows arrive)."""
+    impl = _STRATEGY_IMPLS[handle.strategy]
+    if handle.bounded and hasattr(impl, "combine_bounded") and y.dtype in _FUSED_SUM_DTYPES:
+        return impl.combine_bounded(y, weights, handle, need_returned)
+    returned = impl.to_sources(y.contiguous(), handle)
     return _sum_slots(returned, weights, handle, y.dtype), returned
 
 
 def _dispatch_backward(grad_recv, handle, x_dtype) -> torch.Tensor:
     """d x: the gradients of a token's copies moved back and summed (combine with weights 1)."""
+    if grad_recv.dtype == x_dtype:
+        return _combine_impl(grad_recv, None, handle, need_returned=False)[0]
     rows = _STRATEGY_IMPLS[handle.strategy].to_sources(grad_recv.contiguous(), handle)
     return _sum_slots(rows, None, handle, x_dtype)
 
@@ -949,7 +970,7 @@ class _DispatchFunction(torch.autograd.Function):
 class _CombineFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, weights, handle):
-        out, returned = _combine_impl(y, weights, handle)
+        out, returned = _combine_impl(y, weights, handle, need_returned=ctx.needs_input_grad[1])
         ctx.handle, ctx.y_dtype = handle, y.dtype
         # The returned rows are kept only for the weights' gradient.
         ctx.save_for_backward(weights, returned if ctx.needs_input_grad[1] else None)
@@ -1182,7 +1203,7 @@ def moe_combine(y: torch.Tensor, handle: MoeHandle) -> torch.Tensor:
     weights = handle.topk_weights
     mode = call_mode(y, weights)
     if mode == 0:
-        return _combine_impl(y, weights, handle)[0]
+        return _combine_impl(y, weights, handle, need_returned=False)[0]
     if mode == 1:
         return _CombineFunction.apply(y, weights, handle)
     return torch.ops.flux.moe_combine(y, weights, handle.send_pairs, handle.recv_dest, handle.meta,
