@@ -5,6 +5,7 @@
         --topk 2,8 --experts 8,64 --routing uniform,skewed                     # the full grid
     torchrun --nproc_per_node=2 bench/bench_moe.py --cpu --tokens 16 --hidden 32 --topk 2 --experts 4 \\
         --ffn 16 --steps 2 --rounds 2                                            # gloo smoke run
+    FLUX_GLOO_CUDA=1 torchrun --nproc_per_node=2 bench/bench_moe.py --flux-only ...  # ranks sharing one GPU
 
 Grid: tokens per rank T x hidden H x top-k K x experts E (E/W per rank) x routing, bf16 on the GPU.
 Routing is random, drawn per rank: ``uniform`` (each token's K experts a uniform sample without
@@ -48,7 +49,10 @@ pairs). The same count serves flux and the baseline.
 
 The JSON (--out) records every figure and the command; the table printed last gives ms and GB/s
 for each and flux's speedups. On the CPU (--cpu: gloo, fp32) it only checks that the script runs
-and that flux and the baseline agree.
+and that flux and the baseline agree. ``--flux-only`` leaves out the baseline and the layer and
+checks flux's rows against ``flux.moe_dispatch_ref`` (and the bounded combine against the
+unbounded one), so that ranks sharing a GPU over gloo (FLUX_GLOO_CUDA=1) can run it: a
+correctness run, as their timings are those of one GPU time-sliced between processes.
 """
 import argparse
 import os
