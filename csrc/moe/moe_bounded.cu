@@ -30,8 +30,6 @@
 // writes the counts, fences, and releases the flags; receivers acquire them.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 
 #include "common/check.h"
 #include "common/sync.cuh"
@@ -288,23 +286,6 @@ __global__ void recv_pack_kernel(char* __restrict__ out, int64_t row_bytes, int6
   }
 }
 
-template <typename T>
-__device__ __forceinline__ float to_float(T v);
-template <>
-__device__ __forceinline__ float to_float<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <>
-__device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
-template <typename T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ float from_float<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
-
 // out[t, :] = sum over k (slot 0 first) of w[t, k] * back[pos[t * K + k], :], where a slot
 // without a row (pos == n_send) adds w * 0 with w = 0, exactly as the reference's where/mul/add.
 template <typename T>
@@ -322,10 +303,10 @@ __global__ void recv_sum_kernel(T* __restrict__ out, const float* __restrict__ w
         const int64_t p = pair_pos[tok * k + j];
         const bool valid = p < n_send;
         const float w = valid ? (weights != nullptr ? weights[tok * k + j] : 1.f) : 0.f;
-        const float x = valid ? to_float<T>(back[p * h + c]) : 0.f;
+        const float x = valid ? static_cast<float>(back[p * h + c]) : 0.f;
         acc = __fadd_rn(acc, __fmul_rn(w, x));
       }
-      out[tok * h + c] = from_float<T>(acc);
+      out[tok * h + c] = T(acc);  // c10::BFloat16 / Half round to nearest even, as .to() does
     }
   }
 }
@@ -491,8 +472,8 @@ void moe_recv_sum_(at::Tensor& out, const std::optional<at::Tensor>& weights, co
   };
   switch (out.scalar_type()) {
     case at::kFloat: launch((float*)nullptr); break;
-    case at::kBFloat16: launch((__nv_bfloat16*)nullptr); break;
-    case at::kHalf: launch((__half*)nullptr); break;
+    case at::kBFloat16: launch((c10::BFloat16*)nullptr); break;
+    case at::kHalf: launch((c10::Half*)nullptr); break;
     default: FLUX_CHECK(false, op, "out must be float32, bfloat16 or float16, got ", out.scalar_type());
   }
   FLUX_CHECK_LAUNCH();
