@@ -311,12 +311,6 @@ __global__ void recv_sum_kernel(T* __restrict__ out, const float* __restrict__ w
   }
 }
 
-struct Ws {
-  const char* base;            // this rank's workspace (its allocation base + the tensor's offset)
-  char* const* ptrs;           // device array of every rank's allocation base
-  uint32_t** pads;             // device array of every rank's signal pad
-};
-
 int blocks_for(int64_t rows) {
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   return (int)std::max<int64_t>(1, std::min<int64_t>(rows, (int64_t)sms * 8));
