@@ -363,7 +363,7 @@ def cell(args, bench, rec, group, rank, world, dev, dtype, itemsize, tol, layers
                 r["gbps_loop"] = gbps(rec["remote_bytes"], r["loop_ms"])
                 if r.get("graph_ms") is not None:
                     r["gbps_graph"] = gbps(rec["remote_bytes"], r["graph_ms"])
-    del fh, unbounded_out
+    fh = unbounded_out = None  # free before the layer
     if not args.no_layer and not args.flux_only:
         key = (hidden, experts)
         if key not in layers:

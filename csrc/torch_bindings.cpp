@@ -23,7 +23,7 @@ TORCH_LIBRARY(flux, m) {
         "int tags_off, int counts_off, int channel) -> ()");
   m.def("moe_recv_pack_(Tensor(a!) out, Tensor(b!)? recv_code, Tensor(c!)? counts_out, Tensor(d!)? verdict, "
         "Tensor? counts_in, Tensor(e!)? counts_save, Tensor(f!)? send_code, Tensor(g!)? send_pairs, "
-        "Tensor(h!)? pair_pos, Tensor(i!)? send_counts, Tensor(j!) done, int ws_base, int pads_dev, int world, "
+        "Tensor(h!)? pair_pos, Tensor(i!) done, int ws_base, int pads_dev, int world, "
         "int rank, int local_experts, int capacity, int rows_off, int tags_off, int counts_off, int channel, "
         "int timeout_ms) -> ()");
   m.def("moe_recv_sum_(Tensor(a!) out, Tensor? weights, Tensor pair_pos, int n_send, Tensor(b!) done, int ws_base, "

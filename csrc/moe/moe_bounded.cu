@@ -224,10 +224,10 @@ __global__ void recv_pack_kernel(char* __restrict__ out, int64_t row_bytes, int6
                                  int64_t* __restrict__ counts_out, int64_t* __restrict__ verdict,
                                  const int64_t* __restrict__ counts_in, int64_t* __restrict__ counts_save,
                                  int64_t* __restrict__ send_code, int64_t* __restrict__ send_pairs,
-                                 int64_t* __restrict__ pair_pos, int64_t n_send, int32_t* __restrict__ send_counts,
-                                 int e_total, int32_t* __restrict__ done, const char* __restrict__ ws,
-                                 uint32_t* const* pads, int world, int rank, int el, int64_t cap, int64_t rows_off,
-                                 int64_t tags_off, int64_t counts_off, int channel, uint64_t timeout_ms) {
+                                 int64_t* __restrict__ pair_pos, int64_t n_send, int32_t* __restrict__ done,
+                                 const char* __restrict__ ws, uint32_t* const* pads, int world, int rank, int el,
+                                 int64_t cap, int64_t rows_off, int64_t tags_off, int64_t counts_off, int channel,
+                                 uint64_t timeout_ms) {
   __shared__ int64_t codes[kMaxWorld];
   const bool error = wait_flags(pads, world, rank, channel, timeout_ms, done, codes, "flux.moe_dispatch (rows)");
   // counts[s][e] of our experts: from the flags' payload (dispatch) or the handle (to_experts).
@@ -252,7 +252,6 @@ __global__ void recv_pack_kernel(char* __restrict__ out, int64_t row_bytes, int6
         if (send_pairs != nullptr) send_pairs[i] = n_send;
         if (pair_pos != nullptr) pair_pos[i] = n_send;
       }
-      for (int g = threadIdx.x; g < e_total && send_counts != nullptr; g += blockDim.x) send_counts[g] = 0;
     }
   }
   const int64_t span = (int64_t)world * cap;
@@ -404,10 +403,9 @@ void moe_recv_pack_(at::Tensor& out, const std::optional<at::Tensor>& recv_code,
                     const std::optional<at::Tensor>& counts_out, const std::optional<at::Tensor>& verdict,
                     const std::optional<at::Tensor>& counts_in, const std::optional<at::Tensor>& counts_save,
                     const std::optional<at::Tensor>& send_code, const std::optional<at::Tensor>& send_pairs,
-                    const std::optional<at::Tensor>& pair_pos, const std::optional<at::Tensor>& send_counts,
-                    at::Tensor& done, int64_t ws_base, int64_t pads_dev, int64_t world, int64_t rank,
-                    int64_t local_experts, int64_t capacity, int64_t rows_off, int64_t tags_off, int64_t counts_off,
-                    int64_t channel, int64_t timeout_ms) {
+                    const std::optional<at::Tensor>& pair_pos, at::Tensor& done, int64_t ws_base, int64_t pads_dev,
+                    int64_t world, int64_t rank, int64_t local_experts, int64_t capacity, int64_t rows_off,
+                    int64_t tags_off, int64_t counts_off, int64_t channel, int64_t timeout_ms) {
   constexpr const char* op = "moe_recv_pack_";
   const int64_t rows = local_experts * world * capacity;
   FLUX_CHECK(out.is_cuda() && out.is_contiguous() && rows > 0 && out.numel() > 0 && out.numel() % rows == 0, op,
@@ -432,8 +430,7 @@ void moe_recv_pack_(at::Tensor& out, const std::optional<at::Tensor>& recv_code,
     recv_pack_kernel<Vec><<<blocks, 256, 0, stream>>>(
         static_cast<char*>(out.data_ptr()), row_bytes, ptr(recv_code), ptr(counts_out), ptr(verdict), ptr(counts_in),
         ptr(counts_save), ptr(send_code), ptr(send_pairs), ptr(pair_pos), n_send,
-        send_counts.has_value() ? send_counts->data_ptr<int32_t>() : nullptr,
-        send_counts.has_value() ? (int)send_counts->numel() : 0, done.data_ptr<int32_t>(),
+        done.data_ptr<int32_t>(),
         reinterpret_cast<const char*>(ws_base), reinterpret_cast<uint32_t* const*>(pads_dev), (int)world, (int)rank,
         (int)local_experts, capacity, rows_off, tags_off, counts_off, (int)channel, (uint64_t)timeout_ms);
   });

@@ -234,7 +234,7 @@ class SymmStrategy:
         recv_x = torch.empty((b.el, b.world * capacity, h), dtype=x.dtype, device=dev)
         counts = torch.empty(b.el, dtype=torch.int64, device=dev)
         verdict = torch.empty(b.world, dtype=torch.int64, device=dev)
-        b.recv_pack(ws, recv_x, recv_code, counts, verdict, None, cmat, send_code, send_pairs, pair_pos, send_counts)
+        b.recv_pack(ws, recv_x, recv_code, counts, verdict, None, cmat, send_code, send_pairs, pair_pos)
         return recv_x, counts, send_pairs, dest, [], verdict
 
     @staticmethod
@@ -280,7 +280,7 @@ class SymmStrategy:
             ws = b.enter(rows, "to_experts")
             b.send(ws, rows, None, 1, send_code, False, None, None)
             out = torch.empty((n_recv, h), dtype=rows.dtype, device=rows.device)
-            b.recv_pack(ws, out, None, None, None, cmat, None, None, None, None, None)
+            b.recv_pack(ws, out, None, None, None, cmat, None, None, None, None)
             return out.view(*handle.recv_shape[:-1], h)
         send_code = handle.recv_dest[n_recv:]
         rows_cap = handle.host_extra()[handle.world]
@@ -367,10 +367,10 @@ class _Bounded:
                                  MOE_CHANNEL)
 
     def recv_pack(self, ws, out, recv_code, counts_out, verdict, counts_in, counts_save, send_code, send_pairs,
-                  pair_pos, send_counts):
+                  pair_pos):
         c, r, t, _ = self.offsets(out)
         torch.ops.flux.moe_recv_pack_(out.view(self.n_recv, -1), recv_code, counts_out, verdict, counts_in,
-                                      counts_save, send_code, send_pairs, pair_pos, send_counts, self.done[1:2],
+                                      counts_save, send_code, send_pairs, pair_pos, self.done[1:2],
                                       ws.buffer.data_ptr(), ws.pads_dev, self.world, self.rank, self.el, self.capacity,
                                       r, t, c, MOE_CHANNEL, symm.timeout_ms())
 
