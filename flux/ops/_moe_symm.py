@@ -135,18 +135,19 @@ class SymmStrategy:
         dev = x.device
         x = x.contiguous()
         token = _token("dispatch", num_experts, h, k, x.dtype, capacity)
-        idx = topk_idx.reshape(-1).to(torch.int64)
-        ok = (idx >= 0) & (idx < num_experts)
-        key = torch.where(ok, idx, torch.full_like(idx, num_experts))  # invalid slots sort last
-        key_sorted, order = torch.sort(key, stable=True)
-        # (bincount would read its input's maximum on the host: no graph capture)
-        counts_full = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev)
-        counts_full.scatter_add_(0, key, torch.ones_like(key))
-        send_counts = counts_full[:num_experts].to(torch.int32)
-        first_of_key = torch.cumsum(counts_full, 0) - counts_full
-        valid = key_sorted < num_experts
-        g = torch.where(valid, key_sorted, torch.zeros_like(key_sorted))
-        rank_in_expert = torch.arange(t * k, device=dev) - first_of_key[key_sorted]
+        # The bounded variant's routing kernel, with a capacity that holds any expert's pairs (T):
+        # send order, and each pair's expert and rank among its expert's pairs, from its block row.
+        n, cap = t * k, max(t, 1)
+        order = torch.empty(n, dtype=torch.int64, device=dev)
+        block = torch.empty(n, dtype=torch.int64, device=dev)
+        send_counts = torch.empty(num_experts, dtype=torch.int32, device=dev)
+        scratch = [torch.empty(n, dtype=torch.int64, device=dev), torch.empty(1, dtype=torch.int64, device=dev)]
+        torch.ops.flux.moe_route_(topk_idx.to(torch.int64).contiguous(), num_experts, world, rank, cap, 0, order,
+                                  block, scratch[0], send_counts, scratch[1])
+        valid = block >= 0
+        dest, row = _decode(block)
+        g = torch.where(valid, dest * el + torch.div(row, world * cap, rounding_mode="floor"), torch.zeros_like(row))
+        rank_in_expert = row % cap
 
         # The counts: our row into every rank's counts region, between two barriers.
         rt = _runtime.get(group, _regions(world, num_experts, 0, 0)[2])
@@ -184,8 +185,7 @@ class SymmStrategy:
         senders = torch.arange(world, device=dev).repeat(el)
         sender = torch.repeat_interleave(senders, mine.t().reshape(-1), output_size=n_recv)
         recv_code = _encode(sender, arrived_tags, torch.ones(n_recv, dtype=torch.bool, device=dev))
-        send_pairs = torch.where(valid, order, torch.full_like(order, t * k))[:n_send].contiguous()
-        return recv_x, mine.sum(0), send_pairs, torch.cat([recv_code, send_code]), sizes
+        return recv_x, mine.sum(0), order[:n_send].contiguous(), torch.cat([recv_code, send_code]), sizes
 
     @staticmethod
     def fake_dispatch(x, topk_idx, num_experts, world, capacity):
