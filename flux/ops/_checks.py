@@ -170,6 +170,32 @@ def check_collectively(sig: Signature, group: dist.ProcessGroup) -> None:
     raise FluxInputError(_compose(sig.op, [(err, fields) for _, err, fields in reports]))
 
 
+def check_every_call(sig: Signature, group: dist.ProcessGroup, flag: Optional[torch.Tensor] = None,
+                     flag_message=None) -> None:
+    """The check of ops that exchange something on every call anyway (the MoE ops): one
+    all-gather through the group of (error flag, hash of the fields that must agree), read on the
+    host. ``flag``: a data verdict computed on the device (an int64 scalar, 0: valid), added to
+    this rank's error flag when its arguments are otherwise valid; ``flag_message()``: this rank's
+    error text when its flag was set. If any rank reports a problem or a different hash, the ranks
+    exchange their messages through the store and every rank raises the same FluxInputError."""
+    import zlib
+
+    from flux.runtime import all_gather_dim0, group_device
+
+    h = zlib.crc32(repr(sig.fields).encode())
+    mine = torch.tensor([[1 if sig.error else 0, h]], dtype=torch.int64, device=group_device(group))
+    if sig.error is None and flag is not None:
+        mine[0, 0] += flag.to(mine.device)
+    verdicts = all_gather_dim0(mine, group).tolist()
+    if all(v[0] == 0 and v[1] == h for v in verdicts):
+        return
+    if sig.error is None and verdicts[dist.get_rank(group)][0]:
+        sig.fail((flag_message() if flag_message is not None else None) or "invalid data")
+    ranks = tuple(dist.get_process_group_ranks(group))
+    reports = _exchange(ranks, dist.get_rank(), (sig.values(), sig.error, sig.fields))
+    raise FluxInputError(_compose(sig.op, [(err, fields) for _, err, fields in reports]))
+
+
 def skips_exchange_if_valid(sig: Signature, group: dist.ProcessGroup) -> bool:
     """Whether ``check_collectively`` would skip the exchange for this signature were it free of
     local errors: a CUDA group (no per-call header), the same fields validated before, and

@@ -133,18 +133,17 @@ dispatch is not differentiable (``moe_dispatch`` refuses an x that needs a gradi
 import dataclasses
 import logging
 import os
-import zlib
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from flux.ops._checks import (FluxInputError, Signature, _compose, _exchange, check_collectively, dtype_code,
+from flux.ops._checks import (FluxInputError, Signature, check_collectively, check_every_call, dtype_code,
                                skips_exchange_if_valid)
 from flux.ops import _moe_symm
 from flux.ops._common import SUPPORTED_DTYPES, call_mode
 from flux.ops._moe_symm import SymmStrategy
-from flux.runtime import group_device, group_from_name, group_name, resolve_group
+from flux.runtime import all_gather_dim0, group_device, group_from_name, group_name, resolve_group
 from flux.runtime.groups import cuda_group
 
 OP = "flux.moe_dispatch"
@@ -302,12 +301,7 @@ def _all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, gro
 
 def _all_gather_small(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """[W, *t.shape]: every rank's ``t`` (a few int64)."""
-    world = dist.get_world_size(group)
-    if t.is_cuda and "gloo" in str(dist.get_backend(group)).lower():
-        return _all_gather_small(t.cpu(), group).to(t.device)
-    out = t.new_empty((world, *t.shape))
-    dist.all_gather(list(out.unbind(0)), t.contiguous(), group=group)
-    return out
+    return all_gather_dim0(t.reshape(1, *t.shape), group)
 
 
 # --------------------------------------------------------------------------------------
@@ -534,23 +528,9 @@ def _data_message(topk_idx: torch.Tensor, num_experts: int) -> Optional[str]:
 
 
 def _check_host(sig: Signature, topk_idx, num_experts, group) -> None:
-    """The host-read verdict: one all_gather of (error flag, hash of the fields that must agree)
-    through the group; if any rank reports a problem or a different hash, the ranks exchange
-    their messages through the store and every rank raises the same FluxInputError."""
-    dev = group_device(group)
-    h = zlib.crc32(repr(sig.fields).encode())
-    mine = torch.tensor([1 if sig.error else 0, h], dtype=torch.int64, device=dev)
-    if sig.error is None:
-        mine[0] += _data_code(topk_idx, num_experts).to(dev)
-    verdicts = _all_gather_small(mine, group).tolist()
-    if all(v[0] == 0 and v[1] == h for v in verdicts):
-        return
-    if sig.error is None and verdicts[dist.get_rank(group)][0]:
-        sig.fail(_data_message(topk_idx, num_experts) or "invalid topk_idx")
-    # The payload of check_collectively's exchange, so that the two can never misread each other.
-    ranks = tuple(dist.get_process_group_ranks(group))
-    reports = _exchange(ranks, dist.get_rank(), (sig.values(), sig.error, sig.fields))
-    raise FluxInputError(_compose(OP, [(err, fields) for _, err, fields in reports]))
+    """The host-read verdict: check_every_call with the data verdict of topk_idx as the flag."""
+    check_every_call(sig, group, flag=None if sig.error else _data_code(topk_idx, num_experts),
+                     flag_message=lambda: _data_message(topk_idx, num_experts) or "invalid topk_idx")
 
 
 def _deferred_host_code(sig: Signature, x, group, capacity) -> Tuple[int, Optional[str]]:

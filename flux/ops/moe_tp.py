@@ -101,13 +101,12 @@ included.
 """
 import dataclasses
 import os
-import zlib
 from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from flux.ops._checks import FluxInputError, Signature, _compose, _exchange, check_collectively, dtype_code
+from flux.ops._checks import FluxInputError, Signature, check_collectively, check_every_call, dtype_code
 from flux.ops._common import SUPPORTED_DTYPES
 from flux.ops.grouped_mm import _gmm, _offsets, grouped_mm, grouped_mm_impl
 from flux.runtime import (all_gather_dim0, differentiable_all_gather_dim0, differentiable_reduce_scatter_dim0,
@@ -381,20 +380,6 @@ def _signature_ag(x, topk_idx, weight, group, layout, strategy, why) -> Signatur
     return sig
 
 
-def _agree(sig: Signature, group: dist.ProcessGroup) -> None:
-    """One all-gather of (error flag, hash of the fields that must agree) through the group, read
-    on the host; on any problem the ranks exchange their messages through the store and every
-    rank raises the same FluxInputError."""
-    h = zlib.crc32(repr(sig.fields).encode())
-    mine = torch.tensor([[1 if sig.error else 0, h]], dtype=torch.int64, device=group_device(group))
-    verdicts = all_gather_dim0(mine, group).tolist()
-    if all(v[0] == 0 and v[1] == h for v in verdicts):
-        return
-    ranks = tuple(dist.get_process_group_ranks(group))
-    reports = _exchange(ranks, dist.get_rank(), (sig.values(), sig.error, sig.fields))
-    raise FluxInputError(_compose(sig.op, [(err, fields) for _, err, fields in reports]))
-
-
 def _signature_rs(h, weight, routing, topk_weights, group, layout, strategy, why) -> Signature:
     sig = Signature(OP_RS)
     if not isinstance(routing, TpMoeRouting):
@@ -617,7 +602,7 @@ def _ag_scatter_impl(x, topk_idx, weight, group, layout, keep_gathered):
     """Check, route, run. Returns (out, routing, gathered or None, strategy)."""
     ok = isinstance(x, torch.Tensor) and x.dim() == 2
     strategy, why = _choose_strategy(x.device, group, x.shape[0], x.shape[1]) if ok else ("sequential", None)
-    _agree(_signature_ag(x, topk_idx, weight, group, layout, strategy, why), group)
+    check_every_call(_signature_ag(x, topk_idx, weight, group, layout, strategy, why), group)
     idx = all_gather_dim0(topk_idx.to(torch.int64), group)
     routing = _make_routing(idx, weight.shape[0], x.shape[0], group, check=True)
     out, gathered = _AG_SCATTER[strategy](x, weight, layout, routing, None, keep_gathered)
