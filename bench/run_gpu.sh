@@ -4,7 +4,7 @@
 # benchmark, and leave logs and JSON in OUTDIR.
 #
 #   bench/run_gpu.sh OUTDIR [--quick] [--skip-tests] [--tests EXPR] [--skip-bench] [--tune] [--matrix] [--layers] [--moe]
-#                    [--host-profile] [--shared W[,W...]] [-- extra bench_ops.py args]
+#                    [--moe-tp] [--host-profile] [--shared W[,W...]] [-- extra bench_ops.py args]
 #
 # --tests EXPR: only the GPU tests that pytest -k EXPR selects (default: "gpu and not shared").
 #
@@ -14,9 +14,11 @@
 # cuBLAS doing the same) into OUTDIR/matrix.json. --layers: bench/bench_layers.py (the sequence-parallel
 # MLP block and a Megatron layer, flux against NCCL + cuBLAS and async-TP; arguments in $LAYERS_ARGS) into
 # OUTDIR/layers.json. --moe: bench/bench_moe.py (MoE dispatch/combine and layer against an all-to-all
-# dispatcher; arguments in $MOE_ARGS) into OUTDIR/moe.json. --host-profile: bench/profile_host.py (the CUDA
+# dispatcher; arguments in $MOE_ARGS) into OUTDIR/moe.json. --moe-tp: bench/bench_moe_tp.py (the
+# tensor-parallel MoE MLP against its unfused references; arguments in $MOE_TP_ARGS) into
+# OUTDIR/moe_tp.json. --host-profile: bench/profile_host.py (the CUDA
 # API calls and ATen ops of one call, per strategy) into OUTDIR/host.json. Their output goes to bench.log too.
-# The MoE benchmark runs before the layers one; STEP_TIMEOUT (s, default 600) bounds each of them.
+# The MoE benchmarks run before the layers one; STEP_TIMEOUT (s, default 600) bounds each of them.
 # --shared 4,8: also run the GPU cases with 4, then 8 ranks sharing this machine's GPUs
 # (tests/test_ops.py::test_gpu_shared: gloo, FLUX_GLOO_CUDA=1; correctness only), into
 # OUTDIR/tests-shared-W.log.
@@ -28,13 +30,14 @@
 # .ext/flux_C.hash (this script's hash of setup.py and csrc/) to skip the build (~70 s on 32 cores);
 # the device returns no file over 16 MiB, so a build made there does not come back.
 #
-# Writes (at most 8 files): build.log (the machine and versions first), tests.log, bench.log,
+# Writes: build.log (the machine and versions first), tests.log, bench.log,
 # bench_ops.json, with --tune autotune.log and cache/tune-<topology>.json, with --matrix
-# matrix.json, with --layers layers.json, with --moe moe.json, with --host-profile host.json.
+# matrix.json, with --layers layers.json, with --moe moe.json, with --moe-tp moe_tp.json, with --host-profile
+# host.json.
 set -uo pipefail
 OUTDIR=${1:?usage: bench/run_gpu.sh OUTDIR [--quick] [--skip-tests] [--skip-bench] [-- bench args]}
 shift
-QUICK=0; TESTS=1; TEST_EXPR="gpu and not shared"; BENCH=1; TUNE=0; MATRIX=0; LAYERS=0; MOE=0; HOSTPROF=0; SHARED=""; BENCH_ARGS=()
+QUICK=0; TESTS=1; TEST_EXPR="gpu and not shared"; BENCH=1; TUNE=0; MATRIX=0; LAYERS=0; MOE=0; MOETP=0; HOSTPROF=0; SHARED=""; BENCH_ARGS=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1 ;;
@@ -45,6 +48,7 @@ while [ $# -gt 0 ]; do
     --matrix) MATRIX=1 ;;
     --layers) LAYERS=1 ;;
     --moe) MOE=1 ;;
+    --moe-tp) MOETP=1 ;;
     --host-profile) HOSTPROF=1 ;;
     --shared) shift; SHARED=${1:?--shared needs world sizes, e.g. 4,8} ;;
     --) shift; BENCH_ARGS=("$@"); break ;;
@@ -118,6 +122,10 @@ if [ $HOSTPROF -eq 1 ]; then
 fi
 if [ $MOE -eq 1 ]; then
   timeout ${STEP_TIMEOUT:-600} torchrun --nproc_per_node="$NPROC" bench/bench_moe.py --out "$OUTDIR/moe.json" ${MOE_ARGS:-} 2>&1 | tee -a "$OUTDIR/bench.log"
+  rc=${PIPESTATUS[0]}; [ $rc -eq 0 ] || rc_bench=$rc
+fi
+if [ $MOETP -eq 1 ]; then
+  timeout ${STEP_TIMEOUT:-600} torchrun --nproc_per_node="$NPROC" bench/bench_moe_tp.py --out "$OUTDIR/moe_tp.json" ${MOE_TP_ARGS:-} 2>&1 | tee -a "$OUTDIR/bench.log"
   rc=${PIPESTATUS[0]}; [ $rc -eq 0 ] || rc_bench=$rc
 fi
 if [ $LAYERS -eq 1 ]; then

@@ -1,5 +1,6 @@
-"""GPU cases of the symmetric-memory MoE strategy (``symm``, flux/ops/_moe_symm.py) through
-flux's MoE API, run by tests/test_moe_symm.py through
+"""GPU cases of the MoE ops: the symmetric-memory strategy (``symm``, flux/ops/_moe_symm.py) of
+flux.moe_dispatch / moe_combine, and the tensor-parallel MoE ops (``tp_*`` cases), run by
+tests/test_moe_symm.py through
 
     torchrun --nproc_per_node=2 tests/gpu_moe_worker.py
 
@@ -27,7 +28,12 @@ results are computed here without any collective, and exactly:
   combine of the dequantised rows and the straight-through gradients equal to all_to_all's;
 - flux.nn.MoE with chunks = 2, 3 (communication on a side stream, overlapped with the experts)
   against chunks = 1: output and gradients, repeated steps (buffers reused by the allocator),
-  token counts the blocks do not divide and a rank without tokens, unbounded and bounded.
+  token counts the blocks do not divide and a rank without tokens, unbounded and bounded;
+- the tensor-parallel MoE ops (flux.ag_scatter_grouped_mm -> SwiGLU -> flux.grouped_mm_gather_rs)
+  in bf16, forward and every gradient, each strategy against the unsharded float64 layer, within
+  twice the error of the unfused references in bf16; in fp32 on integer-valued data, part 1 and
+  part 2 of each strategy bit for bit equal to the references. Ranks sharing a GPU over gloo run
+  the ``sequential`` strategy only (``chunked`` moves CUDA tensors through NCCL).
 """
 import os
 
@@ -393,6 +399,116 @@ def moe_layer_chunks(rank, world, dev, group):
                 assert err <= tol, f"{dtype} C={cap} chunks={c}: {name} differs from chunks=1 by {err:.3g} (of max)"
 
 
+# --------------------------------------------------------------------------------------
+# The tensor-parallel MoE ops (flux.ag_scatter_grouped_mm / flux.grouped_mm_gather_rs): every
+# rank builds the whole problem from seeds (tests/_moe_tp_problem.py) and takes its shard.
+
+
+def tp_strategies(group):
+    """The TP MoE strategies this group can run on CUDA tensors: 'chunked' needs NCCL (its
+    point-to-point transfers), so ranks sharing a GPU over gloo run 'sequential' only."""
+    from flux.ops import moe_tp
+
+    return moe_tp.STRATEGIES if not moe_tp._is_gloo(group) else ("sequential",)
+
+
+def tp_forced(name):
+    from flux.ops import moe_tp
+
+    os.environ[moe_tp.STRATEGY_ENV] = name
+
+
+def tp_unforce():
+    from flux.ops import moe_tp
+
+    os.environ.pop(moe_tp.STRATEGY_ENV, None)
+
+
+def tp_mlp_run(fns, p, rank, world, layout, dtype, dev, g):
+    """(out, d x, d w1, d w2, d topk_weights) of part 1 -> SwiGLU -> part 2 through ``fns`` (the
+    public functions or the references), on this rank's shard in ``dtype``."""
+    from _moe_tp_problem import act, shard
+
+    x, idx, tw, w1, w2 = shard(p, rank, world, layout)
+    x, w1, w2 = (t.to(dev, dtype).requires_grad_() for t in (x, w1, w2))
+    tw = tw.to(dev, torch.float32).requires_grad_()
+    hid, routing = fns[0](x, idx.to(dev), w1, weight_layout=layout)
+    out = fns[1](act(hid, True), w2, routing, tw, weight_layout=layout)
+    out.backward(g.to(dev, dtype))
+    return [out.detach(), x.grad, w1.grad, w2.grad, tw.grad]
+
+
+@case
+def tp_moe_mlp_bf16(rank, world, dev, group):
+    """The TP MoE MLP in bf16 (torch._grouped_mm on sm90), forward and every gradient, against
+    the unsharded float64 layer; the tolerance is derived from the unfused references run in
+    bf16 on the same data: flux's error at most twice theirs (plus 1e-3 of the maximum)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _moe_tp_problem import full_mlp, problem, shard
+
+    refs = (flux.ag_scatter_grouped_mm_ref, flux.grouped_mm_gather_rs_ref)
+    public = (flux.ag_scatter_grouped_mm, flux.grouped_mm_gather_rs)
+    # (seed, tokens per rank, H, F, E, K, skew, layout): 16-aligned sizes; skewed routing leaves experts idle
+    for seed, tl, h, f, e, k, skew, layout in ((40, 256, 512, 256 * world, 8, 2, None, "nk"),
+                                               (41, 192, 256, 128 * world, 4, 1, 2, "kn")):
+        p = problem(seed, world, tl, h, f, e, k, skew=skew)
+        full = {n: (v.to(dev).clone().requires_grad_() if v.is_floating_point() else v.to(dev)) for n, v in p.items()}
+        want = full_mlp(full, True)
+        g = torch.randn(want.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        (want * g.to(dev)).sum().backward()
+        rows = slice(rank * tl, (rank + 1) * tl)
+        grads_full = dict(p, w13=full["w13"].grad.cpu(), w2=full["w2"].grad.cpu())
+        _, _, _, g1, g2 = shard(grads_full, rank, world, layout)
+        exact = [want[rows].detach(), full["x"].grad[rows], g1.to(dev), g2.to(dev), full["tw"].grad[rows]]
+        base = tp_mlp_run(refs, p, rank, world, layout, torch.bfloat16, dev, g[rows])
+        base_err = [rel_err(a.double(), b) for a, b in zip(base, exact)]
+        for strat in tp_strategies(group):
+            tp_forced(strat)
+            try:
+                got = tp_mlp_run(public, p, rank, world, layout, torch.bfloat16, dev, g[rows])
+            finally:
+                tp_unforce()
+            for name, a, b, be in zip(("out", "d x", "d w1", "d w2", "d topk_weights"), got, exact, base_err):
+                assert a.dtype == (torch.float32 if name == "d topk_weights" else torch.bfloat16), (name, a.dtype)
+                err = rel_err(a.double(), b)
+                assert err <= 2 * be + 1e-3, (f"E={e} K={k} {layout} {strat}: {name} error {err:.3g} of max, "
+                                              f"the bf16 references' {be:.3g}")
+
+
+@case
+def tp_moe_exact_fp32(rank, world, dev, group):
+    """Integer-valued data in fp32 on the GPU (products and sums exact): part 1's rows and part 2's
+    output of every strategy equal, bit for bit, to the unfused references, over 5 calls on
+    alternating shapes; and the routing the same on every rank."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _moe_tp_problem import problem, shard
+
+    for call in range(5):
+        seed, tl, e, k = (50, 64, 8, 2) if call % 2 == 0 else (51, 40, 6, 3)
+        p = problem(seed, world, tl, 64, 32 * world, e, k, integer=True)
+        x, idx, tw, w1, w2 = (t.to(dev) for t in shard(p, rank, world, "nk", gated=False))
+        x, tw, w1, w2 = (t.to(torch.float32) for t in (x, tw, w1, w2))
+        want1, r_ref = flux.ag_scatter_grouped_mm_ref(x, idx, w1)
+        hid = torch.randint(-4, 5, (r_ref.num_rows, w2.shape[2]), generator=torch.Generator().manual_seed(seed))
+        hid = hid.to(dev, torch.float32)
+        want2 = flux.grouped_mm_gather_rs_ref(hid, w2, r_ref, tw)
+        for strat in tp_strategies(group):
+            tp_forced(strat)
+            try:
+                got1, r = flux.ag_scatter_grouped_mm(x, idx, w1)
+                got2 = flux.grouped_mm_gather_rs(hid, w2, r, tw)
+            finally:
+                tp_unforce()
+            assert r.counts_host == r_ref.counts_host and torch.equal(r.pairs, r_ref.pairs), f"call {call} {strat}"
+            assert torch.equal(got1, want1), f"call {call} {strat}: part 1 differs by {float((got1 - want1).abs().max())}"
+            assert torch.equal(got2, want2), f"call {call} {strat}: part 2 differs by {float((got2 - want2).abs().max())}"
+        # every rank holds the same gathered routing
+        sig = torch.tensor([float(r_ref.pairs.sum()), float(r_ref.num_rows)], dtype=torch.float64, device=dev)
+        mine = sig.clone()
+        dist.all_reduce(sig, op=dist.ReduceOp.MAX)
+        assert torch.equal(sig, mine), f"call {call}: the ranks' routings differ"
+
+
 def main():
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
@@ -408,7 +524,7 @@ def main():
     assert why is not None or moe_mod._choose_strategy(torch.empty(1, device=dev), group, False) == "symm"
     for name in names:
         rec = {"case": name, "rank": rank, "status": "ok", "error": None}
-        if why is not None:
+        if why is not None and not name.startswith("tp_"):
             rec.update(status="skip", error=why)
         else:
             try:

@@ -1,6 +1,7 @@
-"""bench/bench_moe.py keeps running: on the CPU (gloo, two processes, tiny sizes) it checks that
-flux.moe_dispatch / moe_combine and the MoE layer agree with its all-to-all baseline, and writes
-every figure to the JSON."""
+"""bench/bench_moe.py and bench/bench_moe_tp.py keep running: on the CPU (gloo, two processes, tiny
+sizes) they check that flux.moe_dispatch / moe_combine and the MoE layer agree with the all-to-all
+baseline, and the tensor-parallel MoE ops with their references, and write every figure to the
+JSON."""
 import json
 import os
 import subprocess
@@ -35,3 +36,29 @@ def test_bench_moe_runs_on_cpu(tmp_path):
         assert r["flux_bounded"]["dispatch"]["graph_status"] == "cpu"
         assert r["layer"]["rel_err"] < 1e-5 and r["layer"]["flux"]["loop_ms"] > 0, r
     assert "layer ms" in proc.stdout.splitlines()[-len(recs) - 2]  # the table, printed last
+
+
+def test_bench_moe_tp_runs_on_cpu(tmp_path):
+    """bench/bench_moe_tp.py on gloo: every variant agrees with the references and is timed."""
+    from _dist import free_port
+
+    out = tmp_path / "moe_tp.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           os.path.join(REPO, "bench", "bench_moe_tp.py"), "--cpu", "--tokens", "16", "--shapes", "32x16x4x2,16x8x6x3",
+           "--steps", "2", "--rounds", "1", "--warmup", "1", "--out", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120, env=env,
+                          cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    data = json.load(open(out))
+    recs = data["results"]
+    assert "bench_moe_tp.py" in data["metadata"]["command"]
+    assert len(recs) == 2 and all(r["status"] == "ok" for r in recs), recs
+    for r in recs:
+        assert r["rows"] > 0 and r["choice"] == "sequential", r  # gloo: no overlap chosen
+        for mode in ("fwd", "fwdbwd"):
+            for v in ("ref", "sequential", "chunked", "flux"):
+                t = r[mode][v]
+                assert t["rel_err"] < 1e-5 and t["loop_ms"] > 0 and t["host_ms"] > 0, (mode, v, t)
+                assert t["single_ms"] is None, t  # GPU only
+    assert "flux/ref" in proc.stdout
