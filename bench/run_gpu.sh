@@ -93,7 +93,7 @@ echo "HGMMA instructions in flux._C: $(cuobjdump --dump-sass flux/_C*.so 2>/dev/
 
 rc_tests=0
 if [ $TESTS -eq 1 ]; then
-  timeout 900 $PY -m pytest -q -rs tests -k "$TEST_EXPR" 2>&1 | tee "$OUTDIR/tests.log"
+  timeout 900 $PY -m pytest -v -rs tests -k "$TEST_EXPR" 2>&1 | tee "$OUTDIR/tests.log"
   rc_tests=${PIPESTATUS[0]}
 fi
 for w in ${SHARED//,/ }; do
