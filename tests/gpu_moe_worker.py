@@ -33,7 +33,7 @@ results are computed here without any collective, and exactly:
   in bf16, forward and every gradient, each strategy against the unsharded float64 layer, within
   twice the error of the unfused references in bf16; in fp32 on integer-valued data, part 1 and
   part 2 of each strategy bit for bit equal to the references. Ranks sharing a GPU over gloo run
-  the ``sequential`` strategy only (``chunked`` moves CUDA tensors through NCCL).
+  ``sequential`` and ``symm`` (``chunked`` moves CUDA tensors through NCCL).
 """
 import os
 
@@ -406,10 +406,12 @@ def moe_layer_chunks(rank, world, dev, group):
 
 def tp_strategies(group):
     """The TP MoE strategies this group can run on CUDA tensors: 'chunked' needs NCCL (its
-    point-to-point transfers), so ranks sharing a GPU over gloo run 'sequential' only."""
+    point-to-point transfers), so ranks sharing a GPU over gloo run 'sequential' and 'symm'."""
     from flux.ops import moe_tp
 
-    return moe_tp.STRATEGIES if not moe_tp._is_gloo(group) else ("sequential",)
+    names = [n for n in moe_tp.STRATEGIES if n != "chunked" or not moe_tp._is_gloo(group)]
+    assert "symm" in names and moe_tp.symm_usable(torch.device("cuda"), group) is None, "symm must run here"
+    return names
 
 
 def tp_forced(name):

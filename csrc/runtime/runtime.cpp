@@ -297,6 +297,44 @@ void Runtime::enqueue_barrier(int64_t token) {
   barrier(at::cuda::getCurrentCUDAStream(device_.index()).stream(), (uint32_t)token, false);
 }
 
+void Runtime::begin_exchange(int64_t token) {
+  FLUX_CHECK(!ws_ptrs_.empty(), kOp, "an exchange without a workspace");
+  FLUX_CHECK(token != 0, kOp, "a barrier's token must be non-zero");
+  const c10::cuda::CUDAGuard guard(device_);
+  auto cur = at::cuda::getCurrentCUDAStream(device_.index()).stream();
+  cudaStreamCaptureStatus status;
+  FLUX_CUDA(cudaStreamIsCapturing(cur, &status));
+  capturing_ = status != cudaStreamCaptureStatusNone;
+  begin_call();
+  join(comm_, cur);
+  barrier(comm_, (uint32_t)token, false);
+}
+
+void Runtime::send(const at::Tensor& src, int64_t peer, int64_t offset, bool after_current) {
+  FLUX_CHECK(peer >= 0 && peer < world_ && peer != rank_, kOp, "send to rank ", peer, " of ", world_,
+             " (this is rank ", rank_, ")");
+  FLUX_CHECK(src.is_contiguous() && src.device() == device_, kOp, "send: a contiguous tensor on this device expected");
+  const int64_t bytes = src.numel() * src.element_size();
+  FLUX_CHECK(offset >= 0 && offset + bytes <= ws_bytes_, kOp, "send of ", bytes, " B at ", offset,
+             " exceeds the workspace (", ws_bytes_, " B)");
+  const c10::cuda::CUDAGuard guard(device_);
+  if (after_current) join(comm_, at::cuda::getCurrentCUDAStream(device_.index()).stream());
+  if (drop_transfers_) return;
+  copy(buffer(peer) + offset, src.data_ptr(), bytes, comm_);  // copy engine, over NVLink
+  put(comm_, peer, kDataChannel);
+}
+
+void Runtime::wait_from(int64_t src) {
+  FLUX_CHECK(src >= 0 && src < world_ && src != rank_, kOp, "wait for rank ", src, " of ", world_);
+  const c10::cuda::CUDAGuard guard(device_);
+  wait_signal(at::cuda::getCurrentCUDAStream(device_.index()).stream(), src, kDataChannel);
+}
+
+void Runtime::end_exchange() {
+  const c10::cuda::CUDAGuard guard(device_);
+  join(at::cuda::getCurrentCUDAStream(device_.index()).stream(), comm_);
+}
+
 void Runtime::wait_started(cudaStream_t s) {
   launch_wait(pads_[rank_] + kStartedChannel * world_ + rank_, kStartedChannel, (int)rank_, (int)rank_,
               (uint64_t)timeout_ms_, s);

@@ -101,6 +101,24 @@ class Runtime {
   // flux/ops/_moe_symm.py, which order their workspace writes with it).
   void enqueue_barrier(int64_t token);
 
+  // The transfers of an overlapped op driven from Python (the 'symm' strategy of the
+  // tensor-parallel MoE ops, flux/ops/moe_tp.py), on the communication stream in the order
+  // called:
+  //   begin_exchange(token)   starts a call: the communication stream joins the current stream,
+  //                           then the entry barrier carrying ``token`` (every peer has finished
+  //                           the work it enqueued before its own call, reads of its workspace
+  //                           included);
+  //   send(src, peer, offset, after_current)
+  //                           ``src`` (contiguous) by copy engine into ``peer``'s workspace at
+  //                           ``offset`` bytes, then a put on the data channel; after the current
+  //                           stream's work so far when ``after_current`` (src made in this call);
+  //   wait_from(src)          the current stream waits (bounded, naming the peer) for ``src``'s put;
+  //   end_exchange()          the current stream waits for every send (their sources may be freed).
+  void begin_exchange(int64_t token);
+  void send(const at::Tensor& src, int64_t peer, int64_t offset, bool after_current);
+  void wait_from(int64_t src);
+  void end_exchange();
+
   // Test hook: while set, this rank passes the entry barriers but sends no data and no flags.
   void set_drop_transfers(bool on) { drop_transfers_ = on; }
   // Ranks sharing one GPU (FLUX_GLOO_CUDA, tests): the fused AG pushes before its kernel.

@@ -44,7 +44,7 @@ the shapes; part 2 and both backward passes reuse it. Building it reads the coun
 (one synchronisation per part-1 call: P sizes the output).
 
 Strategies (``STRATEGIES``; ``_choose_strategy`` picks one per call, the same on every rank; the
-environment variable ``FLUX_STRATEGY_MOE_TP`` forces one):
+environment variable ``FLUX_STRATEGY_MOE_TP`` forces one; ``symm_usable`` says where ``symm`` runs):
 
   sequential   the reference computation and the CPU path: all-gather (NCCL or gloo), index
                the gathered rows into expert-major order, one grouped GEMM
@@ -71,12 +71,24 @@ environment variable ``FLUX_STRATEGY_MOE_TP`` forces one):
                  NCCL:                [send -> r+1, recv <- r-1] [send -> r+2, recv <- r-2] ...
 
                The transfers of step i pair rank r with r + i and r - i on every rank alike, so the
-               NCCL calls match. Chosen by ``_should_overlap``: CUDA tensors on an NCCL group of two
-               or more ranks and a token shard ``T_l * H`` of at least ``OVERLAP_MIN_SHARD``
-               elements (below it the extra launches of W smaller GEMMs are expected to cost more
-               than the transfer they hide; the threshold is a first guess, not yet set from GPU
-               timings). The same code runs on gloo without streams (``Work.wait()`` then blocks
-               the host), which is how the CPU tests exercise its indexing.
+               NCCL calls match. The same code runs on gloo without streams (``Work.wait()`` then
+               blocks the host), which is how the CPU tests exercise its indexing.
+  symm         chunked's blocks and order, the transfers made by the copy engine into the group's
+               symmetric workspace through the C++ runtime of flux.ag_gemm / flux.gemm_rs
+               (``Runtime.begin_exchange / send / wait_from / end_exchange``): an entry barrier
+               carrying a hash of the problem on the runtime's communication stream, then each
+               block pushed into its destination's slot followed by a stream write to its signal
+               pad; the current stream waits for a peer's block with a bounded wait kernel (a
+               timeout names the peer). No SM is taken from the GEMMs by the transfers and no
+               NCCL call is made, so it also runs with ranks sharing a GPU (gloo, FLUX_GLOO_CUDA).
+               Part 1 reads the peers' shards from the workspace; part 2 sums the W partials from
+               it in rank order, as chunked does.
+
+Choice: ``symm`` (or ``chunked`` where the group has no symmetric workspace) when
+``_should_overlap`` says so: CUDA tensors on an NCCL group of two or more ranks and a token shard
+``T_l * H`` of at least ``OVERLAP_MIN_SHARD`` elements (below it the extra launches of W smaller
+GEMMs are expected to cost more than the transfers they hide; the threshold is a first guess, not
+yet set from GPU timings); else ``sequential``.
 
 Checks. Part 1 validates its arguments on every rank and the ranks agree on a verdict before any
 token moves: one all-gather of (error flag, hash of the fields that must agree: T_l, H, K, E,
@@ -114,7 +126,7 @@ from flux.runtime import (all_gather_dim0, differentiable_all_gather_dim0, diffe
 
 OP = "flux.ag_scatter_grouped_mm"
 OP_RS = "flux.grouped_mm_gather_rs"
-STRATEGIES = ("sequential", "chunked")
+STRATEGIES = ("sequential", "chunked", "symm")
 STRATEGY_ENV = "FLUX_STRATEGY_MOE_TP"
 # Token-shard elements (T_l * H) from which 'chunked' is chosen. Not tuned yet: a first guess
 # (T_l = 512 at H = 4096), to be set from timings on the GPUs.
@@ -295,9 +307,30 @@ def _should_overlap(device: torch.device, group: dist.ProcessGroup, tokens_per_r
     return tokens_per_rank * hidden >= OVERLAP_MIN_SHARD
 
 
+def symm_usable(device: torch.device, group: dist.ProcessGroup) -> Optional[str]:
+    """None where the ``symm`` strategy can run (CUDA tensors, a group of two or more ranks with a
+    symmetric workspace, a flux._C that has the runtime's exchange), else why not; the same on
+    every rank."""
+    if device.type != "cuda":
+        return "the tensors are not on a GPU"
+    if dist.get_world_size(group) < 2:
+        return "a group of one rank"
+    from flux.runtime import symm
+
+    if not symm.available(group):
+        return "no symmetric workspace for this group (it needs flux._C, a GPU and an NCCL group)"
+    import flux._C as _C
+
+    if not hasattr(_C.Runtime, "begin_exchange"):
+        return "flux._C predates Runtime.begin_exchange (rebuild flux)"
+    return None
+
+
 def _choose_strategy(device: torch.device, group: dist.ProcessGroup, tokens_per_rank: int,
                      hidden: int) -> Tuple[str, Optional[str]]:
-    """(strategy, problem or None): FLUX_STRATEGY_MOE_TP if set, else ``_should_overlap``."""
+    """(strategy, problem or None): FLUX_STRATEGY_MOE_TP if set; else, where ``_should_overlap``
+    says so, ``symm`` (transfers by the copy engine, no SM taken from the GEMMs) if the group has
+    a symmetric workspace, else ``chunked``; else ``sequential``."""
     forced = os.environ.get(STRATEGY_ENV, "").strip()
     if forced:
         if forced not in STRATEGIES:
@@ -305,8 +338,14 @@ def _choose_strategy(device: torch.device, group: dist.ProcessGroup, tokens_per_
         if forced == "chunked" and device.type == "cuda" and _is_gloo(group):
             return "sequential", (f"{STRATEGY_ENV}=chunked moves CUDA tensors through NCCL point-to-point "
                                   "transfers, and this group is gloo")
+        if forced == "symm":
+            why = symm_usable(device, group)
+            if why is not None:
+                return "sequential", f"{STRATEGY_ENV}=symm cannot run here: {why}"
         return forced, None
-    return ("chunked" if _should_overlap(device, group, tokens_per_rank, hidden) else "sequential"), None
+    if not _should_overlap(device, group, tokens_per_rank, hidden):
+        return "sequential", None
+    return ("symm" if symm_usable(device, group) is None else "chunked"), None
 
 
 # --------------------------------------------------------------------------------------
@@ -590,8 +629,88 @@ def _mm_gather_rs_chunked(h, weight, layout, routing, wg, keep_partial):
     return out.to(h.dtype), partial
 
 
-_AG_SCATTER = {"sequential": _ag_scatter_sequential, "chunked": _ag_scatter_chunked}
-_MM_GATHER_RS = {"sequential": _mm_gather_rs_sequential, "chunked": _mm_gather_rs_chunked}
+# The symm strategy: chunked's blocks, its transfers by the copy engine into the group's symmetric
+# workspace (flux.runtime: begin_exchange / send / wait_from / end_exchange).
+
+
+def _exchange(group, nbytes: int, phase: str, routing, width: int, dtype: torch.dtype):
+    """The runtime and workspace of ``group`` (grown to ``nbytes``, collectively: every rank asks
+    the same), after the exchange's entry barrier."""
+    from flux.ops._moe_symm import _token
+    from flux.runtime import runtime as _runtime
+    from flux.runtime import symm
+
+    rt = _runtime.get(group, nbytes)
+    ws = symm.get_workspace(group, 1)
+    rt.begin_exchange(_token(phase, routing.num_experts, width, routing.topk, dtype, routing.tokens_per_rank))
+    return rt, ws
+
+
+def _ag_scatter_symm(x, weight, layout, routing, scale, keep_gathered):
+    world, rank = routing.world, routing.rank
+    tl, k = routing.tokens_per_rank, routing.topk
+    x = x.contiguous()
+    blocks = routing.blocks()
+    n = weight.shape[1] if layout == "nk" else weight.shape[2]
+    out = x.new_empty((routing.num_rows, n))
+    slot = x.numel() * x.element_size()
+    rt, ws = _exchange(routing.group, world * slot, "tp_ag", routing, x.shape[1], x.dtype)
+    for i in range(1, world):  # this rank's shard into slot `rank` of every peer, r + 1 first
+        rt.send(x, (rank + i) % world, rank * slot, False)
+
+    def block(s, shard):
+        b = blocks[s]
+        sc = None if scale is None else scale[s * tl * k:(s + 1) * tl * k]
+        y = _mm(_scatter_rows(shard, b.local, k, sc), weight, b.counts, b.counts_host, layout)
+        out.index_copy_(0, b.rows, y)
+
+    block(rank, x)  # this rank's own tokens, straight from x, while the shards travel
+    shards = {rank: x}
+    for i in range(1, world):
+        s = (rank - i) % world
+        rt.wait_from(s)
+        shards[s] = ws.view(rank, [tl, x.shape[1]], x.dtype, s * slot)
+        block(s, shards[s])
+    gathered = torch.cat([shards[s] for s in range(world)]) if keep_gathered else None  # a copy
+    rt.end_exchange()
+    return out, gathered
+
+
+def _mm_gather_rs_symm(h, weight, layout, routing, wg, keep_partial):
+    world, rank = routing.world, routing.rank
+    tl = routing.tokens_per_rank
+    blocks = routing.blocks()
+    n = weight.shape[1] if layout == "nk" else weight.shape[2]
+    partial = h.new_empty((routing.num_rows, n)) if keep_partial else None
+    slot = tl * n * h.element_size()
+    rt, ws = _exchange(routing.group, world * slot, "tp_rs", routing, n, h.dtype)
+
+    def block(d):  # the partial sums of rank d's tokens, [T_l, N] in h's dtype
+        b = blocks[d]
+        y = _mm(h[b.rows], weight, b.counts, b.counts_host, layout)
+        if partial is not None:
+            partial.index_copy_(0, b.rows, y)
+        return _sum_slots(y, b.pos, None if wg is None else wg[d * tl:(d + 1) * tl], h.dtype).contiguous()
+
+    sent = []
+    for i in range(1, world):  # the peers' tokens first, each pushed while the next block computes
+        d = (rank + i) % world
+        y = block(d)
+        sent.append(y)  # alive until end_exchange
+        rt.send(y, d, rank * slot, True)
+    own = block(rank)
+    acc = _acc_dtype(h.dtype)
+    out = torch.zeros((tl, n), dtype=acc, device=h.device)
+    for s in range(world):  # rank order: the same sum on every rank and for every strategy
+        if s != rank:
+            rt.wait_from(s)
+        out += (own if s == rank else ws.view(rank, [tl, n], h.dtype, s * slot)).to(acc)
+    rt.end_exchange()
+    return out.to(h.dtype), partial
+
+
+_AG_SCATTER = {"sequential": _ag_scatter_sequential, "chunked": _ag_scatter_chunked, "symm": _ag_scatter_symm}
+_MM_GATHER_RS = {"sequential": _mm_gather_rs_sequential, "chunked": _mm_gather_rs_chunked, "symm": _mm_gather_rs_symm}
 
 
 # --------------------------------------------------------------------------------------
