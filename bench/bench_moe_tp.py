@@ -17,8 +17,10 @@ Variants, side by side on the same tensors and weights:
                 (the unfused layer, one GEMM per expert)
     sequential  flux's ops with FLUX_STRATEGY_MOE_TP=sequential: the same collectives around one
                 grouped GEMM per part (no overlap)
-    chunked     FLUX_STRATEGY_MOE_TP=chunked: W grouped GEMMs per part overlapped with point-to-point
-                transfers (NCCL groups only)
+    chunked     FLUX_STRATEGY_MOE_TP=chunked: W grouped GEMMs per part overlapped with NCCL
+                point-to-point transfers (not with CUDA tensors on gloo)
+    symm        FLUX_STRATEGY_MOE_TP=symm: the same blocks, the transfers by the copy engine into the
+                symmetric workspace (GPU only)
     flux        the public ops with their automatic choice (recorded as ``choice``)
 
 Modes: fwd (under torch.no_grad) and fwdbwd (forward, then ``y.backward(g)``, gradients of x,
@@ -53,7 +55,7 @@ import flux  # noqa: E402
 from flux.ops import moe_tp  # noqa: E402
 from bench_layers import Bench, _f, finish, init_distributed, rel_err  # noqa: E402
 
-VARIANTS = ("ref", "sequential", "chunked", "flux")
+VARIANTS = ("ref", "sequential", "chunked", "symm", "flux")
 
 
 def parse_args(argv=None):
@@ -134,8 +136,10 @@ def cell(args, bench, rec, group, rank, world, dev, dtype, tol):
     w13 = (torch.randn(e, 2 * f // world, h, generator=gen, device=dev) / h ** 0.5).to(dtype).requires_grad_()
     w2 = (torch.randn(e, h, f // world, generator=gen, device=dev) / f ** 0.5).to(dtype).requires_grad_()
     g = torch.randn(tl, h, generator=gen, device=dev).to(dtype)
-    # chunked moves CUDA tensors through NCCL: not on gloo (ranks sharing a GPU)
-    variants = [v for v in args.variants.split(",") if v != "chunked" or not (dev.type == "cuda" and moe_tp._is_gloo(group))]
+    # chunked moves CUDA tensors through NCCL: not on gloo (ranks sharing a GPU); symm: GPUs only
+    skip = {"chunked": dev.type == "cuda" and moe_tp._is_gloo(group),
+            "symm": moe_tp.symm_usable(dev, group) is not None}
+    variants = [v for v in args.variants.split(",") if not skip.get(v)]
     with torch.no_grad():
         _, routing = flux.ag_scatter_grouped_mm(x, idx, w13, group=group)
     rec["rows"] = routing.num_rows

@@ -742,19 +742,34 @@ def timeout_case(rank, world, dev, strategy="decomposed", op="ag", mode="skip"):
     the next one (mode "skip": the entry barrier's wait expires first), or makes it but sends
     nothing (mode "drop": the barrier passes and the waits for data expire, inside the fused
     kernels for 'fused'); the others' bounded waits must fail within seconds, naming rank 1 (in
-    the fused RS ring with rank 1 sending nothing: each rank's ring predecessor)."""
+    the fused RS ring with rank 1 sending nothing: each rank's ring predecessor). op "moetp":
+    flux.ag_scatter_grouped_mm with FLUX_STRATEGY_MOE_TP=strategy (mode "drop" only: a rank
+    skipping it altogether leaves the others in the routing's all-gather, a host collective)."""
     import time
 
-    if op == "ag":
-        prob, mod = AgProblem(rank, world, dev, 64, 256, 128, BF16, seed=50), ag_mod
+    if op == "moetp":  # the TP MoE ops' exchange (flux/ops/moe_tp.py), part 1
+        os.environ["FLUX_STRATEGY_MOE_TP"] = strategy
+        gen = torch.Generator().manual_seed(60 + rank)
+        x = torch.randn(64, 256, generator=gen).to(dev, BF16)
+        idx = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(64)]).to(dev)
+        w1 = torch.randn(8, 128, 256, generator=gen).to(dev, BF16)
+
+        def call():
+            flux.ag_scatter_grouped_mm(x, idx, w1)
     else:
-        prob, mod = RsProblem(rank, world, dev, 64 * world, 256, 128, BF16, seed=50), rs_mod
-    mod.run_strategy(strategy, prob.x, prob.w)
+        if op == "ag":
+            prob, mod = AgProblem(rank, world, dev, 64, 256, 128, BF16, seed=50), ag_mod
+        else:
+            prob, mod = RsProblem(rank, world, dev, 64 * world, 256, 128, BF16, seed=50), rs_mod
+
+        def call():
+            mod.run_strategy(strategy, prob.x, prob.w)
+    call()
     torch.cuda.synchronize()
     dist.barrier()
     if rank == 1 and mode == "drop":
         runtime.drop_transfers(dist.group.WORLD)
-        mod.run_strategy(strategy, prob.x, prob.w)  # the peers' data reach this rank: it finishes
+        call()  # the peers' data reach this rank: it finishes
         torch.cuda.synchronize()
         time.sleep(20)
         print("FLUXTIMEOUT rank 1 made the call without sending", flush=True)
@@ -765,7 +780,7 @@ def timeout_case(rank, world, dev, strategy="decomposed", op="ag", mode="skip"):
         os._exit(0)
     start = time.time()
     try:
-        mod.run_strategy(strategy, prob.x, prob.w)
+        call()
         torch.cuda.synchronize()
     except Exception as e:  # noqa: BLE001
         print(f"FLUXTIMEOUT rank {rank} raised after {time.time() - start:.1f} s: {type(e).__name__}: {e}", flush=True)
