@@ -322,10 +322,27 @@ def init_distributed(cpu: bool):
     return dev, torch.bfloat16
 
 
-def run(args):
+def start(args):
+    """(device, dtype, group, rank, world, Bench) of a benchmark process (init_distributed)."""
     dev, dtype = init_distributed(args.cpu)
-    group, rank, world = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
-    bench = Bench(args, dev)
+    return dev, dtype, dist.group.WORLD, dist.get_rank(), dist.get_world_size(), Bench(args, dev)
+
+
+def attempt(rec, fn):
+    """Run one cell ``fn()``; its status in ``rec``: "ok", or the error (recorded, so that the
+    other cells still run). Frees the allocator's cache after it on a GPU."""
+    try:
+        fn()
+        rec["status"] = "ok"
+    except Exception as e:  # noqa: BLE001
+        rec["status"] = f"error: {type(e).__name__}: {str(e)[:300]}"
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+    return rec["status"]
+
+
+def run(args):
+    dev, dtype, group, rank, world, bench = start(args)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     records = []
     for block in args.blocks.split(","):
@@ -424,6 +441,11 @@ def finish(args, dev, dtype, records, text, **metadata) -> int:
 
 def _f(v, fmt=".3f"):
     return "-" if v is None else format(v, fmt)
+
+
+def ratio(a, b):
+    """a / b for the tables ("-" where either is missing)."""
+    return "-" if a is None or b is None or b <= 0 else f"{a / b:.2f}"
 
 
 def table(records):

@@ -68,7 +68,7 @@ import torch.distributed as dist  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import flux  # noqa: E402
-from bench_layers import Bench, _f, finish, init_distributed, rel_err  # noqa: E402
+from bench_layers import _f, attempt, finish, ratio, rel_err, start  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------
@@ -275,9 +275,7 @@ def layer_case(args, bench, layer, tokens, topk, dev, dtype, rank, tol):
 
 
 def run(args):
-    dev, dtype = init_distributed(args.cpu)
-    group, rank, world = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
-    bench = Bench(args, dev)
+    dev, dtype, group, rank, world, bench = start(args)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     itemsize = torch.empty((), dtype=dtype).element_size()
     records, layers = [], {}
@@ -292,15 +290,10 @@ def run(args):
                     for kind in args.routing.split(","):
                         rec = {"tokens": tokens, "hidden": hidden, "topk": topk, "experts": experts, "routing": kind}
                         records.append(rec)
-                        try:
-                            cell(args, bench, rec, group, rank, world, dev, dtype, itemsize, tol, layers)
-                            rec["status"] = "ok"
-                        except Exception as e:  # noqa: BLE001  (recorded; the other cells still run)
-                            rec["status"] = f"error: {type(e).__name__}: {str(e)[:300]}"
-                            if rank == 0:
-                                print(f"T={tokens} H={hidden} K={topk} E={experts} {kind}: {rec['status']}", flush=True)
-                        if dev.type == "cuda":
-                            torch.cuda.empty_cache()
+                        status = attempt(rec, lambda: cell(args, bench, rec, group, rank, world, dev, dtype,
+                                                           itemsize, tol, layers))
+                        if rank == 0 and status != "ok":
+                            print(f"T={tokens} H={hidden} K={topk} E={experts} {kind}: {status}", flush=True)
     return finish(args, dev, dtype, records, table(records) if rank == 0 else "", ffn=args.ffn, skew=args.skew,
                   bytes="rows of remote (token, slot) pairs x H x itemsize, mean over ranks")
 
@@ -384,9 +377,6 @@ def table(records):
     lines = [f"{'T':>5} {'H':>5} {'K':>2} {'E':>3} {'routing':<8} | {'dispatch ms f/a2a':>17} {'bnd l/g':>13} "
              f"{'GB/s f/a2a':>11} {'x':>5} | {'combine ms f/a2a':>17} {'bnd l/g':>13} {'GB/s f/a2a':>11} {'x':>5} | "
              f"{'layer ms f/a2a':>15} {'x':>5}"]
-
-    def ratio(a, b):
-        return "-" if a is None or b is None or b <= 0 else f"{a / b:.2f}"
 
     for r in records:
         head = f"{r.get('tokens', '-'):>5} {r['hidden']:>5} {r.get('topk', '-'):>2} {r['experts']:>3} {r.get('routing', '-'):<8}"

@@ -53,7 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import flux  # noqa: E402
 from flux.ops import moe_tp  # noqa: E402
-from bench_layers import Bench, _f, finish, init_distributed, rel_err  # noqa: E402
+from bench_layers import _f, attempt, finish, ratio, rel_err, start  # noqa: E402
 
 VARIANTS = ("ref", "sequential", "chunked", "symm", "flux")
 
@@ -167,9 +167,7 @@ def cell(args, bench, rec, group, rank, world, dev, dtype, tol):
 
 
 def run(args):
-    dev, dtype = init_distributed(args.cpu)
-    group, rank, world = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
-    bench = Bench(args, dev)
+    dev, dtype, group, rank, world, bench = start(args)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     records = []
     for shape in args.shapes.split(","):
@@ -180,15 +178,9 @@ def run(args):
             if f % world:
                 rec["status"] = f"skipped: F={f} not divisible by {world} ranks"
                 continue
-            try:
-                cell(args, bench, rec, group, rank, world, dev, dtype, tol)
-                rec["status"] = "ok"
-            except Exception as ex:  # noqa: BLE001  (recorded; the other cells still run)
-                rec["status"] = f"error: {type(ex).__name__}: {str(ex)[:300]}"
+            status = attempt(rec, lambda: cell(args, bench, rec, group, rank, world, dev, dtype, tol))
             if rank == 0:
-                print(f"H={h} F={f} E={e} K={k} T_l={tl}: {rec['status']}", flush=True)
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
+                print(f"H={h} F={f} E={e} K={k} T_l={tl}: {status}", flush=True)
     return finish(args, dev, dtype, records, table(records) if rank == 0 else "",
                   routing="uniform top-K without replacement, softmax weights")
 
@@ -196,9 +188,6 @@ def run(args):
 def table(records):
     lines = [f"{'H':>5} {'F':>6} {'E':>3} {'K':>2} {'T_l':>5} {'mode':<6} | "
              + " | ".join(f"{v + ' l/s (host)':>22}" for v in VARIANTS) + f" | {'flux/ref l,s':>12} {'flux/seq l,s':>12} choice"]
-
-    def ratio(a, b):
-        return "-" if a is None or b is None or b <= 0 else f"{a / b:.2f}"
 
     for r in records:
         head = f"{r['hidden']:>5} {r['ffn']:>6} {r['experts']:>3} {r['topk']:>2} {r['tokens']:>5}"

@@ -12,21 +12,28 @@ REPO = os.path.dirname(TESTS_DIR)
 sys.path.insert(0, TESTS_DIR)
 
 
-def test_bench_moe_runs_on_cpu(tmp_path):
+def run_bench(script, args, tmp_path):
+    """(the JSON, the console output) of ``torchrun --nproc_per_node=2 bench/<script> --cpu
+    <args> --steps 2 --rounds 1 --warmup 1 --out ...``, after checking it exited with 0."""
     from _dist import free_port
 
-    out = tmp_path / "moe.json"
+    out = tmp_path / (script + ".json")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           os.path.join(REPO, "bench", "bench_moe.py"), "--cpu", "--tokens", "8,24", "--hidden", "16", "--topk", "1,2",
-           "--experts", "4", "--routing", "uniform,skewed", "--ffn", "8", "--steps", "2", "--rounds", "1",
-           "--warmup", "1", "--out", str(out)]
+           os.path.join(REPO, "bench", script), "--cpu", *args, "--steps", "2", "--rounds", "1", "--warmup", "1",
+           "--out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120, env=env,
                           cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:]
     data = json.load(open(out))
+    assert script in data["metadata"]["command"]
+    return data, proc.stdout
+
+
+def test_bench_moe_runs_on_cpu(tmp_path):
+    data, stdout = run_bench("bench_moe.py", ["--tokens", "8,24", "--hidden", "16", "--topk", "1,2", "--experts", "4",
+                                              "--routing", "uniform,skewed", "--ffn", "8"], tmp_path)
     recs = data["results"]
-    assert "bench_moe.py" in data["metadata"]["command"]
     assert len(recs) == 8 and all(r["status"] == "ok" for r in recs), recs
     for r in recs:
         assert r["bounded_status"] == "ok" and r["remote_bytes"] > 0, r
@@ -35,24 +42,13 @@ def test_bench_moe_runs_on_cpu(tmp_path):
                 assert r[name][op]["loop_ms"] > 0 and r[name][op]["gbps_loop"] > 0, (name, op, r)
         assert r["flux_bounded"]["dispatch"]["graph_status"] == "cpu"
         assert r["layer"]["rel_err"] < 1e-5 and r["layer"]["flux"]["loop_ms"] > 0, r
-    assert "layer ms" in proc.stdout.splitlines()[-len(recs) - 2]  # the table, printed last
+    assert "layer ms" in stdout.splitlines()[-len(recs) - 2]  # the table, printed last
 
 
 def test_bench_moe_tp_runs_on_cpu(tmp_path):
     """bench/bench_moe_tp.py on gloo: every variant agrees with the references and is timed."""
-    from _dist import free_port
-
-    out = tmp_path / "moe_tp.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           os.path.join(REPO, "bench", "bench_moe_tp.py"), "--cpu", "--tokens", "16", "--shapes", "32x16x4x2,16x8x6x3",
-           "--steps", "2", "--rounds", "1", "--warmup", "1", "--out", str(out)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120, env=env,
-                          cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:]
-    data = json.load(open(out))
+    data, stdout = run_bench("bench_moe_tp.py", ["--tokens", "16", "--shapes", "32x16x4x2,16x8x6x3"], tmp_path)
     recs = data["results"]
-    assert "bench_moe_tp.py" in data["metadata"]["command"]
     assert len(recs) == 2 and all(r["status"] == "ok" for r in recs), recs
     for r in recs:
         assert r["rows"] > 0 and r["choice"] == "sequential", r  # gloo: no overlap chosen
@@ -62,4 +58,4 @@ def test_bench_moe_tp_runs_on_cpu(tmp_path):
                 t = r[mode][v]
                 assert t["rel_err"] < 1e-5 and t["loop_ms"] > 0 and t["host_ms"] > 0, (mode, v, t)
                 assert t["single_ms"] is None, t  # GPU only
-    assert "flux/ref" in proc.stdout
+    assert "flux/ref" in stdout

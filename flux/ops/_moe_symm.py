@@ -66,12 +66,9 @@ def usable(group: dist.ProcessGroup, device: torch.device) -> Optional[str]:
     """None where this strategy can run for ``group``'s tensors on ``device`` (the group's device,
     flux.runtime.group_device: never an argument not yet checked), else the reason it cannot; the
     same on every rank: it depends on the group and the device type only."""
-    if device.type != "cuda":
-        return "the tensors are not on a GPU"
-    if dist.get_world_size(group) < 2:
-        return "a group of one rank"
-    if not symm.available(group):
-        return "no symmetric workspace for this group (it needs flux._C, a GPU and an NCCL group)"
+    why = symm.unusable(group, device)
+    if why is not None:
+        return why
     if not hasattr(torch.ops.flux, "moe_scatter_rows_"):
         return "flux._C predates moe_scatter_rows_ (rebuild flux)"
     return None

@@ -311,14 +311,11 @@ def symm_usable(device: torch.device, group: dist.ProcessGroup) -> Optional[str]
     """None where the ``symm`` strategy can run (CUDA tensors, a group of two or more ranks with a
     symmetric workspace, a flux._C that has the runtime's exchange), else why not; the same on
     every rank."""
-    if device.type != "cuda":
-        return "the tensors are not on a GPU"
-    if dist.get_world_size(group) < 2:
-        return "a group of one rank"
     from flux.runtime import symm
 
-    if not symm.available(group):
-        return "no symmetric workspace for this group (it needs flux._C, a GPU and an NCCL group)"
+    why = symm.unusable(group, device)
+    if why is not None:
+        return why
     import flux._C as _C
 
     if not hasattr(_C.Runtime, "begin_exchange"):
@@ -556,25 +553,50 @@ def _ag_scatter_sequential(x, weight, layout, routing, scale, keep_gathered):
     return out, gathered if keep_gathered else None
 
 
-def _ag_scatter_chunked(x, weight, layout, routing, scale, keep_gathered):
-    group, world, rank = routing.group, routing.world, routing.rank
+def _part1_blocks(x, weight, layout, routing, scale):
+    """(out [P, N], block): ``block(s, shard)`` computes the rows of rank s's tokens from its
+    shard ``[T_l, H]`` (scatter, grouped GEMM) into their expert-major places in out."""
     tl, k = routing.tokens_per_rank, routing.topk
-    x = x.contiguous()
     blocks = routing.blocks()
     n = weight.shape[1] if layout == "nk" else weight.shape[2]
     out = x.new_empty((routing.num_rows, n))
-    gathered = x.new_empty((world, tl, x.shape[1]))
-    # Every transfer is enqueued first (they run one after the other on NCCL's stream): step i
-    # brings rank r - i's shard while this rank's goes to r + i.
-    works = [_p2p(x, (rank + i) % world, gathered[(rank - i) % world], (rank - i) % world, group)
-             for i in range(1, world)]
 
     def block(s, shard):
         b = blocks[s]
         sc = None if scale is None else scale[s * tl * k:(s + 1) * tl * k]
         y = _mm(_scatter_rows(shard, b.local, k, sc), weight, b.counts, b.counts_host, layout)
         out.index_copy_(0, b.rows, y)
+    return out, block
 
+
+def _part2_blocks(h, weight, layout, routing, wg, keep_partial):
+    """(partial [P, N] or None, block, N): ``block(d)`` is the partial sums of rank d's tokens,
+    ``[T_l, N]`` in h's dtype (grouped GEMM of their rows, weighted sum over slots), its GEMM rows
+    also written into partial when kept."""
+    tl = routing.tokens_per_rank
+    blocks = routing.blocks()
+    n = weight.shape[1] if layout == "nk" else weight.shape[2]
+    partial = h.new_empty((routing.num_rows, n)) if keep_partial else None
+
+    def block(d):
+        b = blocks[d]
+        y = _mm(h[b.rows], weight, b.counts, b.counts_host, layout)
+        if partial is not None:
+            partial.index_copy_(0, b.rows, y)
+        return _sum_slots(y, b.pos, None if wg is None else wg[d * tl:(d + 1) * tl], h.dtype).contiguous()
+    return partial, block, n
+
+
+def _ag_scatter_chunked(x, weight, layout, routing, scale, keep_gathered):
+    group, world, rank = routing.group, routing.world, routing.rank
+    tl = routing.tokens_per_rank
+    x = x.contiguous()
+    out, block = _part1_blocks(x, weight, layout, routing, scale)
+    gathered = x.new_empty((world, tl, x.shape[1]))
+    # Every transfer is enqueued first (they run one after the other on NCCL's stream): step i
+    # brings rank r - i's shard while this rank's goes to r + i.
+    works = [_p2p(x, (rank + i) % world, gathered[(rank - i) % world], (rank - i) % world, group)
+             for i in range(1, world)]
     block(rank, x)  # this rank's own tokens, straight from x, while the shards travel
     for i in range(1, world):
         for w in works[i - 1]:
@@ -600,17 +622,8 @@ def _mm_gather_rs_sequential(h, weight, layout, routing, wg, keep_partial):
 def _mm_gather_rs_chunked(h, weight, layout, routing, wg, keep_partial):
     group, world, rank = routing.group, routing.world, routing.rank
     tl = routing.tokens_per_rank
-    blocks = routing.blocks()
-    n = weight.shape[1] if layout == "nk" else weight.shape[2]
-    partial = h.new_empty((routing.num_rows, n)) if keep_partial else None
+    partial, block, n = _part2_blocks(h, weight, layout, routing, wg, keep_partial)
     recv = h.new_empty((world, tl, n))
-
-    def block(d):  # the partial sums of rank d's tokens, [T_l, N] in h's dtype
-        b = blocks[d]
-        y = _mm(h[b.rows], weight, b.counts, b.counts_host, layout)
-        if partial is not None:
-            partial.index_copy_(0, b.rows, y)
-        return _sum_slots(y, b.pos, None if wg is None else wg[d * tl:(d + 1) * tl], h.dtype)
 
     works, sent = [], []
     for i in range(1, world):  # the peers' tokens first, each sent while the next block computes
@@ -648,22 +661,13 @@ def _exchange(group, nbytes: int, phase: str, routing, width: int, dtype: torch.
 
 def _ag_scatter_symm(x, weight, layout, routing, scale, keep_gathered):
     world, rank = routing.world, routing.rank
-    tl, k = routing.tokens_per_rank, routing.topk
+    tl = routing.tokens_per_rank
     x = x.contiguous()
-    blocks = routing.blocks()
-    n = weight.shape[1] if layout == "nk" else weight.shape[2]
-    out = x.new_empty((routing.num_rows, n))
+    out, block = _part1_blocks(x, weight, layout, routing, scale)
     slot = x.numel() * x.element_size()
     rt, ws = _exchange(routing.group, world * slot, "tp_ag", routing, x.shape[1], x.dtype)
     for i in range(1, world):  # this rank's shard into slot `rank` of every peer, r + 1 first
         rt.send(x, (rank + i) % world, rank * slot, False)
-
-    def block(s, shard):
-        b = blocks[s]
-        sc = None if scale is None else scale[s * tl * k:(s + 1) * tl * k]
-        y = _mm(_scatter_rows(shard, b.local, k, sc), weight, b.counts, b.counts_host, layout)
-        out.index_copy_(0, b.rows, y)
-
     block(rank, x)  # this rank's own tokens, straight from x, while the shards travel
     shards = {rank: x}
     for i in range(1, world):
@@ -679,18 +683,9 @@ def _ag_scatter_symm(x, weight, layout, routing, scale, keep_gathered):
 def _mm_gather_rs_symm(h, weight, layout, routing, wg, keep_partial):
     world, rank = routing.world, routing.rank
     tl = routing.tokens_per_rank
-    blocks = routing.blocks()
-    n = weight.shape[1] if layout == "nk" else weight.shape[2]
-    partial = h.new_empty((routing.num_rows, n)) if keep_partial else None
+    partial, block, n = _part2_blocks(h, weight, layout, routing, wg, keep_partial)
     slot = tl * n * h.element_size()
     rt, ws = _exchange(routing.group, world * slot, "tp_rs", routing, n, h.dtype)
-
-    def block(d):  # the partial sums of rank d's tokens, [T_l, N] in h's dtype
-        b = blocks[d]
-        y = _mm(h[b.rows], weight, b.counts, b.counts_host, layout)
-        if partial is not None:
-            partial.index_copy_(0, b.rows, y)
-        return _sum_slots(y, b.pos, None if wg is None else wg[d * tl:(d + 1) * tl], h.dtype).contiguous()
 
     sent = []
     for i in range(1, world):  # the peers' tokens first, each pushed while the next block computes

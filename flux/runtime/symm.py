@@ -30,7 +30,7 @@ Signal pad channels (each channel holds one slot per source rank):
            each segment of the peer's partial.
 """
 import os
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -99,6 +99,18 @@ def available(group: dist.ProcessGroup) -> bool:
     except ImportError:
         return False
     return True
+
+
+def unusable(group: dist.ProcessGroup, device: torch.device) -> Optional[str]:
+    """None where an op can move ``device``'s tensors through ``group``'s symmetric workspace,
+    else why not (the same on every rank: it depends on the group and the device type only)."""
+    if device.type != "cuda":
+        return "the tensors are not on a GPU"
+    if dist.get_world_size(group) < 2:
+        return "a group of one rank"
+    if not available(group):
+        return "no symmetric workspace for this group (it needs flux._C, a GPU and an NCCL group)"
+    return None
 
 
 class Workspace:
