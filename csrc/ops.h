@@ -33,7 +33,8 @@ void gemm_rs_fused_(at::Tensor& out, const at::Tensor& a, const at::Tensor& weig
 // ptrs_dev: the W buffer bases.
 void moe_scatter_rows_(const at::Tensor& src, const std::optional<at::Tensor>& src_rows, const at::Tensor& dst_ranks,
                        const at::Tensor& dst_rows, const std::optional<at::Tensor>& tags, int64_t ptrs_dev,
-                       int64_t world, int64_t dst_offset_bytes, int64_t tag_offset_bytes);
+                       int64_t world, int64_t dst_offset_bytes, int64_t tag_offset_bytes,
+                       const std::optional<at::Tensor>& local_out, int64_t rank);
 
 // The bounded MoE exchange (csrc/moe/moe_bounded.cu; flux/ops/_moe_symm.py, _Bounded).
 void moe_route_(const at::Tensor& topk_idx, int64_t num_experts, int64_t world, int64_t rank, int64_t capacity,

@@ -10,9 +10,11 @@ TORCH_LIBRARY(flux, m) {
   m.def("reduce_chunks_(Tensor(a!) out, Tensor partials, Tensor? bias) -> ()");
   // ptrs_dev: device address of the W ranks' symmetric buffer bases (csrc/reduce/reduce_chunks.cu).
   m.def("reduce_peers_(Tensor(a!) out, int ptrs_dev, int world, int offset_bytes, Tensor? bias) -> ()");
-  // Writes into symmetric-workspace memory given by address (not a tensor argument).
+  // Writes into symmetric-workspace memory given by address (not a tensor argument), and the rows
+  // this rank keeps into local_out when given.
   m.def("moe_scatter_rows_(Tensor src, Tensor? src_rows, Tensor dst_ranks, Tensor dst_rows, Tensor? tags, "
-        "int ptrs_dev, int world, int dst_offset_bytes, int tag_offset_bytes) -> ()");
+        "int ptrs_dev, int world, int dst_offset_bytes, int tag_offset_bytes, Tensor(a!)? local_out=None, "
+        "int rank=-1) -> ()");
   // The bounded MoE exchange (csrc/moe/moe_bounded.cu): routing, rows and flags into the peers'
   // workspaces and signal pads (given by address), and the receive kernels that wait for the flags.
   m.def("moe_route_(Tensor topk_idx, int num_experts, int world, int rank, int capacity, int host_code, "

@@ -7,6 +7,10 @@
 //       copy src[src_rows[i]] (row_bytes)  ->  ptrs[dst_ranks[i]] + dst_offset + dst_rows[i] * row_bytes
 //       (tags)  *(int32*)(ptrs[dst_ranks[i]] + tag_offset + dst_rows[i] * 4) = tags[i]
 //
+// With local_out, the rows for rank ``rank`` go to local_out + dst_rows[i] * row_bytes instead
+// (an ordinary tensor: the rows this rank keeps skip the workspace; their tags still go there).
+// The same call with every row's rank set to ``rank`` copies rows within this GPU in one pass.
+//
 // Ordering: plain (weak) stores. The caller runs flux's entry barrier before (no peer still reads
 // the destination rows of an earlier call) and after (the barrier kernel's system-scope fence
 // before its release store orders these stores before the peer's acquire of the barrier slot).
@@ -24,7 +28,8 @@ template <typename Vec>
 __global__ void scatter_rows_kernel(const char* __restrict__ src, const int64_t* __restrict__ src_rows,
                                     const int64_t* __restrict__ dst_ranks, const int64_t* __restrict__ dst_rows,
                                     const int32_t* __restrict__ tags, char* const* __restrict__ ptrs, int64_t n,
-                                    int64_t row_bytes, int64_t dst_offset, int64_t tag_offset) {
+                                    int64_t row_bytes, int64_t dst_offset, int64_t tag_offset,
+                                    char* __restrict__ local_out, int64_t rank) {
   const int64_t vecs = row_bytes / (int64_t)sizeof(Vec);
   for (int64_t i = blockIdx.x; i < n; i += gridDim.x) {
     const int64_t d = dst_ranks[i];
@@ -32,7 +37,8 @@ __global__ void scatter_rows_kernel(const char* __restrict__ src, const int64_t*
     const int64_t s = src_rows != nullptr ? src_rows[i] : i;
     char* base = ptrs[d];
     const Vec* from = reinterpret_cast<const Vec*>(src + s * row_bytes);
-    Vec* to = reinterpret_cast<Vec*>(base + dst_offset + dst_rows[i] * row_bytes);
+    Vec* to = reinterpret_cast<Vec*>(local_out != nullptr && d == rank ? local_out + dst_rows[i] * row_bytes
+                                                                        : base + dst_offset + dst_rows[i] * row_bytes);
     for (int64_t v = threadIdx.x; v < vecs; v += blockDim.x) to[v] = from[v];
     if (tags != nullptr && threadIdx.x == 0) {
       *reinterpret_cast<int32_t*>(base + tag_offset + dst_rows[i] * 4) = tags[i];
@@ -44,7 +50,8 @@ __global__ void scatter_rows_kernel(const char* __restrict__ src, const int64_t*
 
 void moe_scatter_rows_(const at::Tensor& src, const std::optional<at::Tensor>& src_rows, const at::Tensor& dst_ranks,
                        const at::Tensor& dst_rows, const std::optional<at::Tensor>& tags, int64_t ptrs_dev,
-                       int64_t world, int64_t dst_offset_bytes, int64_t tag_offset_bytes) {
+                       int64_t world, int64_t dst_offset_bytes, int64_t tag_offset_bytes,
+                       const std::optional<at::Tensor>& local_out, int64_t rank) {
   constexpr const char* op = "moe_scatter_rows_";
   FLUX_CHECK(src.is_cuda() && src.is_contiguous() && src.dim() >= 1, op, "src must be a contiguous CUDA tensor");
   const int64_t n = dst_rows.numel();
@@ -62,8 +69,17 @@ void moe_scatter_rows_(const at::Tensor& src, const std::optional<at::Tensor>& s
              op, "tags must be an int32 CUDA tensor of ", n, " elements");
   FLUX_CHECK(world >= 1 && world <= 1024 && ptrs_dev != 0, op, "bad workspace (world ", world, ")");
   FLUX_CHECK(dst_offset_bytes >= 0 && tag_offset_bytes >= 0 && tag_offset_bytes % 4 == 0, op, "bad offsets");
+  const int64_t row_bytes = src.size(0) ? src.numel() / src.size(0) * (int64_t)src.element_size() : 0;
+  char* lo = nullptr;
+  if (local_out.has_value()) {
+    const auto& o = *local_out;
+    FLUX_CHECK(o.is_cuda() && o.is_contiguous() && o.device() == src.device() && o.dim() >= 1 &&
+                   (src.size(0) == 0 || o.size(0) == 0 || o.numel() / o.size(0) * (int64_t)o.element_size() == row_bytes),
+               op, "local_out must be a contiguous CUDA tensor of src's rows on its device");
+    FLUX_CHECK(rank >= 0 && rank < world, op, "rank ", rank, " outside the group of ", world);
+    lo = static_cast<char*>(local_out->data_ptr());
+  }
   if (n == 0) return;
-  const int64_t row_bytes = src.numel() / src.size(0) * (int64_t)src.element_size();
   const c10::cuda::CUDAGuard guard(src.device());
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   // Enough blocks to keep NVLink busy from every SM, no more than there are rows.
@@ -76,20 +92,21 @@ void moe_scatter_rows_(const at::Tensor& src, const std::optional<at::Tensor>& s
   // Widest vector that the row size and every address allow (workspace bases are
   // allocation-granularity aligned, so the offsets decide).
   auto aligned = [&](int64_t a) {
-    return row_bytes % a == 0 && dst_offset_bytes % a == 0 && reinterpret_cast<uintptr_t>(s) % a == 0;
+    return row_bytes % a == 0 && dst_offset_bytes % a == 0 && reinterpret_cast<uintptr_t>(s) % a == 0 &&
+           reinterpret_cast<uintptr_t>(lo) % a == 0;
   };
   if (aligned(16)) {
     scatter_rows_kernel<int4><<<blocks, 256, 0, stream>>>(s, sr, dst_ranks.data_ptr<int64_t>(),
                                                            dst_rows.data_ptr<int64_t>(), tg, ptrs, n, row_bytes,
-                                                           dst_offset_bytes, tag_offset_bytes);
+                                                           dst_offset_bytes, tag_offset_bytes, lo, rank);
   } else if (aligned(4)) {
     scatter_rows_kernel<int32_t><<<blocks, 256, 0, stream>>>(s, sr, dst_ranks.data_ptr<int64_t>(),
                                                               dst_rows.data_ptr<int64_t>(), tg, ptrs, n, row_bytes,
-                                                              dst_offset_bytes, tag_offset_bytes);
+                                                              dst_offset_bytes, tag_offset_bytes, lo, rank);
   } else {
     scatter_rows_kernel<char><<<blocks, 256, 0, stream>>>(s, sr, dst_ranks.data_ptr<int64_t>(),
                                                            dst_rows.data_ptr<int64_t>(), tg, ptrs, n, row_bytes,
-                                                           dst_offset_bytes, tag_offset_bytes);
+                                                           dst_offset_bytes, tag_offset_bytes, lo, rank);
   }
   FLUX_CHECK_LAUNCH();
 }

@@ -33,9 +33,10 @@ Dispatch on rank r (T tokens, K slots; E experts, E_l = E / W per rank)::
         bounded    e * W * C_max                  + sum_{s<r} C[s, g] + (i's rank among our pairs to g)
     (bounded: zero our rows region)
     barrier                                           the destinations are free
-    scatter x[token(i)] to rank d's rows region there, the tag i beside it
+    scatter x[token(i)] to rank d's rows region there, the tag i beside it (our own
+        rows straight into recv_x at that row, their tags to the region)
     barrier                                           every row has landed
-    recv_x = a copy of our rows region (the next call reuses the region)
+    the other ranks' rows copied from our rows region into recv_x (the next call reuses it)
 
 ``to_sources`` (combine, dispatch's backward) sends each arriving row back to its sender, at the
 tag, between two barriers; ``to_experts`` (combine's backward) repeats dispatch's movement for
@@ -99,11 +100,12 @@ def _decode(code: torch.Tensor):
 
 
 def _move(rows: torch.Tensor, src_rows, dst_code: torch.Tensor, tags, group, token: int, rows_cap: int,
-          num_experts: int):
+          num_experts: int, local_out: Optional[torch.Tensor] = None):
     """Every row i with dst_code[i] >= 0 (rows[src_rows[i]], or rows[i]) into its rank's rows
-    region at its row, tags beside them; barriers before and after. Returns (workspace, rows
+    region at its row, tags beside them; barriers before and after. ``local_out``: the rows for
+    this rank go there instead, at their row (tags still to the region). Returns (workspace, rows
     offset, tags offset)."""
-    world = dist.get_world_size(group)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
     row_bytes = rows.shape[-1] * rows.element_size()
     rows_off, tags_off, total = _regions(world, num_experts, rows_cap, row_bytes)
     rt = _runtime.get(group, total)  # grows collectively: every rank asks for the same size
@@ -111,9 +113,21 @@ def _move(rows: torch.Tensor, src_rows, dst_code: torch.Tensor, tags, group, tok
     dst_rank, dst_row = _decode(dst_code)
     rt.enqueue_barrier(token)
     torch.ops.flux.moe_scatter_rows_(rows, src_rows, dst_rank, dst_row, tags, ws.buffer_ptrs_dev, world,
-                                     ws.base_offset + rows_off, ws.base_offset + tags_off)
+                                     ws.base_offset + rows_off, ws.base_offset + tags_off, local_out, rank)
     rt.enqueue_barrier(token)
     return ws, rows_off, tags_off
+
+
+def _collect(out: torch.Tensor, ws, rows_off: int, sender: torch.Tensor, rank: int) -> torch.Tensor:
+    """After a _move with ``local_out=out``: the rows other ranks sent (``sender`` per row of out,
+    its source rank) copied from our rows region into out, in one pass; returns out."""
+    n = out.shape[0]
+    if n:
+        landed = ws.view(rank, list(out.shape), out.dtype, rows_off)
+        keep = torch.where(sender != rank, torch.full_like(sender, rank), torch.full_like(sender, -1))
+        torch.ops.flux.moe_scatter_rows_(landed, None, keep, torch.arange(n, device=out.device), None,
+                                         ws.buffer_ptrs_dev, ws.world, 0, 0, out, rank)
+    return out
 
 
 class SymmStrategy:
@@ -174,13 +188,16 @@ class SymmStrategy:
         send_code = _encode(torch.div(g, el, rounding_mode="floor"), expert_start[g] + before_us[g] + rank_in_expert,
                             valid)[:n_send]
         tags = torch.arange(n_send, device=dev, dtype=torch.int32)
+        # Our own rows go straight into recv_x; the others land in the workspace and are copied
+        # after the closing barrier (the next call reuses the region).
+        recv_x = torch.empty((n_recv, h), dtype=x.dtype, device=dev)
         ws, rows_off, tags_off = _move(x, torch.div(order[:n_send], k, rounding_mode="floor"), send_code, tags,
-                                       group, token, rows_cap, num_experts)
+                                       group, token, rows_cap, num_experts, local_out=recv_x)
         arrived_tags = ws.view(rank, [n_recv], torch.int32, tags_off).to(torch.int64)
-        recv_x = ws.view(rank, [n_recv, h], x.dtype, rows_off).clone()
         # Senders of the arriving rows: per local expert, blocks of C[s, e] rows, s = 0 .. W-1.
         senders = torch.arange(world, device=dev).repeat(el)
         sender = torch.repeat_interleave(senders, mine.t().reshape(-1), output_size=n_recv)
+        _collect(recv_x, ws, rows_off, sender, rank)
         recv_code = _encode(sender, arrived_tags, torch.ones(n_recv, dtype=torch.bool, device=dev))
         return recv_x, mine.sum(0), order[:n_send].contiguous(), torch.cat([recv_code, send_code]), sizes
 
@@ -282,8 +299,10 @@ class SymmStrategy:
         send_code = handle.recv_dest[n_recv:]
         rows_cap = handle.host_extra()[handle.world]
         token = _token("to_experts", handle.num_experts, h, handle.topk, rows.dtype, handle.max_tokens_per_rank)
-        ws, rows_off, _ = _move(rows, None, send_code, None, group, token, rows_cap, handle.num_experts)
-        return ws.view(dist.get_rank(group), [n_recv, h], rows.dtype, rows_off).clone()
+        out = torch.empty((n_recv, h), dtype=rows.dtype, device=rows.device)
+        ws, rows_off, _ = _move(rows, None, send_code, None, group, token, rows_cap, handle.num_experts,
+                                local_out=out)
+        return _collect(out, ws, rows_off, _decode(handle.recv_dest[:n_recv])[0], dist.get_rank(group))
 
     @staticmethod
     def to_sources(y, handle):
