@@ -742,20 +742,29 @@ def timeout_case(rank, world, dev, strategy="decomposed", op="ag", mode="skip"):
     the next one (mode "skip": the entry barrier's wait expires first), or makes it but sends
     nothing (mode "drop": the barrier passes and the waits for data expire, inside the fused
     kernels for 'fused'); the others' bounded waits must fail within seconds, naming rank 1 (in
-    the fused RS ring with rank 1 sending nothing: each rank's ring predecessor). op "moetp":
-    flux.ag_scatter_grouped_mm with FLUX_STRATEGY_MOE_TP=strategy (mode "drop" only: a rank
-    skipping it altogether leaves the others in the routing's all-gather, a host collective)."""
+    the fused RS ring with rank 1 sending nothing: each rank's ring predecessor). op "moetp" /
+    "moetp_rs": flux.ag_scatter_grouped_mm / flux.grouped_mm_gather_rs with
+    FLUX_STRATEGY_MOE_TP=strategy (mode "drop" only: a rank skipping part 1 altogether leaves the
+    others in the routing's all-gather, a host collective)."""
     import time
 
-    if op == "moetp":  # the TP MoE ops' exchange (flux/ops/moe_tp.py), part 1
+    if op in ("moetp", "moetp_rs"):  # the TP MoE ops' exchange (flux/ops/moe_tp.py): part 1, part 2
         os.environ["FLUX_STRATEGY_MOE_TP"] = strategy
         gen = torch.Generator().manual_seed(60 + rank)
         x = torch.randn(64, 256, generator=gen).to(dev, BF16)
         idx = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(64)]).to(dev)
         w1 = torch.randn(8, 128, 256, generator=gen).to(dev, BF16)
+        if op == "moetp":
+            def call():
+                flux.ag_scatter_grouped_mm(x, idx, w1)
+        else:
+            _, routing = flux.ag_scatter_grouped_mm(x, idx, w1)  # every rank, before any drop
+            h = torch.randn(routing.num_rows, 128, generator=gen).to(dev, BF16)
+            w2 = torch.randn(8, 256, 128, generator=gen).to(dev, BF16)
+            tw = torch.rand(64, 2, generator=gen).to(dev)
 
-        def call():
-            flux.ag_scatter_grouped_mm(x, idx, w1)
+            def call():
+                flux.grouped_mm_gather_rs(h, w2, routing, tw)
     else:
         if op == "ag":
             prob, mod = AgProblem(rank, world, dev, 64, 256, 128, BF16, seed=50), ag_mod

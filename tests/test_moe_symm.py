@@ -1,4 +1,4 @@
-"""The symmetric-memory MoE strategy on GPUs: torchrun of tests/gpu_moe_worker.py with two ranks
+"""The MoE GPU cases: torchrun of tests/gpu_moe_worker.py with two ranks (FLUX_TEST_MOE_WORLD: more)
 (NCCL on two GPUs; with one GPU the two ranks share it through gloo, correctness only). Skipped
 without a GPU."""
 import json
@@ -11,6 +11,8 @@ import torch
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, TESTS_DIR)
 WORKER = os.path.join(TESTS_DIR, "gpu_moe_worker.py")
+# Ranks (FLUX_TEST_MOE_WORLD, default 2): more ranks than GPUs share them (gloo, correctness only).
+WORLD = int(os.environ.get("FLUX_TEST_MOE_WORLD", "2"))
 
 
 def _case_names():
@@ -31,9 +33,9 @@ def moe_results(tmp_path_factory):
     from _dist import run_torchrun
 
     out = tmp_path_factory.mktemp("moe")
-    _, output = run_torchrun(WORKER, ["all"], 2, out, 600, "gpu-moe-worker.log")
+    _, output = run_torchrun(WORKER, ["all"], WORLD, out, 600, "gpu-moe-worker.log")
     recs = {}
-    for rank in range(2):
+    for rank in range(WORLD):
         path = out / f"moe.{rank}"
         if path.exists():
             for line in path.read_text().splitlines():
@@ -46,7 +48,7 @@ def moe_results(tmp_path_factory):
 def test_gpu_moe_symm(moe_results, name):
     recs, log = moe_results
     got = recs.get(name)
-    assert got and len(got) == 2, f"case {name} did not finish on both ranks:\n{log}"
+    assert got and len(got) == WORLD, f"case {name} did not finish on all {WORLD} ranks:\n{log}"
     if all(r["status"] == "skip" for r in got.values()):
         pytest.skip(got[0]["error"])
     bad = {rk: r["error"] for rk, r in got.items() if r["status"] != "ok"}

@@ -666,17 +666,19 @@ def _ag_scatter_symm(x, weight, layout, routing, scale, keep_gathered):
     out, block = _part1_blocks(x, weight, layout, routing, scale)
     slot = x.numel() * x.element_size()
     rt, ws = _exchange(routing.group, world * slot, "tp_ag", routing, x.shape[1], x.dtype)
-    for i in range(1, world):  # this rank's shard into slot `rank` of every peer, r + 1 first
-        rt.send(x, (rank + i) % world, rank * slot, False)
-    block(rank, x)  # this rank's own tokens, straight from x, while the shards travel
-    shards = {rank: x}
-    for i in range(1, world):
-        s = (rank - i) % world
-        rt.wait_from(s)
-        shards[s] = ws.view(rank, [tl, x.shape[1]], x.dtype, s * slot)
-        block(s, shards[s])
-    gathered = torch.cat([shards[s] for s in range(world)]) if keep_gathered else None  # a copy
-    rt.end_exchange()
+    try:  # end_exchange also on an error: x may be freed only after its copies
+        for i in range(1, world):  # this rank's shard into slot `rank` of every peer, r + 1 first
+            rt.send(x, (rank + i) % world, rank * slot, False)
+        block(rank, x)  # this rank's own tokens, straight from x, while the shards travel
+        shards = {rank: x}
+        for i in range(1, world):
+            s = (rank - i) % world
+            rt.wait_from(s)
+            shards[s] = ws.view(rank, [tl, x.shape[1]], x.dtype, s * slot)
+            block(s, shards[s])
+        gathered = torch.cat([shards[s] for s in range(world)]) if keep_gathered else None  # a copy
+    finally:
+        rt.end_exchange()
     return out, gathered
 
 
@@ -688,19 +690,21 @@ def _mm_gather_rs_symm(h, weight, layout, routing, wg, keep_partial):
     rt, ws = _exchange(routing.group, world * slot, "tp_rs", routing, n, h.dtype)
 
     sent = []
-    for i in range(1, world):  # the peers' tokens first, each pushed while the next block computes
-        d = (rank + i) % world
-        y = block(d)
-        sent.append(y)  # alive until end_exchange
-        rt.send(y, d, rank * slot, True)
-    own = block(rank)
-    acc = _acc_dtype(h.dtype)
-    out = torch.zeros((tl, n), dtype=acc, device=h.device)
-    for s in range(world):  # rank order: the same sum on every rank and for every strategy
-        if s != rank:
-            rt.wait_from(s)
-        out += (own if s == rank else ws.view(rank, [tl, n], h.dtype, s * slot)).to(acc)
-    rt.end_exchange()
+    try:  # end_exchange also on an error: the sent blocks may be freed only after their copies
+        for i in range(1, world):  # the peers' tokens first, each pushed while the next block computes
+            d = (rank + i) % world
+            y = block(d)
+            sent.append(y)  # alive until end_exchange
+            rt.send(y, d, rank * slot, True)
+        own = block(rank)
+        acc = _acc_dtype(h.dtype)
+        out = torch.zeros((tl, n), dtype=acc, device=h.device)
+        for s in range(world):  # rank order: the same sum on every rank and for every strategy
+            if s != rank:
+                rt.wait_from(s)
+            out += (own if s == rank else ws.view(rank, [tl, n], h.dtype, s * slot)).to(acc)
+    finally:
+        rt.end_exchange()
     return out.to(h.dtype), partial
 
 
