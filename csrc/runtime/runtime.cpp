@@ -325,6 +325,7 @@ void Runtime::send(const at::Tensor& src, int64_t peer, int64_t offset, bool aft
 }
 
 void Runtime::wait_from(int64_t src) {
+  FLUX_CHECK(!pads_.empty(), kOp, "wait_from without a workspace (begin_exchange first)");
   FLUX_CHECK(src >= 0 && src < world_ && src != rank_, kOp, "wait for rank ", src, " of ", world_);
   const c10::cuda::CUDAGuard guard(device_);
   wait_signal(at::cuda::getCurrentCUDAStream(device_.index()).stream(), src, kDataChannel);

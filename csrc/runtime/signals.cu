@@ -31,12 +31,13 @@
 namespace flux {
 namespace {
 
-// The token's top two bits name the op (flux/ops/_plans.py): 1 ag_gemm, 2 gemm_rs, 3 the MoE ops.
+// The token's top two bits name the op (flux/ops/_plans.py): 1 ag_gemm, 2 gemm_rs, 3 the MoE ops
+// (moe_dispatch / moe_combine and the tensor-parallel MoE ops; flux/ops/_moe_symm.py: _token).
 __device__ __forceinline__ const char* op_of(uint32_t token) {
   switch (token >> 30) {
     case 1: return "flux.ag_gemm";
     case 2: return "flux.gemm_rs";
-    case 3: return "flux.moe_dispatch / moe_combine";
+    case 3: return "a flux MoE op";
     default: return "a flux op";
   }
 }

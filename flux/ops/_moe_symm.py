@@ -76,7 +76,8 @@ def usable(group: dist.ProcessGroup, device: torch.device) -> Optional[str]:
 
 
 def _token(phase: str, num_experts: int, hidden: int, k: int, dtype: torch.dtype, cap: Optional[int]) -> int:
-    """The barriers' token: op code 3 (the MoE ops) in the top two bits, a CRC of what every rank
+    """The barriers' token: op code 3 (the MoE ops, the tensor-parallel ones too: their phases are
+    "tp_ag" and "tp_rs") in the top two bits, a CRC of what every rank
     must agree on (not T, which may differ between ranks) in the rest; never 0."""
     text = f"moe:{phase}:{num_experts}:{hidden}:{k}:{dtype}:{cap}"
     return (3 << 30) | (zlib.crc32(text.encode()) & 0x3FFFFFFF) | 1

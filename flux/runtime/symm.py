@@ -61,7 +61,7 @@ def error_record_ptr() -> int:
     return _error_record.data_ptr()
 
 
-_OP_OF_TOKEN = {1: "flux.ag_gemm", 2: "flux.gemm_rs"}
+_OP_OF_TOKEN = {1: "flux.ag_gemm", 2: "flux.gemm_rs", 3: "a flux MoE op"}  # csrc/runtime/signals.cu: op_of
 
 
 def timeout_report():
