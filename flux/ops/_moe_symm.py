@@ -125,7 +125,7 @@ def _collect(out: torch.Tensor, ws, rows_off: int, sender: torch.Tensor, rank: i
     n = out.shape[0]
     if n:
         landed = ws.view(rank, list(out.shape), out.dtype, rows_off)
-        keep = torch.where(sender != rank, torch.full_like(sender, rank), torch.full_like(sender, -1))
+        keep = torch.where(sender != rank, rank, -1)  # int64: our rank (into out), or -1 (already there)
         torch.ops.flux.moe_scatter_rows_(landed, None, keep, torch.arange(n, device=out.device), None,
                                          ws.buffer_ptrs_dev, ws.world, 0, 0, out, rank)
     return out
