@@ -19,7 +19,8 @@ Per cell, each timed after --warmup calls:
                              (y: the dispatched rows), unbounded layout, loop mode
   dispatch / combine, flux bounded   the same with max_tokens_per_rank=T, loop mode and graph
                              mode (--steps calls captured once in a CUDA graph, replayed); skipped
-                             where the [E/W, W*T, H] slab is over --bounded-max-gib
+                             where the [E/W, W*T, H] slab is over --bounded-max-gib; the
+                             dispatch also with zero_pad=False (rows past the counts unwritten)
   dispatch / combine, a2a    the baseline below, loop mode (it reads counts on the host, so it
                              cannot be captured)
   layer fwd+bwd              flux.nn.MoE (SwiGLU experts, --ffn, unbounded dispatch; its own
@@ -306,8 +307,8 @@ def cell(args, bench, rec, group, rank, world, dev, dtype, itemsize, tol, layers
     rec["remote_bytes"], rec["remote_bytes_dedup"] = remote_bytes(idx, experts, rank, world, hidden, itemsize, dev)
     base = AllToAllDispatcher()
 
-    def fx_dispatch(cap=None):
-        return lambda: flux.moe_dispatch(x, idx, w, experts, group=group, max_tokens_per_rank=cap)
+    def fx_dispatch(cap=None, zero_pad=True):
+        return lambda: flux.moe_dispatch(x, idx, w, experts, group=group, max_tokens_per_rank=cap, zero_pad=zero_pad)
 
     def a2a_dispatch():
         return base.dispatch(x, idx, w, experts, group=group)
@@ -345,12 +346,19 @@ def cell(args, bench, rec, group, rank, world, dev, dtype, itemsize, tol, layers
         # Combine of the dispatched rows themselves: the unbounded combine's result.
         check_same(bench, "bounded combine", [flux.moe_combine(fr, fbh)],
                    [unbounded_out if args.flux_only else bcomb(br)], tol)
+        # zero_pad=False: the rows past the counts unwritten; the rows up to them the same.
+        nr, nc, _ = fx_dispatch(tokens, zero_pad=False)()
+        keep = (torch.arange(nr.shape[1], device=dev)[None, :] < nc[:, None])[..., None]
+        check_same(bench, "bounded dispatched rows, zero_pad=False", [torch.where(keep, nr, 0), nc.float()],
+                   [fr, fc.float()], 0.0)
+        del nr, nc, keep
         rec["flux_bounded"] = {"dispatch": timed(bench, fx_dispatch(tokens), args, graph=True),
+                               "dispatch_nopad": timed(bench, fx_dispatch(tokens, zero_pad=False), args, graph=True),
                                "combine": timed(bench, lambda: flux.moe_combine(fr, fbh), args, graph=True)}
         rec["bounded_status"] = "ok"
         del fr, fc, fbh, br, bc
     for name in ("flux", "a2a", "flux_bounded"):
-        for op in ("dispatch", "combine"):
+        for op in ("dispatch", "dispatch_nopad", "combine"):
             r = rec.get(name, {}).get(op)
             if r is not None:
                 r["gbps_loop"] = gbps(rec["remote_bytes"], r["loop_ms"])
@@ -374,7 +382,7 @@ def cell(args, bench, rec, group, rank, world, dev, dtype, itemsize, tol, layers
 def table(records):
     """One line per cell: dispatch and combine ms (loop; the bounded variant also graph) and GB/s,
     flux against the all-to-all baseline, and the layer's forward+backward."""
-    lines = [f"{'T':>5} {'H':>5} {'K':>2} {'E':>3} {'routing':<8} | {'dispatch ms f/a2a':>17} {'bnd l/g':>13} "
+    lines = [f"{'T':>5} {'H':>5} {'K':>2} {'E':>3} {'routing':<8} | {'dispatch ms f/a2a':>17} {'bnd l/g (np)':>21} "
              f"{'GB/s f/a2a':>11} {'x':>5} | {'combine ms f/a2a':>17} {'bnd l/g':>13} {'GB/s f/a2a':>11} {'x':>5} | "
              f"{'layer ms f/a2a':>15} {'x':>5}"]
 
@@ -388,14 +396,18 @@ def table(records):
             f, a = r["flux"][op], r.get("a2a", {}).get(op, {})
             b = r.get("flux_bounded", {}).get(op)
             bnd = "-" if b is None else f"{_f(b['loop_ms'])}/{_f(b.get('graph_ms'))}"
+            nopad = r.get("flux_bounded", {}).get("dispatch_nopad") if op == "dispatch" else None
+            if nopad is not None:
+                bnd += f" ({_f(nopad.get('graph_ms'))})"
             g = f"{_f(f['gbps_loop'], '.1f')}/{_f(a.get('gbps_loop'), '.1f')}"
-            parts.append(f"{_f(f['loop_ms']):>8}/{_f(a.get('loop_ms')):<8} {bnd:>13} {g:>11} "
+            parts.append(f"{_f(f['loop_ms']):>8}/{_f(a.get('loop_ms')):<8} {bnd:>{21 if op == 'dispatch' else 13}} {g:>11} "
                          f"{ratio(a.get('loop_ms'), f['loop_ms']):>5}")
         lay = r.get("layer")
         lay_s = "-" if lay is None else f"{_f(lay['flux']['loop_ms']):>7}/{_f(lay['a2a']['loop_ms']):<7}"
         lay_x = "-" if lay is None else ratio(lay["a2a"]["loop_ms"], lay["flux"]["loop_ms"])
         lines.append(f"{head} | {parts[0]} | {parts[1]} | {lay_s:>15} {lay_x:>5}")
-    lines.append("x: the baseline's ms / flux's (loop mode); bnd: flux with max_tokens_per_rank=T, loop/graph ms; "
+    lines.append("x: the baseline's ms / flux's (loop mode); bnd: flux with max_tokens_per_rank=T, loop/graph ms "
+                 "(dispatch: with zero_pad=False, graph ms, in parentheses); "
                  "GB/s: remote rows' bytes per call (see the module docstring)")
     return "\n".join(lines)
 

@@ -30,11 +30,12 @@ void gemm_rs_fused_(at::Tensor& out, const at::Tensor& a, const at::Tensor& weig
 // MoE row movement over a symmetric workspace (csrc/moe/moe_rows.cu): src[src_rows[i]] (or src[i])
 // to rank dst_ranks[i]'s buffer (nowhere when dst_ranks[i] < 0) at dst_offset_bytes +
 // dst_rows[i] * row_bytes, and tags[i] (if given) as int32 at tag_offset_bytes + dst_rows[i] * 4;
-// ptrs_dev: the W buffer bases.
+// ptrs_dev: the W buffer bases. Row indices are bounds-checked on the device (dst_rows_cap: rows
+// per workspace region, -1 unchecked).
 void moe_scatter_rows_(const at::Tensor& src, const std::optional<at::Tensor>& src_rows, const at::Tensor& dst_ranks,
                        const at::Tensor& dst_rows, const std::optional<at::Tensor>& tags, int64_t ptrs_dev,
                        int64_t world, int64_t dst_offset_bytes, int64_t tag_offset_bytes,
-                       const std::optional<at::Tensor>& local_out, int64_t rank);
+                       const std::optional<at::Tensor>& local_out, int64_t rank, int64_t dst_rows_cap);
 
 // The bounded MoE exchange (csrc/moe/moe_bounded.cu; flux/ops/_moe_symm.py, _Bounded).
 void moe_route_(const at::Tensor& topk_idx, int64_t num_experts, int64_t world, int64_t rank, int64_t capacity,
@@ -50,7 +51,7 @@ void moe_recv_pack_(at::Tensor& out, const std::optional<at::Tensor>& recv_code,
                     const std::optional<at::Tensor>& send_code, const std::optional<at::Tensor>& send_pairs,
                     const std::optional<at::Tensor>& pair_pos, at::Tensor& done, int64_t ws_base, int64_t pads_dev, int64_t world, int64_t rank,
                     int64_t local_experts, int64_t capacity, int64_t rows_off, int64_t tags_off, int64_t counts_off,
-                    int64_t channel, int64_t timeout_ms);
+                    int64_t channel, int64_t timeout_ms, bool zero_pad);
 void moe_recv_sum_(at::Tensor& out, const std::optional<at::Tensor>& weights, const at::Tensor& pair_pos,
                    int64_t n_send, at::Tensor& done, int64_t ws_base, int64_t pads_dev, int64_t world, int64_t rank,
                    int64_t rows_off, int64_t channel, int64_t timeout_ms);

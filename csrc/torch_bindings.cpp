@@ -14,7 +14,7 @@ TORCH_LIBRARY(flux, m) {
   // this rank keeps into local_out when given.
   m.def("moe_scatter_rows_(Tensor src, Tensor? src_rows, Tensor dst_ranks, Tensor dst_rows, Tensor? tags, "
         "int ptrs_dev, int world, int dst_offset_bytes, int tag_offset_bytes, Tensor(a!)? local_out=None, "
-        "int rank=-1) -> ()");
+        "int rank=-1, int dst_rows_cap=-1) -> ()");
   // The bounded MoE exchange (csrc/moe/moe_bounded.cu): routing, rows and flags into the peers'
   // workspaces and signal pads (given by address), and the receive kernels that wait for the flags.
   m.def("moe_route_(Tensor topk_idx, int num_experts, int world, int rank, int capacity, int host_code, "
@@ -27,7 +27,7 @@ TORCH_LIBRARY(flux, m) {
         "Tensor? counts_in, Tensor(e!)? counts_save, Tensor(f!)? send_code, Tensor(g!)? send_pairs, "
         "Tensor(h!)? pair_pos, Tensor(i!) done, int ws_base, int pads_dev, int world, "
         "int rank, int local_experts, int capacity, int rows_off, int tags_off, int counts_off, int channel, "
-        "int timeout_ms) -> ()");
+        "int timeout_ms, bool zero_pad=True) -> ()");
   m.def("moe_recv_sum_(Tensor(a!) out, Tensor? weights, Tensor pair_pos, int n_send, Tensor(b!) done, int ws_base, "
         "int pads_dev, int world, int rank, int rows_off, int channel, int timeout_ms) -> ()");
   // Fused AllGather+GEMM (csrc/ag_gemm/ag_gemm_fused.cu): out = a_full @ weight^T (+ bias), tiles of

@@ -847,6 +847,20 @@ def test_rs_fused_ring_schedule(world):
         torch.testing.assert_close(result[r], partial[:, r].sum(0), rtol=1e-12, atol=1e-12)
 
 
+def test_symm_spans_nodes():
+    """A group whose ranks sit on different hosts (torchrun's layout: LOCAL_WORLD_SIZE processes
+    per host, global ranks numbered host by host) gets no symmetric workspace, so every op falls
+    back (or refuses a forced symm strategy) instead of mapping memory it cannot reach."""
+    from flux.runtime.symm import spans_nodes
+
+    assert not spans_nodes([0, 1], 2, 2)  # one host
+    assert not spans_nodes([0, 1, 2, 3], 8, 4) and not spans_nodes([4, 5, 6, 7], 8, 4)  # TP within a host
+    assert spans_nodes([3, 4], 8, 4) and spans_nodes([0, 4], 8, 4)  # across hosts
+    assert spans_nodes(range(8), 8, 4)
+    assert not spans_nodes([0, 4], 8, 0)  # no torchrun layout known: assume one host
+    assert not spans_nodes([0, 1], 0, 0)
+
+
 def test_case_registry():
     # Every case of this module is collected by one of the parametrized tests (by prefix);
     # other modules' cases ("tune-": tests/test_autotune.py) are theirs.

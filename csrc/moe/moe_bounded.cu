@@ -218,7 +218,8 @@ __device__ bool wait_flags(uint32_t* const* pads, int world, int rank, int chann
 
 // out: [E_l * W * C] rows; row j = (e, jj): expert e's jj-th row, from the sender s with
 // cum[e][s-1] <= jj < cum[e][s], at its block row jj - cum[e][s-1]; zeros past expert e's total
-// (or everywhere when any rank's code is nonzero).
+// (or everywhere when any rank's code is nonzero). Without zero_pad those rows are not written
+// (their recv_code still is): at decode they are most of the bytes (E_l = 32, W * C = 256: 7/8).
 template <typename Vec>
 __global__ void recv_pack_kernel(char* __restrict__ out, int64_t row_bytes, int64_t* __restrict__ recv_code,
                                  int64_t* __restrict__ counts_out, int64_t* __restrict__ verdict,
@@ -227,7 +228,7 @@ __global__ void recv_pack_kernel(char* __restrict__ out, int64_t row_bytes, int6
                                  int64_t* __restrict__ pair_pos, int64_t n_send, int32_t* __restrict__ done,
                                  const char* __restrict__ ws, uint32_t* const* pads, int world, int rank, int el,
                                  int64_t cap, int64_t rows_off, int64_t tags_off, int64_t counts_off, int channel,
-                                 uint64_t timeout_ms) {
+                                 uint64_t timeout_ms, bool zero_pad) {
   __shared__ int64_t codes[kMaxWorld];
   const bool error = wait_flags(pads, world, rank, channel, timeout_ms, done, codes, "flux.moe_dispatch (rows)");
   // counts[s][e] of our experts: from the flags' payload (dispatch) or the handle (to_experts).
@@ -273,7 +274,9 @@ __global__ void recv_pack_kernel(char* __restrict__ out, int64_t row_bytes, int6
     }
     Vec* to = reinterpret_cast<Vec*>(out + j * row_bytes);
     if (sender < 0) {
-      for (int64_t v = threadIdx.x; v < vecs; v += blockDim.x) to[v] = Vec{};
+      if (zero_pad) {
+        for (int64_t v = threadIdx.x; v < vecs; v += blockDim.x) to[v] = Vec{};
+      }
       if (recv_code != nullptr && threadIdx.x == 0) recv_code[j] = kNone;
     } else {
       const Vec* from = reinterpret_cast<const Vec*>(ws + rows_off + src_row * row_bytes);
@@ -405,7 +408,7 @@ void moe_recv_pack_(at::Tensor& out, const std::optional<at::Tensor>& recv_code,
                     const std::optional<at::Tensor>& send_code, const std::optional<at::Tensor>& send_pairs,
                     const std::optional<at::Tensor>& pair_pos, at::Tensor& done, int64_t ws_base, int64_t pads_dev,
                     int64_t world, int64_t rank, int64_t local_experts, int64_t capacity, int64_t rows_off,
-                    int64_t tags_off, int64_t counts_off, int64_t channel, int64_t timeout_ms) {
+                    int64_t tags_off, int64_t counts_off, int64_t channel, int64_t timeout_ms, bool zero_pad) {
   constexpr const char* op = "moe_recv_pack_";
   const int64_t rows = local_experts * world * capacity;
   FLUX_CHECK(out.is_cuda() && out.is_contiguous() && rows > 0 && out.numel() > 0 && out.numel() % rows == 0, op,
@@ -432,7 +435,7 @@ void moe_recv_pack_(at::Tensor& out, const std::optional<at::Tensor>& recv_code,
         ptr(counts_save), ptr(send_code), ptr(send_pairs), ptr(pair_pos), n_send,
         done.data_ptr<int32_t>(),
         reinterpret_cast<const char*>(ws_base), reinterpret_cast<uint32_t* const*>(pads_dev), (int)world, (int)rank,
-        (int)local_experts, capacity, rows_off, tags_off, counts_off, (int)channel, (uint64_t)timeout_ms);
+        (int)local_experts, capacity, rows_off, tags_off, counts_off, (int)channel, (uint64_t)timeout_ms, zero_pad);
   });
   FLUX_CHECK_LAUNCH();
 }

@@ -33,8 +33,10 @@ class FluxDispatcher:
 
     @staticmethod
     def dispatch(x, topk_idx, topk_weights, num_experts, *, group=None, max_tokens_per_rank=None):
+        # MoE.experts masks the bounded slabs' rows past the counts itself (grouped_mm_padded),
+        # so the dispatch need not write zeros there.
         return flux.moe_dispatch(x, topk_idx, topk_weights, num_experts, group=group,
-                                 max_tokens_per_rank=max_tokens_per_rank)
+                                 max_tokens_per_rank=max_tokens_per_rank, zero_pad=False)
 
     @staticmethod
     def combine(y, handle):
@@ -75,11 +77,11 @@ class MoE(nn.Module):
     (``MoE.full_weights``), and each rank allocates and draws only its own experts. ``seed=None``:
     the group's first rank draws one and broadcasts it (a collective).
 
-    ``max_tokens_per_rank=C``: the bounded dispatch (``[E/W, W*C, H]`` per-expert slabs, rows past
-    each expert's count zero; no host synchronisation in the dispatch; every rank's T must be at
-    most C); the experts run as batched GEMMs over the slabs (``grouped_mm_padded``). On CUDA
-    groups the dispatch reports a rank over C (or bad ids) without a host read, every rank getting
-    zeros; the layer then reads that verdict after the combine (one host synchronisation) and
+    ``max_tokens_per_rank=C``: the bounded dispatch (``[E/W, W*C, H]`` per-expert slabs; no host
+    synchronisation in the dispatch; every rank's T must be at most C); the experts run as batched
+    GEMMs over the slabs (``grouped_mm_padded``), which mask the rows past each expert's count, so
+    the dispatch leaves those rows unwritten (``zero_pad=False``). On CUDA groups the dispatch
+    reports a rank over C (or bad ids) without a host read, every rank's counts then zero; the layer then reads that verdict after the combine (one host synchronisation) and
     raises the same FluxInputError on every rank, except while a CUDA graph is being captured.
     None: the unbounded dispatch (rows grouped by expert) and ``grouped_mm``.
 

@@ -137,8 +137,9 @@ def overlap_ineligible(op: str, strategy: str, input: torch.Tensor, group, out_d
 
     if input.device.type != "cuda":
         return "input is not on a CUDA device"
-    if not symm.available(group):
-        return "symmetric memory is unavailable (needs CUDA, an NCCL group and flux._C)"
+    why = symm.why_unavailable(group)
+    if why is not None:
+        return why
     if not (out_dtype is None or out_dtype == input.dtype or
             (out_dtype == torch.float32 and input.dtype in (torch.bfloat16, torch.float16))):
         return f"out_dtype {out_dtype} from {input.dtype} (the overlapped strategies write the input dtype or fp32)"

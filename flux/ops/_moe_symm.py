@@ -114,7 +114,7 @@ def _move(rows: torch.Tensor, src_rows, dst_code: torch.Tensor, tags, group, tok
     dst_rank, dst_row = _decode(dst_code)
     rt.enqueue_barrier(token)
     torch.ops.flux.moe_scatter_rows_(rows, src_rows, dst_rank, dst_row, tags, ws.buffer_ptrs_dev, world,
-                                     ws.base_offset + rows_off, ws.base_offset + tags_off, local_out, rank)
+                                     ws.base_offset + rows_off, ws.base_offset + tags_off, local_out, rank, rows_cap)
     rt.enqueue_barrier(token)
     return ws, rows_off, tags_off
 
@@ -127,7 +127,7 @@ def _collect(out: torch.Tensor, ws, rows_off: int, sender: torch.Tensor, rank: i
         landed = ws.view(rank, list(out.shape), out.dtype, rows_off)
         keep = torch.where(sender != rank, rank, -1)  # int64: our rank (into out), or -1 (already there)
         torch.ops.flux.moe_scatter_rows_(landed, None, keep, torch.arange(n, device=out.device), None,
-                                         ws.buffer_ptrs_dev, ws.world, 0, 0, out, rank)
+                                         ws.buffer_ptrs_dev, ws.world, 0, 0, out, rank, n)
     return out
 
 
@@ -226,12 +226,13 @@ class SymmStrategy:
     # The bounded variant: csrc/moe/moe_bounded.cu (see _Bounded)
 
     @staticmethod
-    def dispatch_bounded(x, topk_idx, num_experts, group, capacity, host_code):
+    def dispatch_bounded(x, topk_idx, num_experts, group, capacity, host_code, zero_pad=True):
         """The bounded dispatch, which also exchanges the ranks' error codes: returns
         ``(recv_x, counts, send_pairs, recv_dest, [], verdict)``. host_code: this rank's host-known
         code (flux/ops/moe.py: _LOCAL_ARGS, _OVER_CAPACITY or 0); the route kernel adds the data
         verdict, and a rank with a nonzero code sends nothing; when any rank's code is nonzero,
-        every rank's outputs are zeros (counts, recv_x) and -1 / padding (routing)."""
+        every rank's outputs are zeros (counts, recv_x) and -1 / padding (routing). zero_pad=False:
+        recv_x's rows past the counts are not written (all of them on an error)."""
         b = _Bounded(group, num_experts, capacity, topk_idx.shape[-1])
         t, k, h = topk_idx.shape[0], topk_idx.shape[-1], x.shape[-1]
         n = t * k
@@ -249,7 +250,7 @@ class SymmStrategy:
         recv_x = torch.empty((b.el, b.world * capacity, h), dtype=x.dtype, device=dev)
         counts = torch.empty(b.el, dtype=torch.int64, device=dev)
         verdict = torch.empty(b.world, dtype=torch.int64, device=dev)
-        b.recv_pack(ws, recv_x, recv_code, counts, verdict, None, cmat, send_code, send_pairs, pair_pos)
+        b.recv_pack(ws, recv_x, recv_code, counts, verdict, None, cmat, send_code, send_pairs, pair_pos, zero_pad)
         return recv_x, counts, send_pairs, dest, [], verdict
 
     @staticmethod
@@ -384,12 +385,12 @@ class _Bounded:
                                  MOE_CHANNEL)
 
     def recv_pack(self, ws, out, recv_code, counts_out, verdict, counts_in, counts_save, send_code, send_pairs,
-                  pair_pos):
+                  pair_pos, zero_pad=True):
         c, r, t, _ = self.offsets(out)
         torch.ops.flux.moe_recv_pack_(out.view(self.n_recv, -1), recv_code, counts_out, verdict, counts_in,
                                       counts_save, send_code, send_pairs, pair_pos, self.done[1:2],
                                       ws.buffer.data_ptr(), ws.pads_dev, self.world, self.rank, self.el, self.capacity,
-                                      r, t, c, MOE_CHANNEL, symm.timeout_ms())
+                                      r, t, c, MOE_CHANNEL, symm.timeout_ms(), zero_pad)
 
     def recv_sum(self, ws, out, weights, pair_pos, n_send):
         torch.ops.flux.moe_recv_sum_(out, weights, pair_pos, n_send, self.done[1:2], ws.buffer.data_ptr(), ws.pads_dev,

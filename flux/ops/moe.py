@@ -768,14 +768,14 @@ def available_strategies(device: torch.device) -> List[str]:
 
 def run_strategy(name: str, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, *,
                  group: Optional[dist.ProcessGroup] = None, max_tokens_per_rank: Optional[int] = None,
-                 fp8: bool = False):
+                 fp8: bool = False, zero_pad: bool = True):
     """``flux.moe_dispatch`` through the named strategy, bypassing the choice (benchmarks, tests);
     checked as the op, no autograd; fp8: recv_x is ``(recv_fp8, recv_scales)`` as from the op.
     Combine the result with ``flux.moe_combine``."""
     if name not in STRATEGIES:
         raise ValueError(f"{OP}: unknown strategy {name!r}; known: {list(STRATEGIES)}")
     recv_x, counts, handle = _dispatch_impl(x, topk_idx, topk_weights, num_experts, resolve_group(group, OP),
-                                            max_tokens_per_rank, strategy=name, fp8=fp8)
+                                            max_tokens_per_rank, strategy=name, fp8=fp8, zero_pad=bool(zero_pad))
     return (_unpack_fp8(recv_x, handle.hidden) if fp8 else recv_x), counts, handle
 
 
@@ -801,12 +801,13 @@ def _choose_strategy(x, group: dist.ProcessGroup, bounded: bool) -> str:
 
 
 def _dispatch_impl(x, topk_idx, topk_weights, num_experts, group, capacity, *, defer_verdict=None,
-                   strategy=None, fp8=False):
+                   strategy=None, fp8=False, zero_pad=True):
     """Check (see the module docstring), choose a strategy, dispatch. Returns
     ``(recv_x, counts, handle)``; the handle's topk_weights is the argument. ``defer_verdict``:
     report data errors through ``handle.check()`` instead of raising (default: the bounded
     variant on CUDA groups). ``fp8``: x is quantised and moved as packed byte rows, and recv_x
-    is the received byte rows (uint8 ``[..., _packed_width(H)]``; ``_unpack_fp8`` splits them)."""
+    is the received byte rows (uint8 ``[..., _packed_width(H)]``; ``_unpack_fp8`` splits them).
+    ``zero_pad=False``: the bounded variant may leave recv_x's rows past the counts unwritten."""
     sig = _signature(x, topk_idx, topk_weights, num_experts, group, capacity, fp8)
     bounded = capacity is not None
     if defer_verdict is None:
@@ -835,7 +836,7 @@ def _dispatch_impl(x, topk_idx, topk_weights, num_experts, group, capacity, *, d
     rows = _pack_fp8(x) if fp8 else x  # after the checks: H and the dtype are known good
     if fused:
         recv_x, counts, send_pairs, recv_dest, sizes, verdict = impl.dispatch_bounded(
-            rows, topk_idx, num_experts, group, capacity, host_code)
+            rows, topk_idx, num_experts, group, capacity, host_code, zero_pad)
     else:
         recv_x, counts, send_pairs, recv_dest, sizes = impl.dispatch(rows, topk_idx, num_experts, group, capacity,
                                                                      any_error)
@@ -920,8 +921,9 @@ class _DispatchFunction(torch.autograd.Function):
     gradient of recv_x then collected by dequantize_fp8 in ``ctx.fp8_grad`` (straight-through)."""
 
     @staticmethod
-    def forward(ctx, x, topk_idx, topk_weights, num_experts, group, capacity, fp8):
-        recv_x, counts, handle = _dispatch_impl(x, topk_idx, topk_weights, num_experts, group, capacity, fp8=fp8)
+    def forward(ctx, x, topk_idx, topk_weights, num_experts, group, capacity, fp8, zero_pad):
+        recv_x, counts, handle = _dispatch_impl(x, topk_idx, topk_weights, num_experts, group, capacity, fp8=fp8,
+                                                zero_pad=zero_pad)
         ctx.handle, ctx.x_dtype, ctx.fp8_grad = handle, x.dtype, None
         if not fp8:
             return recv_x, counts, handle
@@ -944,7 +946,7 @@ class _DispatchFunction(torch.autograd.Function):
             # Every rank runs this collective whenever autograd reaches the node, with or without
             # a gradient, as it runs the forward's.
             grad_x = _dispatch_backward(grad_recv, ctx.handle, ctx.x_dtype)
-        return grad_x, None, None, None, None, None, None
+        return grad_x, None, None, None, None, None, None, None
 
 
 class _CombineFunction(torch.autograd.Function):
@@ -985,16 +987,17 @@ def _is_fake(t: torch.Tensor) -> bool:
 
 @torch.library.custom_op("flux::moe_dispatch", mutates_args=())
 def _moe_dispatch_op(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
-                     group_name: str, max_tokens_per_rank: Optional[int], fp8: bool = False
+                     group_name: str, max_tokens_per_rank: Optional[int], fp8: bool = False, zero_pad: bool = True
                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """fp8: recv_x is the received packed byte rows (uint8), which moe_dispatch splits."""
     recv_x, counts, h = _dispatch_impl(x, topk_idx, topk_weights, num_experts, group_from_name(group_name),
-                                       max_tokens_per_rank, fp8=fp8)
+                                       max_tokens_per_rank, fp8=fp8, zero_pad=zero_pad)
     return recv_x, counts, h.send_pairs, h.recv_dest, h.meta, h.verdict
 
 
 @_moe_dispatch_op.register_fake
-def _moe_dispatch_fake(x, topk_idx, topk_weights, num_experts, group_name, max_tokens_per_rank, fp8=False):
+def _moe_dispatch_fake(x, topk_idx, topk_weights, num_experts, group_name, max_tokens_per_rank, fp8=False,
+                       zero_pad=True):
     for name, t in (("topk_idx", topk_idx), ("topk_weights", topk_weights)):
         if t.device != x.device:
             raise FluxInputError(f"{OP}: {name} is on {t.device} but x is on {x.device}")
@@ -1023,7 +1026,7 @@ def _dispatch_op_backward(ctx, grad_recv, *grad_rest):
         ones = torch.ones(wshape, dtype=_acc_dtype(grad_recv.dtype), device=grad_recv.device)
         grad_x = torch.ops.flux.moe_combine(grad_recv.contiguous(), ones, send_pairs, recv_dest, meta, gname,
                                             num_experts, cap)[0].to(x_dtype)
-    return grad_x, None, None, None, None, None, None
+    return grad_x, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("flux::moe_dispatch", _dispatch_op_backward, setup_context=_dispatch_setup)
@@ -1088,7 +1091,7 @@ def _moe_to_experts_fake(rows, recv_dest, meta, group_name, num_experts, max_tok
 
 def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, *,
                  group: Optional[dist.ProcessGroup] = None, max_tokens_per_rank: Optional[int] = None,
-                 fp8: bool = False):
+                 fp8: bool = False, zero_pad: bool = True):
     """Send each token to the ranks owning the experts it is routed to (expert parallelism).
 
     Args:
@@ -1106,6 +1109,14 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
         fp8: quantise x to float8_e4m3fn with one fp32 scale per 128 elements (``quantize_fp8``)
             and move that (H + H/32 bytes per row instead of 2H for bf16); x bf16, fp16 or fp32,
             H a multiple of 128; the same on every rank.
+        zero_pad: bounded variant only. True (default): recv_x's rows past each expert's count
+            are zeros. False: they may be left unwritten, their contents undefined (every row when
+            ``handle.check()`` reports an error), as DeepEP's low-latency layout leaves them: for
+            expert kernels that read ``counts`` (a masked grouped GEMM), or row-wise expert
+            computation whose padding outputs combine never reads, without autograd through the
+            experts' weights (a garbage row times a zero gradient can be NaN). The zeros are most
+            of what a decode dispatch writes with many experts (E = 64, W = 2, C = 128, top-8:
+            about 1/8 of recv_x's rows carry data). Need not agree across ranks.
 
     Returns:
         ``(recv_x, counts, handle)``:
@@ -1138,14 +1149,15 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
         having sent nothing).
     """
     group = resolve_group(group, OP)
-    fp8 = bool(fp8)
+    fp8, zero_pad = bool(fp8), bool(zero_pad)
     mode = call_mode(x, topk_idx, topk_weights)
     if mode == 0:
         recv_x, counts, handle = _dispatch_impl(x, topk_idx, topk_weights, num_experts, group, max_tokens_per_rank,
-                                                fp8=fp8)
+                                                fp8=fp8, zero_pad=zero_pad)
         return (_unpack_fp8(recv_x, handle.hidden) if fp8 else recv_x), counts, handle
     if mode == 1:
-        out = _DispatchFunction.apply(x, topk_idx, topk_weights, num_experts, group, max_tokens_per_rank, fp8)
+        out = _DispatchFunction.apply(x, topk_idx, topk_weights, num_experts, group, max_tokens_per_rank, fp8,
+                                      zero_pad)
         recv_x, (counts, handle) = (out[:2] if fp8 else out[0]), out[-2:]
         handle.topk_weights = topk_weights  # the caller's tensor, with its autograd history
         return recv_x, counts, handle
@@ -1154,7 +1166,7 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
                              "torch-function modes, tensor subclasses); call it eagerly for the straight-through "
                              "gradient, or pass x.detach()")
     recv_x, counts, send_pairs, recv_dest, meta, verdict = torch.ops.flux.moe_dispatch(
-        x, topk_idx, topk_weights, num_experts, group_name(group), max_tokens_per_rank, fp8)
+        x, topk_idx, topk_weights, num_experts, group_name(group), max_tokens_per_rank, fp8, zero_pad)
     h = x.shape[-1]
     handle = _handle_from(group, num_experts, max_tokens_per_rank, topk_weights, send_pairs, recv_dest, meta, verdict,
                           tuple(recv_x.shape[:-1]) + (h,), h, fp8)

@@ -85,20 +85,39 @@ def _symm_mem():
     return symm_mem
 
 
-def available(group: dist.ProcessGroup) -> bool:
-    """Whether symmetric workspaces can be made for this group here (CUDA, NCCL group,
-    flux._C loaded, PyTorch's symmetric memory importable)."""
+def spans_nodes(group_ranks, world_size: int, local_world_size: int) -> bool:
+    """Whether a group of these global ranks spans hosts, under torchrun's layout (``world_size``
+    processes, ``local_world_size`` per host, global ranks numbered host by host). Symmetric
+    memory maps peers' GPU memory, which needs every rank of the group on one host."""
+    if local_world_size <= 0 or world_size <= local_world_size:
+        return False
+    return len({r // local_world_size for r in group_ranks}) > 1
+
+
+def why_unavailable(group: dist.ProcessGroup) -> Optional[str]:
+    """None where symmetric workspaces can be made for this group here (CUDA, NCCL group, flux._C
+    loaded, PyTorch's symmetric memory importable, every rank on this host), else why not; the
+    same on every rank."""
     from flux.runtime.extension import cuda_kernels_available
 
     if not torch.cuda.is_available() or not cuda_kernels_available():
-        return False
+        return "symmetric memory is unavailable (needs CUDA and flux._C)"
     if not cuda_group(group):  # NCCL groups (gloo ones only under FLUX_GLOO_CUDA=1, tests)
-        return False
+        return "symmetric memory is unavailable (needs an NCCL group)"
+    world, local = int(os.environ.get("WORLD_SIZE", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    if spans_nodes(dist.get_process_group_ranks(group), world, local):
+        return (f"the group spans hosts (WORLD_SIZE={world}, LOCAL_WORLD_SIZE={local}); symmetric memory "
+                "needs every rank of the group on one host")
     try:
         _symm_mem()
     except ImportError:
-        return False
-    return True
+        return "symmetric memory is unavailable (this PyTorch lacks torch.distributed._symmetric_memory)"
+    return None
+
+
+def available(group: dist.ProcessGroup) -> bool:
+    """Whether symmetric workspaces can be made for this group here (why_unavailable)."""
+    return why_unavailable(group) is None
 
 
 def unusable(group: dist.ProcessGroup, device: torch.device) -> Optional[str]:
@@ -108,9 +127,7 @@ def unusable(group: dist.ProcessGroup, device: torch.device) -> Optional[str]:
         return "the tensors are not on a GPU"
     if dist.get_world_size(group) < 2:
         return "a group of one rank"
-    if not available(group):
-        return "no symmetric workspace for this group (it needs flux._C, a GPU and an NCCL group)"
-    return None
+    return why_unavailable(group)
 
 
 class Workspace:
