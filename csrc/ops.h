@@ -44,14 +44,15 @@ void moe_route_(const at::Tensor& topk_idx, int64_t num_experts, int64_t world, 
 void moe_send_(const at::Tensor& src, const std::optional<at::Tensor>& order, int64_t k, const at::Tensor& dst_code,
                bool tags, const std::optional<at::Tensor>& counts, const std::optional<at::Tensor>& code,
                at::Tensor& done, int64_t ptrs_dev, int64_t pads_dev, int64_t world, int64_t rank, int64_t local_experts,
-               int64_t rows_off, int64_t tags_off, int64_t counts_off, int64_t channel);
+               int64_t rows_off, int64_t tags_off, int64_t counts_off, int64_t channel,
+               const std::optional<at::Tensor>& topk_idx, int64_t capacity, int64_t tok_off);
 void moe_recv_pack_(at::Tensor& out, const std::optional<at::Tensor>& recv_code,
                     const std::optional<at::Tensor>& counts_out, const std::optional<at::Tensor>& verdict,
                     const std::optional<at::Tensor>& counts_in, const std::optional<at::Tensor>& counts_save,
                     const std::optional<at::Tensor>& send_code, const std::optional<at::Tensor>& send_pairs,
                     const std::optional<at::Tensor>& pair_pos, at::Tensor& done, int64_t ws_base, int64_t pads_dev, int64_t world, int64_t rank,
                     int64_t local_experts, int64_t capacity, int64_t rows_off, int64_t tags_off, int64_t counts_off,
-                    int64_t channel, int64_t timeout_ms, bool zero_pad);
+                    int64_t channel, int64_t timeout_ms, bool zero_pad, int64_t tok_off);
 void moe_recv_sum_(at::Tensor& out, const std::optional<at::Tensor>& weights, const at::Tensor& pair_pos,
                    int64_t n_send, at::Tensor& done, int64_t ws_base, int64_t pads_dev, int64_t world, int64_t rank,
                    int64_t rows_off, int64_t channel, int64_t timeout_ms);

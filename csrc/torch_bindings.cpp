@@ -22,12 +22,12 @@ TORCH_LIBRARY(flux, m) {
         "Tensor(e!) code) -> ()");
   m.def("moe_send_(Tensor src, Tensor? order, int k, Tensor dst_code, bool tags, Tensor? counts, Tensor? code, "
         "Tensor(a!) done, int ptrs_dev, int pads_dev, int world, int rank, int local_experts, int rows_off, "
-        "int tags_off, int counts_off, int channel) -> ()");
+        "int tags_off, int counts_off, int channel, Tensor? topk_idx=None, int capacity=0, int tok_off=-1) -> ()");
   m.def("moe_recv_pack_(Tensor(a!) out, Tensor(b!)? recv_code, Tensor(c!)? counts_out, Tensor(d!)? verdict, "
         "Tensor? counts_in, Tensor(e!)? counts_save, Tensor(f!)? send_code, Tensor(g!)? send_pairs, "
         "Tensor(h!)? pair_pos, Tensor(i!) done, int ws_base, int pads_dev, int world, "
         "int rank, int local_experts, int capacity, int rows_off, int tags_off, int counts_off, int channel, "
-        "int timeout_ms, bool zero_pad=True) -> ()");
+        "int timeout_ms, bool zero_pad=True, int tok_off=-1) -> ()");
   m.def("moe_recv_sum_(Tensor(a!) out, Tensor? weights, Tensor pair_pos, int n_send, Tensor(b!) done, int ws_base, "
         "int pads_dev, int world, int rank, int rows_off, int channel, int timeout_ms) -> ()");
   // Fused AllGather+GEMM (csrc/ag_gemm/ag_gemm_fused.cu): out = a_full @ weight^T (+ bias), tiles of

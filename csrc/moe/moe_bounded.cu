@@ -4,10 +4,13 @@
 //
 // Layout on each rank's symmetric workspace (byte offsets given by the caller):
 //   counts  [W][E_l] int32   row s: rank s's rows for each of our E_l local experts
-//   rows    [E_l][W][C] rows  dispatch / to_experts: block (e, s) holds rank s's rows for our local
-//                             expert e, in s's send order; to_sources: rows back at their index
-//                             in our send order
-//   tags    [E_l][W][C] int32 dispatch: each arriving row's index in its sender's send order
+//   rows    [E_l][W][C] rows  to_experts: block (e, s) holds rank s's rows for our local expert
+//                             e, in s's send order; dispatch: [W][C] rows, row (s, t) rank s's
+//                             token t, sent once however many of its slots go to our experts;
+//                             to_sources: rows back at their index in our send order
+//   tags    [E_l][W][C] int32 dispatch: for block row (e, s, j), the pair's index in its sender's
+//                             send order
+//   tokens  [E_l][W][C] int32 dispatch: for block row (e, s, j), the pair's token on its sender
 // Signals: slot [kDataChannel][s] of our signal pad, set by rank s once its rows (and counts) are
 // written, holding 1 + rank s's error code; consumed (reset to 0) by our receive kernel.
 //
@@ -15,10 +18,14 @@
 //                   then slot), each pair's destination (rank, block row), per-expert counts and
 //                   the verdict code (bad ids, duplicates, plus the host's code); a rank with a
 //                   nonzero code sends nothing
-//   moe_send_       rows to their destinations' workspaces (SM stores over NVLink); the last
-//                   block to finish writes the counts and the flag into every rank
+//   moe_send_       rows to their destinations' workspaces (SM stores over NVLink): dispatch sends
+//                   each token once to each rank that owns one of its experts, with a (send
+//                   index, token) tag pair per (token, slot) at the slot's block row; the other
+//                   moves send one row per entry. The last block to finish writes the counts and
+//                   the flag into every rank
 //   moe_recv_pack_  waits for every rank's flag, then packs the blocks expert-major (expert e's
-//                   rows from rank 0, then rank 1, ..., zeros after) into the output; with any
+//                   rows from rank 0, then rank 1, ..., zeros after) into the output, a
+//                   dispatch's rows read from the token rows through the tags; with any
 //                   rank's code nonzero, every output is zeros / -1 instead
 //   moe_recv_sum_   waits for every rank's flag, then out[t] = sum_k w[t, k] * row(t, k) in fp32,
 //                   slot 0 first, each product and sum rounded as torch does it (no FMA), so it
@@ -148,16 +155,44 @@ __global__ void route_kernel(const int64_t* __restrict__ idx, int64_t t, int k, 
 
 // The rows of this move: row i (src[src_row(i)], src_row(i) = order[i] / k, or i without order)
 // to rank d = code[i] >> 32 at block row code[i] & 0xffffffff; tags (the send index i) beside
-// them. The last block to finish writes the counts (if any: counts[d * E_l + e] into row `rank`
-// of d's counts region) and releases every rank's flag (1 + code).
+// them. With idx (dispatch, token rows): instead, token t's row once to each rank d owning one
+// of its experts, at d's row (rank, t) = rank * cap + t, and for each pair i its send index and
+// its token (order[i] / k) at its block row in the tags and tokens regions. The last block to
+// finish writes the counts (if any: counts[d * E_l + e] into row `rank` of d's counts region)
+// and releases every rank's flag (1 + code).
 template <typename Vec>
 __global__ void send_kernel(const char* __restrict__ src, const int64_t* __restrict__ order, int k,
                             const int64_t* __restrict__ dst_code, int64_t n, int64_t row_bytes, bool tags,
                             const int32_t* __restrict__ counts, const int64_t* __restrict__ code,
                             int32_t* __restrict__ done, char* const* __restrict__ ptrs, uint32_t** pads, int world,
-                            int rank, int el, int64_t rows_off, int64_t tags_off, int64_t counts_off, int channel) {
+                            int rank, int el, int64_t rows_off, int64_t tags_off, int64_t counts_off, int channel,
+                            const int64_t* __restrict__ idx, int64_t tokens, int64_t cap, int64_t tok_off) {
   const int64_t vecs = row_bytes / (int64_t)sizeof(Vec);
-  for (int64_t i = blockIdx.x; i < n; i += gridDim.x) {
+  if (idx != nullptr) {
+    const bool quiet = code != nullptr && *code != 0;  // a rank with a nonzero code sends nothing
+    const int64_t items = min(tokens, cap) * world;  // a row past cap never lands in a neighbour's rows
+    for (int64_t it = blockIdx.x; it < items && !quiet; it += gridDim.x) {
+      const int64_t t = it / world;
+      const int d = (int)(it % world);
+      bool live = false;
+      for (int j = 0; j < k; ++j) {
+        const int64_t g = idx[t * k + j];
+        live |= g >= 0 && g / el == d;
+      }
+      if (!live) continue;  // uniform across the block
+      const Vec* from = reinterpret_cast<const Vec*>(src + t * row_bytes);
+      Vec* to = reinterpret_cast<Vec*>(ptrs[d] + rows_off + ((int64_t)rank * cap + t) * row_bytes);
+      for (int64_t v = threadIdx.x; v < vecs; v += blockDim.x) to[v] = from[v];
+    }
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+      const int64_t c = dst_code[i];
+      if (c < 0) continue;
+      const int64_t d = c >> 32, row = c & 0xffffffffll;
+      reinterpret_cast<int32_t*>(ptrs[d] + tags_off)[row] = (int32_t)i;
+      reinterpret_cast<int32_t*>(ptrs[d] + tok_off)[row] = (int32_t)(order[i] / k);
+    }
+  }
+  for (int64_t i = blockIdx.x; i < n && idx == nullptr; i += gridDim.x) {
     const int64_t c = dst_code[i];
     if (c < 0) continue;  // uniform across the block
     const int64_t d = c >> 32, row = c & 0xffffffffll;
@@ -228,7 +263,7 @@ __global__ void recv_pack_kernel(char* __restrict__ out, int64_t row_bytes, int6
                                  int64_t* __restrict__ pair_pos, int64_t n_send, int32_t* __restrict__ done,
                                  const char* __restrict__ ws, uint32_t* const* pads, int world, int rank, int el,
                                  int64_t cap, int64_t rows_off, int64_t tags_off, int64_t counts_off, int channel,
-                                 uint64_t timeout_ms, bool zero_pad) {
+                                 uint64_t timeout_ms, bool zero_pad, int64_t tok_off) {
   __shared__ int64_t codes[kMaxWorld];
   const bool error = wait_flags(pads, world, rank, channel, timeout_ms, done, codes, "flux.moe_dispatch (rows)");
   // counts[s][e] of our experts: from the flags' payload (dispatch) or the handle (to_experts).
@@ -279,7 +314,10 @@ __global__ void recv_pack_kernel(char* __restrict__ out, int64_t row_bytes, int6
       }
       if (recv_code != nullptr && threadIdx.x == 0) recv_code[j] = kNone;
     } else {
-      const Vec* from = reinterpret_cast<const Vec*>(ws + rows_off + src_row * row_bytes);
+      // A dispatch's block rows hold tags only: the row is the sender's token row.
+      const int64_t data_row =
+          tok_off < 0 ? src_row : (int64_t)sender * cap + reinterpret_cast<const int32_t*>(ws + tok_off)[src_row];
+      const Vec* from = reinterpret_cast<const Vec*>(ws + rows_off + data_row * row_bytes);
       for (int64_t v = threadIdx.x; v < vecs; v += blockDim.x) to[v] = from[v];
       if (recv_code != nullptr && threadIdx.x == 0) {
         recv_code[j] = encode(sender, reinterpret_cast<const int32_t*>(ws + tags_off)[src_row]);
@@ -372,7 +410,8 @@ void moe_route_(const at::Tensor& topk_idx, int64_t num_experts, int64_t world, 
 void moe_send_(const at::Tensor& src, const std::optional<at::Tensor>& order, int64_t k, const at::Tensor& dst_code,
                bool tags, const std::optional<at::Tensor>& counts, const std::optional<at::Tensor>& code,
                at::Tensor& done, int64_t ptrs_dev, int64_t pads_dev, int64_t world, int64_t rank, int64_t local_experts,
-               int64_t rows_off, int64_t tags_off, int64_t counts_off, int64_t channel) {
+               int64_t rows_off, int64_t tags_off, int64_t counts_off, int64_t channel,
+               const std::optional<at::Tensor>& topk_idx, int64_t capacity, int64_t tok_off) {
   constexpr const char* op = "moe_send_";
   FLUX_CHECK(src.is_cuda() && src.is_contiguous() && src.dim() >= 1, op, "src must be a contiguous CUDA tensor");
   const int64_t n = dst_code.numel();
@@ -385,9 +424,19 @@ void moe_send_(const at::Tensor& src, const std::optional<at::Tensor>& order, in
   FLUX_CHECK(done.is_cuda() && done.scalar_type() == at::kInt && done.numel() >= 1, op, "bad done counter");
   FLUX_CHECK(world >= 1 && world <= kMaxWorld && ptrs_dev != 0 && pads_dev != 0, op, "bad workspace");
   const int64_t row_bytes = src.size(0) == 0 ? 0 : src.numel() / src.size(0) * (int64_t)src.element_size();
+  const int64_t* idx = nullptr;
+  int64_t tokens = 0;
+  if (topk_idx.has_value()) {  // a dispatch of token rows: src [T, ...], topk_idx [T, k]
+    tokens = src.size(0);
+    check_i64(*topk_idx, tokens * k, op, "topk_idx");
+    // T > capacity comes with a nonzero code (flux/ops/moe.py: _OVER_CAPACITY): nothing is sent.
+    FLUX_CHECK(order.has_value() && tags && capacity >= 1 && tok_off >= 0 && local_experts >= 1, op,
+               "a token-row dispatch needs order, tags, a capacity and a tokens region");
+    idx = topk_idx->data_ptr<int64_t>();
+  }
   const c10::cuda::CUDAGuard guard(src.device());
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const int blocks = blocks_for(n);
+  const int blocks = blocks_for(std::max(n, tokens * world));
   by_vector(row_bytes == 0 ? 16 : row_bytes, {reinterpret_cast<uintptr_t>(src.data_ptr()), (uintptr_t)rows_off},
             [&](auto vec) {
               using Vec = decltype(vec);
@@ -397,7 +446,8 @@ void moe_send_(const at::Tensor& src, const std::optional<at::Tensor>& order, in
                   counts.has_value() ? counts->data_ptr<int32_t>() : nullptr,
                   code.has_value() ? code->data_ptr<int64_t>() : nullptr, done.data_ptr<int32_t>(),
                   reinterpret_cast<char* const*>(ptrs_dev), reinterpret_cast<uint32_t**>(pads_dev), (int)world,
-                  (int)rank, (int)local_experts, rows_off, tags_off, counts_off, (int)channel);
+                  (int)rank, (int)local_experts, rows_off, tags_off, counts_off, (int)channel, idx, tokens, capacity,
+                  tok_off);
             });
   FLUX_CHECK_LAUNCH();
 }
@@ -408,7 +458,8 @@ void moe_recv_pack_(at::Tensor& out, const std::optional<at::Tensor>& recv_code,
                     const std::optional<at::Tensor>& send_code, const std::optional<at::Tensor>& send_pairs,
                     const std::optional<at::Tensor>& pair_pos, at::Tensor& done, int64_t ws_base, int64_t pads_dev,
                     int64_t world, int64_t rank, int64_t local_experts, int64_t capacity, int64_t rows_off,
-                    int64_t tags_off, int64_t counts_off, int64_t channel, int64_t timeout_ms, bool zero_pad) {
+                    int64_t tags_off, int64_t counts_off, int64_t channel, int64_t timeout_ms, bool zero_pad,
+                    int64_t tok_off) {
   constexpr const char* op = "moe_recv_pack_";
   const int64_t rows = local_experts * world * capacity;
   FLUX_CHECK(out.is_cuda() && out.is_contiguous() && rows > 0 && out.numel() > 0 && out.numel() % rows == 0, op,
@@ -435,7 +486,8 @@ void moe_recv_pack_(at::Tensor& out, const std::optional<at::Tensor>& recv_code,
         ptr(counts_save), ptr(send_code), ptr(send_pairs), ptr(pair_pos), n_send,
         done.data_ptr<int32_t>(),
         reinterpret_cast<const char*>(ws_base), reinterpret_cast<uint32_t* const*>(pads_dev), (int)world, (int)rank,
-        (int)local_experts, capacity, rows_off, tags_off, counts_off, (int)channel, (uint64_t)timeout_ms, zero_pad);
+        (int)local_experts, capacity, rows_off, tags_off, counts_off, (int)channel, (uint64_t)timeout_ms, zero_pad,
+        tok_off);
   });
   FLUX_CHECK_LAUNCH();
 }

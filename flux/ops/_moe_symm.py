@@ -242,15 +242,17 @@ class SymmStrategy:
         send_pairs = torch.empty(n, dtype=torch.int64, device=dev)
         send_counts = torch.empty(num_experts, dtype=torch.int32, device=dev)
         code = torch.empty(1, dtype=torch.int64, device=dev)
-        torch.ops.flux.moe_route_(topk_idx.to(torch.int64).contiguous(), num_experts, b.world, b.rank, capacity,
-                                  host_code, send_pairs, send_code, pair_pos, send_counts, code)
+        idx64 = topk_idx.to(torch.int64).contiguous()
+        torch.ops.flux.moe_route_(idx64, num_experts, b.world, b.rank, capacity, host_code, send_pairs, send_code,
+                                  pair_pos, send_counts, code)
         x = x.contiguous()
         ws = b.enter(x, "dispatch")
-        b.send(ws, x, send_pairs, k, send_code, True, send_counts, code)
+        b.send(ws, x, send_pairs, k, send_code, True, send_counts, code, topk_idx=idx64)
         recv_x = torch.empty((b.el, b.world * capacity, h), dtype=x.dtype, device=dev)
         counts = torch.empty(b.el, dtype=torch.int64, device=dev)
         verdict = torch.empty(b.world, dtype=torch.int64, device=dev)
-        b.recv_pack(ws, recv_x, recv_code, counts, verdict, None, cmat, send_code, send_pairs, pair_pos, zero_pad)
+        b.recv_pack(ws, recv_x, recv_code, counts, verdict, None, cmat, send_code, send_pairs, pair_pos, zero_pad,
+                    token_rows=True)
         return recv_x, counts, send_pairs, dest, [], verdict
 
     @staticmethod
@@ -360,15 +362,17 @@ class _Bounded:
         self.landing = capacity * k  # rows back: one per (token, slot) of at most C tokens
 
     def offsets(self, rows: torch.Tensor):
-        """(counts, rows, tags, total) byte offsets for rows of ``rows``' width and dtype."""
+        """(counts, rows, tags, tokens, total) byte offsets for rows of ``rows``' width and dtype
+        (a dispatch's token rows, W * C, fit in the rows region too)."""
         row_bytes = rows.shape[-1] * rows.element_size()
         cap = max(self.n_recv, self.landing)
         rows_off = _align(self.world * self.el * 4)
         tags_off = rows_off + _align(cap * row_bytes)
-        return 0, rows_off, tags_off, tags_off + _align(cap * 4)
+        tok_off = tags_off + _align(cap * 4)
+        return 0, rows_off, tags_off, tok_off, tok_off + _align(cap * 4)
 
     def enter(self, rows: torch.Tensor, phase: str):
-        rt = _runtime.get(self.group, self.offsets(rows)[3])  # grows collectively: the same size everywhere
+        rt = _runtime.get(self.group, self.offsets(rows)[4])  # grows collectively: the same size everywhere
         ws = symm.get_workspace(self.group, 1)
         key = (self.group.group_name, rows.device.index)
         if key not in _DONE:
@@ -377,20 +381,22 @@ class _Bounded:
         rt.enqueue_barrier(_token(phase, self.num_experts, rows.shape[-1], self.k, rows.dtype, self.capacity))
         return ws
 
-    def send(self, ws, rows, order, k, dst_code, tags, counts, code):
-        c, r, t, _ = self.offsets(rows)
+    def send(self, ws, rows, order, k, dst_code, tags, counts, code, topk_idx=None):
+        """topk_idx (dispatch): send token rows, each once per rank owning one of its experts,
+        and a (send index, token) tag pair per (token, slot); recv_pack then reads through them."""
+        c, r, t, tok, _ = self.offsets(rows)
         base = ws.base_offset
         torch.ops.flux.moe_send_(rows, order, k, dst_code, tags, counts, code, self.done[0:1], ws.buffer_ptrs_dev,
                                  ws.pads_dev, self.world, self.rank, self.el, base + r, base + t, base + c,
-                                 MOE_CHANNEL)
+                                 MOE_CHANNEL, topk_idx, self.capacity, base + tok)
 
     def recv_pack(self, ws, out, recv_code, counts_out, verdict, counts_in, counts_save, send_code, send_pairs,
-                  pair_pos, zero_pad=True):
-        c, r, t, _ = self.offsets(out)
+                  pair_pos, zero_pad=True, token_rows=False):
+        c, r, t, tok, _ = self.offsets(out)
         torch.ops.flux.moe_recv_pack_(out.view(self.n_recv, -1), recv_code, counts_out, verdict, counts_in,
                                       counts_save, send_code, send_pairs, pair_pos, self.done[1:2],
                                       ws.buffer.data_ptr(), ws.pads_dev, self.world, self.rank, self.el, self.capacity,
-                                      r, t, c, MOE_CHANNEL, symm.timeout_ms(), zero_pad)
+                                      r, t, c, MOE_CHANNEL, symm.timeout_ms(), zero_pad, tok if token_rows else -1)
 
     def recv_sum(self, ws, out, weights, pair_pos, n_send):
         torch.ops.flux.moe_recv_sum_(out, weights, pair_pos, n_send, self.done[1:2], ws.buffer.data_ptr(), ws.pads_dev,
