@@ -9,38 +9,43 @@ holds the API, the argument checks, the weighted sum, autograd and the interface
 implements (``SymmStrategy``: see ``_AllToAll`` there); this module only moves rows, with
 arguments already checked to agree across ranks.
 
-Workspace regions (byte offsets, 256-aligned, the same on every rank):
+Workspace regions of the unbounded dispatch (byte offsets, 256-aligned, the same on every rank;
+the bounded moves' layout is csrc/moe/moe_bounded.cu's, see _Bounded):
 
-    counts   [W, E] int32      row s: rank s's number of (token, slot) pairs per global expert
-    rows     [rows_cap, H]     rows arriving here: dispatch (and ``to_experts``): the rows of our
-                               experts, in recv_x's layout; ``to_sources``: our own pairs' rows
-                               back from the experts, at their index in our send order. In the
-                               moved tensor's dtype, copied as bytes (an fp8 dispatch moves uint8
-                               rows of packed fp8 values and scales, H their byte length)
-    tags     [rows_cap] int32  dispatch: per arriving row, its index in its sender's send order
+    header   [W, E + 1] int32   row s: rank s's number of (token, slot) pairs per global expert,
+                                then its T (read before the rows region is written)
+    rows     [sum_s T_s, H]     token rows: rank s's token t at sum_{s'<s} T_s' + t, sent once
+                                however many of its slots go to our experts. In the moved
+                                tensor's dtype, copied as bytes (an fp8 dispatch moves uint8 rows
+                                of packed fp8 values and scales, H their byte length)
+    tags     [rows_cap] int32   per arriving pair, at its row of recv_x: its index in its
+                                sender's send order
+    tokens   [rows_cap] int32   per arriving pair, at its row of recv_x: its token on its sender
 
 Dispatch on rank r (T tokens, K slots; E experts, E_l = E / W per rank)::
 
-    sort the T*K (token, slot) pairs by expert, stably (token, then slot), -1 slots last:
-        the send order (send_pairs: the valid pairs; bounded: all T*K, the invalid ones padding)
-    counts_r = per-expert counts                      [E]
+    sort the T*K (token, slot) pairs by expert, stably (token, then slot), -1 slots last
+        (the bounded variant's route kernel): the send order (send_pairs)
     barrier                                           nobody still reads our workspace
-    counts_r into row r of every rank's counts        (a small copy per rank)
-    barrier                                           every rank's counts are in
-    C = counts [W, E]; unbounded: read on the host (it sizes the output), bounded: never
-    send-order pair i, expert g, lands on rank d = g // E_l, local expert e = g % E_l, at
-        unbounded  (rows of d's experts before e) + sum_{s<r} C[s, g] + (i's rank among our pairs to g)
-        bounded    e * W * C_max                  + sum_{s<r} C[s, g] + (i's rank among our pairs to g)
-    (bounded: zero our rows region)
+    (counts_r, T) into row r of every rank's header   (a small copy per rank)
+    barrier                                           every rank's header is in
+    C = counts [W, E], read on the host (it sizes the output)
+    send-order pair i, expert g, lands on rank d = g // E_l at row
+        (rows of d's experts before g) + sum_{s<r} C[s, g] + (i's rank among our pairs to g)
     barrier                                           the destinations are free
-    scatter x[token(i)] to rank d's rows region there, the tag i beside it (our own
-        rows straight into recv_x at that row, their tags to the region)
-    barrier                                           every row has landed
-    the other ranks' rows copied from our rows region into recv_x (the next call reuses it)
+    each token's row once to every other rank owning one of its experts (token rows), each
+        pair's (i, token) to its row on d (tags, tokens), our own pairs' rows straight into recv_x
+    barrier                                           everything has landed
+    the other ranks' pairs copied from our token rows into recv_x through the tokens region
+
+The bounded dispatch (csrc/moe/moe_bounded.cu) moves token rows and tags the same way (token
+rows into [W, C], tags into [E_l, W, C] blocks), with flags instead of the closing barrier and
+nothing read on the host.
 
 ``to_sources`` (combine, dispatch's backward) sends each arriving row back to its sender, at the
-tag, between two barriers; ``to_experts`` (combine's backward) repeats dispatch's movement for
-other rows. The routing is kept in the handle's ``recv_dest``: for each arriving row its sender
+tag, between two barriers; ``to_experts`` (combine's backward) moves one row per pair (the
+gradients of a token's pairs differ) to the rows dispatch gave them, through a rows region of
+``[rows_cap, H]`` (``_move``). The routing is kept in the handle's ``recv_dest``: for each arriving row its sender
 and tag (``sender << 32 | tag``, -1: no row), then for each send-order pair its destination
 (``rank << 32 | row``, -1: none). The bounded variant reads nothing on the host, so the whole
 exchange can be captured in a CUDA graph.
@@ -131,6 +136,49 @@ def _collect(out: torch.Tensor, ws, rows_off: int, sender: torch.Tensor, rank: i
     return out
 
 
+def _token_rows_move(x, topk_idx, el: int, src_token, send_code, tokens_of, rows_cap: int, group, token: int,
+                     recv_x):
+    """The unbounded dispatch's move, between two barriers: each token's row once to every other
+    rank owning one of its experts (into that rank's token rows, at the sender's base plus the
+    token), every pair's send index and token to its position on its expert's rank (tags and
+    tokens regions), and our own pairs' rows straight into recv_x. Returns (workspace, byte
+    offsets of the regions, relative to this rank's buffer); the caller gathers the other ranks'
+    pairs from the token rows after the closing barrier."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    t, h = x.shape[0], x.shape[-1]
+    dev = x.device
+    n_tok = sum(tokens_of)
+    rows_off = 0
+    tags_off = _align(n_tok * h * x.element_size())
+    tok_off = tags_off + _align(rows_cap * 4)
+    rt = _runtime.get(group, tok_off + _align(rows_cap * 4))  # grows collectively: the same size everywhere
+    ws = symm.get_workspace(group, 1)
+    base = ws.base_offset
+    rt.enqueue_barrier(token)
+    if t:
+        # Which ranks each token goes to, ours left out: [T, W].
+        owner = torch.where(topk_idx >= 0, torch.div(topk_idx.to(torch.int64), el, rounding_mode="floor"), world)
+        goes = torch.zeros((t, world + 1), dtype=torch.bool, device=dev).scatter_(1, owner, True)[:, :world]
+        goes[:, rank] = False
+        entry = torch.arange(t * world, device=dev)
+        tok = torch.div(entry, world, rounding_mode="floor")
+        first = sum(tokens_of[:rank])
+        torch.ops.flux.moe_scatter_rows_(x, tok, torch.where(goes.reshape(-1), entry % world, -1), first + tok, None,
+                                         ws.buffer_ptrs_dev, world, base + rows_off, 0, None, -1, n_tok)
+    n_send = src_token.shape[0]
+    if n_send:
+        dst_rank, dst_row = _decode(send_code)
+        tok32 = src_token.to(torch.int32).reshape(-1, 1)
+        torch.ops.flux.moe_scatter_rows_(tok32, None, dst_rank, dst_row, torch.arange(n_send, device=dev,
+                                         dtype=torch.int32), ws.buffer_ptrs_dev, world, base + tok_off,
+                                         base + tags_off, None, -1, rows_cap)
+        own = torch.where(dst_rank == rank, rank, -1)
+        torch.ops.flux.moe_scatter_rows_(x, src_token, own, dst_row, None, ws.buffer_ptrs_dev, world, 0, 0, recv_x,
+                                         rank, recv_x.shape[0])
+    rt.enqueue_barrier(token)
+    return ws, {"rows": rows_off, "tags": tags_off, "tokens": tok_off}
+
+
 class SymmStrategy:
     """flux/ops/moe.py's strategy interface over the symmetric workspace (module docstring)."""
 
@@ -161,18 +209,24 @@ class SymmStrategy:
         g = torch.where(valid, dest * el + torch.div(row, world * cap, rounding_mode="floor"), torch.zeros_like(row))
         rank_in_expert = row % cap
 
-        # The counts: our row into every rank's counts region, between two barriers.
-        rt = _runtime.get(group, _regions(world, num_experts, 0, 0)[2])
+        # The counts and our T: our row into every rank's [W, E + 1] header region, between two
+        # barriers.
+        e1 = num_experts + 1
+        rt = _runtime.get(group, _align(world * e1 * 4))
         ws = symm.get_workspace(group, 1)
+        header = torch.cat([send_counts, torch.full((1,), t, dtype=torch.int32, device=dev)])
         rt.enqueue_barrier(token)
         for p in range(world):
-            ws.view(p, [world, num_experts], torch.int32)[rank].copy_(send_counts)
+            ws.view(p, [world, e1], torch.int32)[rank].copy_(header)
         rt.enqueue_barrier(token)
-        counts = ws.view(rank, [world, num_experts], torch.int32).to(torch.int64)  # a copy, [W, E]
+        allc = ws.view(rank, [world, e1], torch.int32).to(torch.int64)  # a copy, [W, E + 1]
+        counts = allc[:, :num_experts]
         before_us = counts[:rank].sum(0)  # rows of expert g from the senders before us
         mine = counts[:, rank * el:(rank + 1) * el]  # [W, E_l]: what we receive
 
-        host = counts.tolist()  # the unbounded variant's one host synchronisation
+        every = allc.tolist()  # the unbounded variant's one host synchronisation
+        host = [r[:num_experts] for r in every]
+        tokens_of = [r[num_experts] for r in every]
         per_expert = [sum(host[s][e] for s in range(world)) for e in range(num_experts)]
         starts, rows_of_rank = [], []
         for d in range(world):
@@ -188,17 +242,23 @@ class SymmStrategy:
         sizes = per_expert[rank * el:(rank + 1) * el] + [sum(row) for row in host] + [rows_cap]
         send_code = _encode(torch.div(g, el, rounding_mode="floor"), expert_start[g] + before_us[g] + rank_in_expert,
                             valid)[:n_send]
-        tags = torch.arange(n_send, device=dev, dtype=torch.int32)
-        # Our own rows go straight into recv_x; the others land in the workspace and are copied
-        # after the closing barrier (the next call reuses the region).
+        src_token = torch.div(order[:n_send], k, rounding_mode="floor")
         recv_x = torch.empty((n_recv, h), dtype=x.dtype, device=dev)
-        ws, rows_off, tags_off = _move(x, torch.div(order[:n_send], k, rounding_mode="floor"), send_code, tags,
-                                       group, token, rows_cap, num_experts, local_out=recv_x)
-        arrived_tags = ws.view(rank, [n_recv], torch.int32, tags_off).to(torch.int64)
-        # Senders of the arriving rows: per local expert, blocks of C[s, e] rows, s = 0 .. W-1.
+        ws, off = _token_rows_move(x, topk_idx, el, src_token, send_code, tokens_of, rows_cap, group, token,
+                                   recv_x)
+        # Arrived pairs: per local expert, blocks of C[s, e] rows, s = 0 .. W-1; each carries its
+        # send index and its token on the sender, whose row came once into our token rows.
         senders = torch.arange(world, device=dev).repeat(el)
         sender = torch.repeat_interleave(senders, mine.t().reshape(-1), output_size=n_recv)
-        _collect(recv_x, ws, rows_off, sender, rank)
+        arrived_tags = ws.view(rank, [n_recv], torch.int32, off["tags"]).to(torch.int64)
+        if n_recv:
+            arrived_tok = ws.view(rank, [n_recv], torch.int32, off["tokens"]).to(torch.int64)
+            tok_base = torch.tensor([0] + tokens_of[:-1], dtype=torch.int64, device=dev).cumsum(0)
+            landed = ws.view(rank, [max(sum(tokens_of), 1), h], x.dtype, off["rows"])
+            keep = torch.where(sender != rank, rank, -1)  # our own pairs' rows are in recv_x already
+            torch.ops.flux.moe_scatter_rows_(landed, tok_base[sender] + arrived_tok, keep,
+                                             torch.arange(n_recv, device=dev), None, ws.buffer_ptrs_dev, world, 0,
+                                             0, recv_x, rank, n_recv)
         recv_code = _encode(sender, arrived_tags, torch.ones(n_recv, dtype=torch.bool, device=dev))
         return recv_x, mine.sum(0), order[:n_send].contiguous(), torch.cat([recv_code, send_code]), sizes
 
