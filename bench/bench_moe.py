@@ -44,9 +44,10 @@ GB/s per direction: the bytes that leave a rank for other ranks in the layout's 
 H elements (x's dtype) per (token, slot) pair whose expert lives on another rank (dispatch), and
 one row of y per such pair coming back (combine); the mean of that over the ranks, divided by the
 call time (maximum over ranks). Counts and other metadata are not counted, nor rows a rank keeps.
-An implementation that sends a token once per destination rank (not once per slot) moves fewer
-bytes than counted; ``remote_pairs_dedup`` records that lower figure (distinct (token, other rank)
-pairs). The same count serves flux and the baseline.
+The same count serves flux and the baseline. flux's dispatch sends a token once per destination
+rank (not once per slot), so it moves fewer bytes than counted: ``remote_bytes_dedup`` records
+that lower figure (distinct (token, other rank) pairs), and flux's ``symm`` dispatch records also
+``gbps_link_*``, its GB/s in those bytes (what crossed NVLink; ``flux_strategy`` names the strategy). Combine moves one row per pair.
 
 The JSON (--out) records every figure and the command; the table printed last gives ms and GB/s
 for each and flux's speedups. On the CPU (--cpu: gloo, fp32) it only checks that the script runs
@@ -322,6 +323,7 @@ def cell(args, bench, rec, group, rank, world, dev, dtype, itemsize, tol, layers
 
     # Correctness: the same rows, counts and combined output.
     fr, fc, fh = fx_dispatch()()
+    rec["flux_strategy"] = fh.strategy
     br, bc, bcomb = reference()
     check_same(bench, "dispatched rows", [fr, fc.float()], [br, bc.float()], 0.0)
     if not args.flux_only:
@@ -364,6 +366,10 @@ def cell(args, bench, rec, group, rank, world, dev, dtype, itemsize, tol, layers
                 r["gbps_loop"] = gbps(rec["remote_bytes"], r["loop_ms"])
                 if r.get("graph_ms") is not None:
                     r["gbps_graph"] = gbps(rec["remote_bytes"], r["graph_ms"])
+                if name != "a2a" and op != "combine" and rec["flux_strategy"] == "symm":  # one row per (token, rank)
+                    r["gbps_link_loop"] = gbps(rec["remote_bytes_dedup"], r["loop_ms"])
+                    if r.get("graph_ms") is not None:
+                        r["gbps_link_graph"] = gbps(rec["remote_bytes_dedup"], r["graph_ms"])
     fh = unbounded_out = None  # free before the layer
     if not args.no_layer and not args.flux_only:
         key = (hidden, experts)
