@@ -47,7 +47,8 @@ call time (maximum over ranks). Counts and other metadata are not counted, nor r
 The same count serves flux and the baseline. flux's dispatch sends a token once per destination
 rank (not once per slot), so it moves fewer bytes than counted: ``remote_bytes_dedup`` records
 that lower figure (distinct (token, other rank) pairs), and flux's ``symm`` dispatch records also
-``gbps_link_*``, its GB/s in those bytes (what crossed NVLink; ``flux_strategy`` names the strategy). Combine moves one row per pair.
+``gbps_link_*``, its GB/s in those bytes (what crossed NVLink; ``flux_strategy`` names the
+strategy). Combine moves one row per pair.
 
 The JSON (--out) records every figure and the command; the table printed last gives ms and GB/s
 for each and flux's speedups. On the CPU (--cpu: gloo, fp32) it only checks that the script runs
@@ -366,7 +367,8 @@ def cell(args, bench, rec, group, rank, world, dev, dtype, itemsize, tol, layers
                 r["gbps_loop"] = gbps(rec["remote_bytes"], r["loop_ms"])
                 if r.get("graph_ms") is not None:
                     r["gbps_graph"] = gbps(rec["remote_bytes"], r["graph_ms"])
-                if name != "a2a" and op != "combine" and rec["flux_strategy"] == "symm":  # one row per (token, rank)
+                # symm's dispatch sends one row per (token, other rank): its link GB/s too
+                if name != "a2a" and op != "combine" and rec["flux_strategy"] == "symm":
                     r["gbps_link_loop"] = gbps(rec["remote_bytes_dedup"], r["loop_ms"])
                     if r.get("graph_ms") is not None:
                         r["gbps_link_graph"] = gbps(rec["remote_bytes_dedup"], r["graph_ms"])
