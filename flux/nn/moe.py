@@ -29,14 +29,16 @@ _ROUTER_SEED, _W13_SEED, _W2_SEED = 0x2545F491, 0x9E3779B9, 0x7F4A7C15
 class FluxDispatcher:
     """The default dispatcher of ``MoE``: flux.moe_dispatch and flux.moe_combine. Another object
     with the same two methods, signatures and layouts can stand in for it (the benchmarks pass an
-    all-to-all baseline); its handle needs a ``counts_host`` attribute (a list, or None)."""
+    all-to-all baseline); its handle needs a ``counts_host`` attribute (a list, or None). A
+    dispatcher whose bounded slabs are zeros past the counts says so with ``zero_padded = True``,
+    and ``MoE`` then does not mask them again."""
+
+    zero_padded = True  # flux.moe_dispatch's default zero_pad
 
     @staticmethod
     def dispatch(x, topk_idx, topk_weights, num_experts, *, group=None, max_tokens_per_rank=None):
-        # MoE.experts masks the bounded slabs' rows past the counts itself (grouped_mm_padded),
-        # so the dispatch need not write zeros there.
         return flux.moe_dispatch(x, topk_idx, topk_weights, num_experts, group=group,
-                                 max_tokens_per_rank=max_tokens_per_rank, zero_pad=False)
+                                 max_tokens_per_rank=max_tokens_per_rank)
 
     @staticmethod
     def combine(y, handle):
@@ -79,10 +81,11 @@ class MoE(nn.Module):
 
     ``max_tokens_per_rank=C``: the bounded dispatch (``[E/W, W*C, H]`` per-expert slabs; no host
     synchronisation in the dispatch; every rank's T must be at most C); the experts run as batched
-    GEMMs over the slabs (``grouped_mm_padded``), which mask the rows past each expert's count, so
-    the dispatch leaves those rows unwritten (``zero_pad=False``). On CUDA groups the dispatch
-    reports a rank over C (or bad ids) without a host read, every rank's counts then zero; the layer then reads that verdict after the combine (one host synchronisation) and
-    raises the same FluxInputError on every rank, except while a CUDA graph is being captured.
+    GEMMs over the slabs (``grouped_mm_padded``): the rows past each expert's count are the
+    dispatch's zeros (masked first for a dispatcher without ``zero_padded``). On CUDA groups the
+    dispatch reports a rank over C (or bad ids) without a host read, every rank getting zeros;
+    the layer then reads that verdict after the combine (one host synchronisation) and raises the
+    same FluxInputError on every rank, except while a CUDA graph is being captured.
     None: the unbounded dispatch (rows grouped by expert) and ``grouped_mm``.
 
     ``chunks=c``: overlap the token movement with the expert GEMMs. This rank's T tokens are
@@ -197,12 +200,15 @@ class MoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return idx, weights
 
-    def experts(self, recv_x: torch.Tensor, counts: torch.Tensor, counts_host=None) -> torch.Tensor:
+    def experts(self, recv_x: torch.Tensor, counts: torch.Tensor, counts_host=None, *,
+                zero_padded: bool = False) -> torch.Tensor:
         """The local experts' SwiGLU MLPs on the dispatched rows, in the dispatch's layout:
         ``[R, H]`` grouped by expert (``counts`` rows each) or ``[E/W, W*C, H]`` slabs (bounded;
-        rows past ``counts[e]`` ignored, their outputs zero)."""
+        rows past ``counts[e]`` ignored, their outputs zero). ``zero_padded``: the slabs' rows past
+        the counts are known to be zeros, which give zero outputs and gradients as they are, so
+        they are not masked (a pass over the slabs saved; the results are the same)."""
         if recv_x.dim() == 3:
-            h = grouped_mm_padded(recv_x, self.w13, counts)
+            h = grouped_mm_padded(recv_x, self.w13, None if zero_padded else counts)
             gate, up = h.chunk(2, dim=-1)
             return grouped_mm_padded(F.silu(gate) * up, self.w2)
         h = grouped_mm(recv_x, self.w13, counts, counts_host=counts_host)
@@ -219,10 +225,13 @@ class MoE(nn.Module):
             return self._forward_chunked(x2, idx, weights).reshape(shape)
         recv_x, counts, handle = self.dispatcher.dispatch(x2, idx, weights, self.num_experts, group=self.group,
                                                           max_tokens_per_rank=self.max_tokens_per_rank)
-        y = self.experts(recv_x, counts, getattr(handle, "counts_host", None))
+        y = self.experts(recv_x, counts, getattr(handle, "counts_host", None), zero_padded=self._zero_padded())
         out = self.dispatcher.combine(y, handle)
         self._check(x2, [handle])
         return out.reshape(shape)
+
+    def _zero_padded(self) -> bool:
+        return bool(getattr(self.dispatcher, "zero_padded", False))
 
     def _check(self, x: torch.Tensor, handles) -> None:
         """Raise, on every rank alike, what a bounded dispatch on a CUDA group reported without a
@@ -258,7 +267,7 @@ class MoE(nn.Module):
         for i in range(c):
             (recv_x, counts, handle), received = pending
             streams.main_waits((recv_x, counts), received)
-            y = self.experts(recv_x, counts, getattr(handle, "counts_host", None))
+            y = self.experts(recv_x, counts, getattr(handle, "counts_host", None), zero_padded=self._zero_padded())
             computed = streams.mark(side=False)
             if i + 1 < c:
                 pending = dispatch(i + 1)  # queued before combine i: it runs while experts i compute
