@@ -106,6 +106,14 @@ def check_layout(seed, rank, world, sizes, h, k, e, dtype, caps=(None,), drop=0.
         assert torch.equal(ref_x, want) and ref_counts.tolist() == want_counts, f"{what}: moe_dispatch_ref"
         ref_out = flux.moe_combine_ref(recv_x, idx, w, e, max_tokens_per_rank=cap)
         assert torch.equal(ref_out, out), f"{what}: moe_combine_ref"
+        if cap is not None:  # zero_pad=False: the same rows up to the counts (past them undefined)
+            nx, ncounts, nhandle = flux.moe_dispatch(x, idx, w, e, max_tokens_per_rank=cap, zero_pad=False)
+            assert ncounts.tolist() == want_counts, f"{what} zero_pad=False: counts"
+            for le, c in enumerate(want_counts):
+                assert torch.equal(nx[le, :c], want[le, :c]), f"{what} zero_pad=False: expert {le}"
+            keep = (torch.arange(nx.shape[1])[None, :] < ncounts[:, None])[..., None]
+            nout = flux.moe_combine(torch.where(keep, nx, torch.zeros((), dtype=dtype)), nhandle)
+            assert torch.equal(nout, out), f"{what} zero_pad=False: round trip"
     return sum(want_counts)
 
 
@@ -660,6 +668,8 @@ def _opcheck(rank, world):
         xq = make_inputs(41, rank, 3 + rank, 128, k, e, dtype=BF16)[0]
         torch.library.opcheck(torch.ops.flux.moe_dispatch.default, (xq, idx, w.clone().requires_grad_(), e, gname,
                                                                     cap, True))
+        # zero_pad=False (rows past the counts undefined; on the CPU they are still zeros)
+        torch.library.opcheck(torch.ops.flux.moe_dispatch.default, args + (False, False))
     return True
 
 
