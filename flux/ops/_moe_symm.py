@@ -136,47 +136,60 @@ def _collect(out: torch.Tensor, ws, rows_off: int, sender: torch.Tensor, rank: i
     return out
 
 
-def _token_rows_move(x, topk_idx, el: int, src_token, send_code, tokens_of, rows_cap: int, group, token: int,
-                     recv_x):
-    """The unbounded dispatch's move, between two barriers: each token's row once to every other
-    rank owning one of its experts (into that rank's token rows, at the sender's base plus the
-    token), every pair's send index and token to its position on its expert's rank (tags and
-    tokens regions), and our own pairs' rows straight into recv_x. Returns (workspace, byte
-    offsets of the regions, relative to this rank's buffer); the caller gathers the other ranks'
-    pairs from the token rows after the closing barrier."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    t, h = x.shape[0], x.shape[-1]
-    dev = x.device
-    n_tok = sum(tokens_of)
-    rows_off = 0
-    tags_off = _align(n_tok * h * x.element_size())
-    tok_off = tags_off + _align(rows_cap * 4)
-    rt = _runtime.get(group, tok_off + _align(rows_cap * 4))  # grows collectively: the same size everywhere
-    ws = symm.get_workspace(group, 1)
-    base = ws.base_offset
-    rt.enqueue_barrier(token)
-    if t:
-        # Which ranks each token goes to, ours left out: [T, W].
-        owner = torch.where(topk_idx >= 0, torch.div(topk_idx.to(torch.int64), el, rounding_mode="floor"), world)
-        goes = torch.zeros((t, world + 1), dtype=torch.bool, device=dev).scatter_(1, owner, True)[:, :world]
-        goes[:, rank] = False
-        entry = torch.arange(t * world, device=dev)
-        tok = torch.div(entry, world, rounding_mode="floor")
-        first = sum(tokens_of[:rank])
-        torch.ops.flux.moe_scatter_rows_(x, tok, torch.where(goes.reshape(-1), entry % world, -1), first + tok, None,
-                                         ws.buffer_ptrs_dev, world, base + rows_off, 0, None, -1, n_tok)
-    n_send = src_token.shape[0]
-    if n_send:
-        dst_rank, dst_row = _decode(send_code)
-        tok32 = src_token.to(torch.int32).reshape(-1, 1)
-        torch.ops.flux.moe_scatter_rows_(tok32, None, dst_rank, dst_row, torch.arange(n_send, device=dev,
-                                         dtype=torch.int32), ws.buffer_ptrs_dev, world, base + tok_off,
-                                         base + tags_off, None, -1, rows_cap)
-        own = torch.where(dst_rank == rank, rank, -1)
-        torch.ops.flux.moe_scatter_rows_(x, src_token, own, dst_row, None, ws.buffer_ptrs_dev, world, 0, 0, recv_x,
-                                         rank, recv_x.shape[0])
-    rt.enqueue_barrier(token)
-    return ws, {"rows": rows_off, "tags": tags_off, "tokens": tok_off}
+class _TokenRows:
+    """The unbounded dispatch's move of token rows (module docstring), in two halves around the
+    host read of the counts: what does not depend on the counts is computed before it (while the
+    GPU runs the counts' barriers), and after it the entry barrier is enqueued first, so the GPU
+    works on it while the host builds the pairs' destinations."""
+
+    def __init__(self, x, topk_idx, order, valid, dest, k: int, el: int, group):
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        t, dev = x.shape[0], x.device
+        self.x, self.group, self.t = x, group, t
+        if t:
+            # Which other ranks each token goes to: entry (t, d) of [T, W] is rank d or -1.
+            owner = torch.where(topk_idx >= 0, torch.div(topk_idx.to(torch.int64), el, rounding_mode="floor"),
+                                self.world)
+            goes = torch.zeros((t, self.world + 1), dtype=torch.bool, device=dev).scatter_(1, owner, True)
+            goes = goes[:, :self.world]
+            goes[:, self.rank] = False
+            entry = torch.arange(t * self.world, device=dev)
+            self.tok = torch.div(entry, self.world, rounding_mode="floor")
+            self.tok_dst = torch.where(goes.reshape(-1), entry % self.world, -1)
+        self.src_token = torch.div(order, k, rounding_mode="floor")  # per send-order pair
+        self.tok32 = self.src_token.to(torch.int32).reshape(-1, 1)
+        self.tags = torch.arange(order.shape[0], device=dev, dtype=torch.int32)
+        self.dest = dest
+        self.own = torch.where(valid & (dest == self.rank), self.rank, -1)
+
+    def enter(self, tokens_of, rows_cap: int, token: int):
+        """Grow the workspace for this call (collectively: the sizes are the same everywhere) and
+        enqueue the entry barrier. Returns the workspace."""
+        row_bytes = self.x.shape[-1] * self.x.element_size()
+        self.tokens_of, self.rows_cap, self.token = tokens_of, rows_cap, token
+        self.off = {"rows": 0, "tags": _align(sum(tokens_of) * row_bytes)}
+        self.off["tokens"] = self.off["tags"] + _align(rows_cap * 4)
+        rt = _runtime.get(self.group, self.off["tokens"] + _align(rows_cap * 4))
+        self.rt, self.ws = rt, symm.get_workspace(self.group, 1)
+        rt.enqueue_barrier(token)
+        return self.ws
+
+    def move(self, n_send: int, dst_row, recv_x):
+        """Token rows to the other ranks, every pair's (send index, token) to its row on its
+        expert's rank, our own pairs' rows into recv_x; then the closing barrier."""
+        ws, base, world, rank = self.ws, self.ws.base_offset, self.world, self.rank
+        if self.t:
+            first = sum(self.tokens_of[:rank])
+            torch.ops.flux.moe_scatter_rows_(self.x, self.tok, self.tok_dst, first + self.tok, None,
+                                             ws.buffer_ptrs_dev, world, base + self.off["rows"], 0, None, -1,
+                                             sum(self.tokens_of))
+        if n_send:  # the first n_send pairs of the send order are the valid ones
+            torch.ops.flux.moe_scatter_rows_(self.tok32[:n_send], None, self.dest[:n_send], dst_row,
+                                             self.tags[:n_send], ws.buffer_ptrs_dev, world, base + self.off["tokens"],
+                                             base + self.off["tags"], None, -1, self.rows_cap)
+            torch.ops.flux.moe_scatter_rows_(self.x, self.src_token[:n_send], self.own[:n_send], dst_row, None,
+                                             ws.buffer_ptrs_dev, world, 0, 0, recv_x, rank, recv_x.shape[0])
+        self.rt.enqueue_barrier(self.token)
 
 
 class SymmStrategy:
@@ -208,6 +221,7 @@ class SymmStrategy:
         dest, row = _decode(block)
         g = torch.where(valid, dest * el + torch.div(row, world * cap, rounding_mode="floor"), torch.zeros_like(row))
         rank_in_expert = row % cap
+        moves = _TokenRows(x, topk_idx, order, valid, dest, k, el, group)  # what needs no counts, queued now
 
         # The counts and our T: our row into every rank's [W, E + 1] header region, between two
         # barriers.
@@ -223,6 +237,7 @@ class SymmStrategy:
         counts = allc[:, :num_experts]
         before_us = counts[:rank].sum(0)  # rows of expert g from the senders before us
         mine = counts[:, rank * el:(rank + 1) * el]  # [W, E_l]: what we receive
+        senders = torch.arange(world, device=dev).repeat(el)
 
         every = allc.tolist()  # the unbounded variant's one host synchronisation
         host = [r[:num_experts] for r in every]
@@ -235,20 +250,19 @@ class SymmStrategy:
                 starts.append(acc)
                 acc += per_expert[e]
             rows_of_rank.append(acc)
-        expert_start = torch.tensor(starts, dtype=torch.int64, device=dev)
         rows_cap = max(rows_of_rank)
         n_recv = rows_of_rank[rank]
         n_send = sum(host[rank])
+        ws = moves.enter(tokens_of, rows_cap, token)  # the GPU takes the entry barrier meanwhile
         sizes = per_expert[rank * el:(rank + 1) * el] + [sum(row) for row in host] + [rows_cap]
-        send_code = _encode(torch.div(g, el, rounding_mode="floor"), expert_start[g] + before_us[g] + rank_in_expert,
-                            valid)[:n_send]
-        src_token = torch.div(order[:n_send], k, rounding_mode="floor")
+        expert_start = torch.tensor(starts, dtype=torch.int64, device=dev)
+        dst_row = (expert_start[g] + before_us[g] + rank_in_expert)[:n_send]  # the valid pairs come first
+        send_code = _encode(dest[:n_send], dst_row, valid[:n_send])
         recv_x = torch.empty((n_recv, h), dtype=x.dtype, device=dev)
-        ws, off = _token_rows_move(x, topk_idx, el, src_token, send_code, tokens_of, rows_cap, group, token,
-                                   recv_x)
+        moves.move(n_send, dst_row, recv_x)
+        off = moves.off
         # Arrived pairs: per local expert, blocks of C[s, e] rows, s = 0 .. W-1; each carries its
         # send index and its token on the sender, whose row came once into our token rows.
-        senders = torch.arange(world, device=dev).repeat(el)
         sender = torch.repeat_interleave(senders, mine.t().reshape(-1), output_size=n_recv)
         arrived_tags = ws.view(rank, [n_recv], torch.int32, off["tags"]).to(torch.int64)
         if n_recv:
