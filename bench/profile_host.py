@@ -14,6 +14,12 @@ profiler records from C++ too), summed per name and divided by the number of cal
 profiler's own cost inflates what it records; the unprofiled median is the figure, the
 breakdown says where it goes. Rank 0 prints per method: host µs, then the API calls and ATen
 ops by total µs per call (count per call in brackets). JSON (--out): everything, per rank.
+
+With FLUX_GLOO_CUDA=1 the ranks may share one GPU (flux's test mode: gloo, no NCCL): 'seq' is
+then left out, as gloo moves CUDA tensors through host copies, and 'mm' (torch.mm of the same
+GEMM alone, the floor of every method's host cost) takes its place. The strategies' host time is
+the CPU's enqueue cost, which does not depend on where the peer sits; what the GPUs then do is
+not timed here.
 """
 import os
 
@@ -91,8 +97,8 @@ def breakdown(fn, calls):
     return {k: [v[0] / calls, v[1] / calls] for k, v in sorted(acc.items(), key=lambda kv: -kv[1][0])}
 
 
-def methods(op, m, k, n, world, group):
-    """[(name, zero-argument callable)] for one shape."""
+def methods(op, m, k, n, world, group, shared=False):
+    """[(name, zero-argument callable)] for one shape; ``shared``: 'mm' instead of 'seq'."""
     g = torch.Generator(device="cuda").manual_seed(1234 + dist.get_rank())
     if op == "ag":
         a = torch.randn(m // world, k, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -102,9 +108,10 @@ def methods(op, m, k, n, world, group):
         def seq():
             dist.all_gather_into_tensor(gathered, a, group=group)
             return torch.mm(gathered, w.t())
-        out = [("seq", seq)]
+        out = [("mm", lambda: torch.mm(gathered, w.t())) if shared else ("seq", seq)]
         for s in ag_mod.available_strategies(a.device):
-            out.append((s, ag_mod.prepare_strategy(s, a, w, group=group)))
+            if not (shared and s == "sequential"):  # on gloo it runs in Python: not the C++ path
+                out.append((s, ag_mod.prepare_strategy(s, a, w, group=group)))
         return out
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) / k ** 0.5
@@ -113,24 +120,29 @@ def methods(op, m, k, n, world, group):
     def seq():
         dist.reduce_scatter_tensor(res, torch.mm(a, w.t()), group=group)
         return res
-    out = [("seq", seq)]
+    out = [("mm", lambda: torch.mm(a, w.t())) if shared else ("seq", seq)]
     for s in rs_mod.available_strategies(a.device):
-        out.append((s, rs_mod.prepare_strategy(s, a, w, group=group)))
+        if not (shared and s == "sequential"):  # on gloo it runs in Python: not the C++ path
+            out.append((s, rs_mod.prepare_strategy(s, a, w, group=group)))
     return out
 
 
 def main():
     args = parse_args()
-    dist.init_process_group("nccl")
+    shared = os.environ.get("FLUX_GLOO_CUDA") == "1"  # ranks sharing GPUs: gloo (see the docstring)
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local % torch.cuda.device_count())
+    if shared:
+        os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
+    dist.init_process_group("gloo" if shared else "nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     group = dist.group.WORLD
     results = []
     for spec in args.shapes.split(","):
         op, shape = spec.split(":")
         m, k, n = (int(x) for x in shape.split("x"))
         n, k = per_rank_shape("ag_gemm" if op == "ag" else "gemm_rs", m, k, n, world)
-        for name, fn in methods(op, m, k, n, world, group):
+        for name, fn in methods(op, m, k, n, world, group, shared):
             for _ in range(5):
                 fn()
             torch.cuda.synchronize()
@@ -151,8 +163,9 @@ def main():
                     print(f"    {us:8.2f} µs  [{cnt:4.1f}]  {nm[:90]}")
     if rank == 0 and args.out:
         with open(args.out, "w") as f:
-            json.dump({"command": "torchrun --nproc_per_node=%d bench/profile_host.py %s" % (
-                world, " ".join(shlex.quote(a) for a in sys.argv[1:])), "world": world,
+            json.dump({"command": "%storchrun --nproc_per_node=%d bench/profile_host.py %s" % (
+                "FLUX_GLOO_CUDA=1 " if shared else "", world, " ".join(shlex.quote(a) for a in sys.argv[1:])),
+                "world": world, "gpus": torch.cuda.device_count(), "shared": shared,
                 "torch": torch.__version__, "results": results}, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()

@@ -190,6 +190,10 @@ at::Tensor Runtime::rs_fused(const Plan& p, const at::Tensor& input, const at::T
   for (int64_t step = 1; step < W; ++step) {
     const bool last = step == W - 1;
     at::Tensor dst = last ? res : rows_of(staging, step * rows, rows);
+    // Ranks sharing a GPU (FLUX_GLOO_CUDA, tests): the ring's neighbour may be on this GPU, where
+    // the push is a copy that needs SMs, and this kernel would hold them all while it waits for
+    // the neighbour's push, which waits the same way: the pushes go before the kernel.
+    if (push_before_fused_) join(cur, comm_);
     gemm_rs_fused_(dst, a_blocks[step - 1], w, last ? bias16 : std::nullopt, rows_of(inbox, (step - 1) * rows, rows),
                    rows_of(flags, (step - 1) * nseg, nseg), seg_rows, r, prev, timeout_ms_,
                    reinterpret_cast<int64_t>(error_record_), 1, p.swizzle > 0 ? p.swizzle : 1, p.config);

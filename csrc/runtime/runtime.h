@@ -121,7 +121,8 @@ class Runtime {
 
   // Test hook: while set, this rank passes the entry barriers but sends no data and no flags.
   void set_drop_transfers(bool on) { drop_transfers_ = on; }
-  // Ranks sharing one GPU (FLUX_GLOO_CUDA, tests): the fused AG pushes before its kernel.
+  // Ranks sharing one GPU (FLUX_GLOO_CUDA, tests): the fused AG and RS kernels start after this
+  // rank's pushes (a copy within one GPU needs SMs, which a persistent kernel holds).
   void set_push_before_fused(bool on) { push_before_fused_ = on; }
 
   int64_t rank() const { return rank_; }

@@ -29,8 +29,8 @@ def get(group: dist.ProcessGroup, nbytes: int = 0):
         backend = str(dist.get_backend(group)).lower()
         rt = _C.Runtime(group.group_name, dist.get_rank(group), dist.get_world_size(group), device,
                         "nccl" in backend, symm.timeout_ms(), symm.error_record_ptr())
-        # Ranks sharing one GPU (tests only): a same-GPU copy needs SMs, which the fused AG
-        # kernel would hold while it waits for the other rank on that GPU.
+        # Ranks sharing one GPU (tests only): a same-GPU copy needs SMs, which the fused AG and
+        # RS kernels would hold while they wait for the other rank on that GPU.
         rt.set_push_before_fused(gloo_carries_cuda())
         _runtimes[key] = rt
     ws = symm.get_workspace(group, max(nbytes, 1))
