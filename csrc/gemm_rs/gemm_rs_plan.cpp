@@ -54,12 +54,18 @@ at::Tensor Runtime::rs_decomposed(const Plan& p, const at::Tensor& input, const 
   const at::ScalarType pdt = p.out_dtype;
   const size_t es = c10::elementSize(pdt), block_bytes = rows * n * es;
   at::Tensor slots = view(buffer(r), {W, rows, n}, pdt);  // [s]: rank s's partial of our rows
-  // Everything is allocated before the first signal, so that an allocation failure cannot leave
-  // a signal half sent. The staging blocks are freed after the current stream has waited for the
-  // copies that read them (join below), in stream order.
+  // The output is allocated before the first signal, so that an allocation failure cannot leave
+  // a signal half sent. The peers' blocks are staged in this rank's workspace after the slots
+  // (only this rank writes there; the next call's GEMMs into it follow the copies that read it,
+  // in stream order, and a peer's writes into it in a later call follow that call's barrier).
   at::Tensor out = output(out_arg, rows, n, a, p.out_dtype);
-  at::Tensor staging = p2p ? at::Tensor() : at::empty({(W - 1) * rows, n}, a.options().dtype(pdt));
+  at::Tensor staging = p2p ? at::Tensor() : view(buffer(r) + W * block_bytes, {(W - 1) * rows, n}, pdt);
   const int64_t chunks = std::max<int64_t>(1, std::min(p.chunks, rows));
+  // One peer: its waits follow this rank's pushes on the communication stream itself, where the
+  // signal stream would start them (after the push, the only one), so that one event tells the
+  // current stream both that the peer's partials are in and that this rank's copies are done (no
+  // hand-off to the signal stream, no closing join: two CUDA calls fewer each).
+  const bool one_peer = W == 2;
   cudaStream_t cur = at::cuda::getCurrentCUDAStream(device_.index()).stream();
   cudaEvent_t after_barrier = nullptr, first_pushed = nullptr;
   if (p2p) {
@@ -69,7 +75,7 @@ at::Tensor Runtime::rs_decomposed(const Plan& p, const at::Tensor& input, const 
     barrier(comm_, p.token, /*started=*/true);
     after_barrier = event();
     record(after_barrier, comm_);
-    first_pushed = event();
+    first_pushed = one_peer ? nullptr : event();
     wait_started(cur);  // the first GEMM may not take every SM before the barrier kernel runs
   }
   // The peers' blocks first, rank + 1's first, each pushed while the next one computes.
@@ -88,20 +94,22 @@ at::Tensor Runtime::rs_decomposed(const Plan& p, const at::Tensor& input, const 
         join(comm_, cur);
         copy(dest + r0 * n * es, staged.data_ptr(), (r1 - r0) * n * es, comm_);  // copy engine, over NVLink
         put(comm_, peer, kDataChannel + (int)c);
-        if (step == 1 && c == 0) record(first_pushed, comm_);
+        if (step == 1 && c == 0 && !one_peer) record(first_pushed, comm_);
       }
     }
   }
   // The waits for the peers' partials on the signal stream, from the end of the first push (as in
-  // ag_gemm's decomposed), so the reduction follows the last GEMM through an event.
+  // ag_gemm's decomposed; one peer: on the communication stream after the pushes), so the
+  // reduction follows the last GEMM through an event.
   cudaEvent_t arrived = nullptr;
   if (!p2p) {
-    wait_event(signal_, first_pushed);
+    cudaStream_t waits = one_peer ? comm_ : signal_;
+    if (!one_peer) wait_event(signal_, first_pushed);
     for (int64_t step = 1; step < W; ++step) {
-      for (int64_t c = 0; c < chunks; ++c) wait_signal(signal_, (r - step + W) % W, kDataChannel + (int)c);
+      for (int64_t c = 0; c < chunks; ++c) wait_signal(waits, (r - step + W) % W, kDataChannel + (int)c);
     }
     arrived = event();
-    record(arrived, signal_);
+    record(arrived, waits);
     wait_event(cur, after_barrier);  // long passed: a peer may read this workspace until then
   }
   gemm_into(view(buffer(r) + r * block_bytes, {rows, n}, pdt), rows_of(a, r * rows, rows), weight, std::nullopt,
@@ -114,7 +122,7 @@ at::Tensor Runtime::rs_decomposed(const Plan& p, const at::Tensor& input, const 
     }
   }
   reduce_chunks_(out, slots, bias);  // fp32, rank order, bias once, one rounding
-  if (!p2p) join(cur, comm_);
+  if (!p2p && !one_peer) join(cur, comm_);  // one peer: `arrived` ended the communication stream's work
   return out.view(p.out_shape);
 }
 
@@ -167,7 +175,33 @@ at::Tensor Runtime::rs_fused(const Plan& p, const at::Tensor& input, const at::T
   }
   const at::Tensor w = *aligned16(weight);
   const std::optional<at::Tensor> bias16 = aligned16(bias);
-  at::Tensor staging = at::empty({(W - 1) * rows, n}, a.options());
+  // The sums this rank passes on are staged in its workspace after the inbox (only this rank
+  // writes there; see rs_decomposed), at addresses fixed with the workspace, as the push graphs
+  // need.
+  at::Tensor staging = view(buffer(r) + (W - 1) * rows * n * es, {(W - 1) * rows, n}, a.scalar_type());
+  char* const staged = static_cast<char*>(staging.data_ptr());
+  auto segments = [&](int64_t step, cudaStream_t s) {  // step's result to rank + 1's inbox slot `step`
+    for (int64_t j = 0; j < nseg; ++j) {
+      const int64_t r0 = j * seg_rows, r1 = std::min(rows, (j + 1) * seg_rows);
+      copy(outbox + (step * rows + r0) * n * es, staged + (step * rows + r0) * n * es, (r1 - r0) * n * es, s);
+      write_slot(s, nxt, kSegmentChannel * W + step * nseg + j, 1u);  // no SM: the GEMM holds them
+    }
+  };
+  // An eager call pushes each step through the plan's graph of its segments (one CUDA call, not two
+  // per segment), made here, before the first signal, on the plan's first eager call on this
+  // workspace; a call being captured enqueues the segments into the caller's graph instead.
+  if (!capturing_ && !drop_transfers_) {
+    if (p.push_graphs_ws != ws_generation_) {  // made on another workspace: its addresses are stale
+      for (cudaGraphExec_t& g : p.push_graphs) {
+        if (g != nullptr) FLUX_CUDA(cudaGraphExecDestroy(g));
+      }
+      p.push_graphs.assign(W - 1, nullptr);
+      p.push_graphs_ws = ws_generation_;
+    }
+    for (int64_t step = 0; step < W - 1; ++step) {
+      if (p.push_graphs[step] == nullptr) p.push_graphs[step] = graph_of([&](cudaStream_t s) { segments(step, s); });
+    }
+  }
   cudaStream_t cur = at::cuda::getCurrentCUDAStream(device_.index()).stream();
   // Zeroed after this rank's previous fused GEMMs (the flags' only readers) and before the
   // barrier, which rank - 1 passes before it sets any of them for this call.
@@ -175,13 +209,13 @@ at::Tensor Runtime::rs_fused(const Plan& p, const at::Tensor& input, const at::T
   join(comm_, cur);
   barrier(comm_, p.token, /*started=*/true);  // rank + 1's previous GEMMs no longer read its inbox
   wait_started(cur);
-  char* const staged = static_cast<char*>(staging.data_ptr());
-  auto push = [&](int64_t step) {  // step's result to rank + 1's inbox slot `step`, in flagged segments
+  auto push = [&](int64_t step) {
     join(comm_, cur);
-    for (int64_t j = 0; j < (drop_transfers_ ? 0 : nseg); ++j) {
-      const int64_t r0 = j * seg_rows, r1 = std::min(rows, (j + 1) * seg_rows);
-      copy(outbox + (step * rows + r0) * n * es, staged + (step * rows + r0) * n * es, (r1 - r0) * n * es, comm_);
-      write_slot(comm_, nxt, kSegmentChannel * W + step * nseg + j, 1u);  // no SM: the GEMM holds them
+    if (drop_transfers_) return;
+    if (capturing_) {
+      segments(step, comm_);
+    } else {
+      FLUX_CUDA(cudaGraphLaunch(p.push_graphs[step], comm_));
     }
   };
   const int64_t b0 = (r - 1 + W) % W;
@@ -199,7 +233,7 @@ at::Tensor Runtime::rs_fused(const Plan& p, const at::Tensor& input, const at::T
                    reinterpret_cast<int64_t>(error_record_), 1, p.swizzle > 0 ? p.swizzle : 1, p.config);
     if (!last) push(step);
   }
-  join(cur, comm_);  // the staging buffers are freed after this, in stream order
+  join(cur, comm_);  // later calls write the staging (and free the inputs) after the pushes
   at::Tensor out = res;
   if (out_arg.has_value() && !out_aligned) {
     out = out_arg->view({rows, n});

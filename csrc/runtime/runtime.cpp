@@ -123,10 +123,19 @@ Runtime::Runtime(const std::string& group_name, int64_t rank, int64_t world, int
   // Highest priority: a copy or a wait queued behind a GEMM's blocks is scheduled first.
   FLUX_CUDA(cudaStreamCreateWithPriority(&comm_, cudaStreamNonBlocking, hi));
   FLUX_CUDA(cudaStreamCreateWithPriority(&signal_, cudaStreamNonBlocking, hi));
+  FLUX_CUDA(cudaStreamCreateWithFlags(&capture_, cudaStreamNonBlocking));
   events_.resize(kEventsPerCall);
   for (auto& e : events_) FLUX_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
   write_value32();  // resolve the driver entry points now, not in the first call
   memset_d32();
+}
+
+Plan::~Plan() {
+  // In-flight launches finish first (the driver frees an executing graph once it completes); at
+  // process exit the driver may be gone already, hence no check.
+  for (cudaGraphExec_t g : push_graphs) {
+    if (g != nullptr) (void)cudaGraphExecDestroy(g);
+  }
 }
 
 Runtime::~Runtime() {
@@ -149,6 +158,7 @@ void Runtime::set_workspace(const std::vector<at::Tensor>& buffers, const std::v
   base_offset_ = base_offset;
   pad_words_ = pad_words;
   ws_bytes_ = buffers[rank_].numel();
+  ++ws_generation_;
   own_pad_ = view(pads_[rank_], {pad_words}, at::kInt);
 }
 
@@ -197,7 +207,10 @@ std::shared_ptr<Plan> Runtime::make_plan(int64_t op, int64_t strategy, const std
     const int64_t out_es = (int64_t)c10::elementSize(p->out_dtype);  // partials are in the output dtype
     switch (p->strategy) {
       case StrategyKind::Sequential: p->workspace_bytes = 0; break;
-      case StrategyKind::Fused: p->workspace_bytes = std::max<int64_t>(1, world_ - 1) * p->rows * p->n * es; break;
+      // The inbox of the ring's partial sums, then this rank's staging of the sums it passes on.
+      case StrategyKind::Fused: p->workspace_bytes = 2 * (world_ - 1) * p->rows * p->n * es; break;
+      // The W slots of the partials, then this rank's staging of the peers' blocks.
+      case StrategyKind::Decomposed: p->workspace_bytes = (2 * world_ - 1) * p->rows * p->n * out_es; break;
       default: p->workspace_bytes = world_ * p->rows * p->n * out_es; break;
     }
     FLUX_CHECK(p->strategy != StrategyKind::Decomposed && p->strategy != StrategyKind::DecomposedP2P ||
@@ -363,6 +376,28 @@ void Runtime::write_slot(cudaStream_t s, int64_t peer, int64_t slot, uint32_t va
 
 void Runtime::copy(void* dst, const void* src, size_t bytes, cudaStream_t s) {
   if (bytes) FLUX_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, s));
+}
+
+cudaGraphExec_t Runtime::graph_of(const std::function<void(cudaStream_t)>& body) {
+  const bool was = capturing_;
+  cudaGraph_t graph = nullptr;
+  FLUX_CUDA(cudaStreamBeginCapture(capture_, cudaStreamCaptureModeThreadLocal));
+  capturing_ = true;
+  try {
+    body(capture_);
+  } catch (...) {
+    capturing_ = was;
+    (void)cudaStreamEndCapture(capture_, &graph);
+    if (graph != nullptr) (void)cudaGraphDestroy(graph);
+    throw;
+  }
+  capturing_ = was;
+  FLUX_CUDA(cudaStreamEndCapture(capture_, &graph));
+  cudaGraphExec_t exec = nullptr;
+  const cudaError_t made = cudaGraphInstantiate(&exec, graph, 0);
+  (void)cudaGraphDestroy(graph);
+  FLUX_CUDA(made);
+  return exec;
 }
 
 at::Tensor Runtime::view(void* p, at::IntArrayRef sizes, at::ScalarType dtype) const {

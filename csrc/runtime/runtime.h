@@ -6,8 +6,7 @@
 // layout, bias, out, options). Every later call of the same problem is one C++ entry
 // (Runtime::call): a key lookup, then the plan's copies, signals, waits and GEMMs enqueued on
 // the runtime's own streams with pooled events. No Python per step, no store traffic, no
-// environment reads, no allocation but the output (and, for gemm_rs, staging blocks from the
-// caching allocator).
+// environment reads, no allocation but the output (gemm_rs stages its blocks in the workspace).
 //
 // Each plan carries a token: a hash of the problem's signature, the same on every rank that
 // makes the same call. The entry barrier of every call carries it to the peers, which compare
@@ -17,6 +16,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -59,6 +59,16 @@ struct Plan {
   at::ScalarType dtype = at::kBFloat16, out_dtype = at::kBFloat16;
   std::vector<int64_t> out_shape, gathered_shape;
   int64_t workspace_bytes = 0;
+  // gemm_rs fused: each ring step's pushes (a copy and a flag write per segment) as one CUDA
+  // graph, made at the plan's first eager call and launched by every later one: one CUDA call
+  // instead of two per segment. The graphs hold the workspace's addresses, so they are made again
+  // for a new workspace (Runtime::ws_generation_).
+  mutable std::vector<cudaGraphExec_t> push_graphs;
+  mutable uint64_t push_graphs_ws = 0;
+  Plan() = default;
+  Plan(const Plan&) = delete;
+  Plan& operator=(const Plan&) = delete;
+  ~Plan();
 };
 
 class Runtime {
@@ -171,6 +181,10 @@ class Runtime {
   // the barrier has passed (the one-shot and fused all-gathers).
   void gather_into_workspace(const Plan& p, const at::Tensor& a, size_t bytes, int channel, cudaStream_t cur);
   void copy(void* dst, const void* src, size_t bytes, cudaStream_t s);
+  // An executable graph of what ``body`` enqueues on the stream it is given (copies and stream
+  // writes at fixed addresses), captured on a private stream as the caller's own capture would
+  // hold them: copy nodes, and the stream writes as memset nodes (write_slot while capturing_).
+  cudaGraphExec_t graph_of(const std::function<void(cudaStream_t)>& body);
   char* buffer(int64_t peer) const { return ws_ptrs_[peer]; }
   at::Tensor view(void* p, at::IntArrayRef sizes, at::ScalarType dtype) const;
   at::Tensor own_pad_slots(int64_t first, int64_t count) const;  // int32 slots of this rank's pad
@@ -183,7 +197,7 @@ class Runtime {
   int64_t timeout_ms_;
   uint32_t* error_record_;
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;  // NCCL groups: the collectives of 'sequential'
-  cudaStream_t comm_ = nullptr, signal_ = nullptr;
+  cudaStream_t comm_ = nullptr, signal_ = nullptr, capture_ = nullptr;  // capture_: launch_cached's
   std::vector<cudaEvent_t> events_;
   size_t next_event_ = 0;
   // Workspace (set_workspace).
@@ -192,6 +206,7 @@ class Runtime {
   std::vector<uint32_t*> pads_;
   uint32_t** pads_dev_ = nullptr;
   int64_t buffers_dev_ = 0, base_offset_ = 0, pad_words_ = 0, ws_bytes_ = 0;
+  uint64_t ws_generation_ = 0;  // counts set_workspace calls: what Plan::push_graphs were made on
   at::Tensor own_pad_;
   bool drop_transfers_ = false, push_before_fused_ = false;
   bool capturing_ = false;  // the current call is being captured into a CUDA graph (set by run)

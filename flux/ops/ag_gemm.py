@@ -25,7 +25,8 @@ per problem by flux.autotune:
                The barrier proves that every peer's earlier GEMMs on its workspace are done
                before this rank overwrites it; each put follows its copy in stream order, and
                each wait (on a third stream, from the end of the first push; the current stream
-               passes an event) precedes the GEMM that reads that block. The first GEMM reads only the
+               passes an event; with one peer, W = 2, on the comm stream after the push)
+               precedes the GEMM that reads that block. The first GEMM reads only the
                input, so it need not wait for the barrier to pass, only for the barrier kernel
                to hold an SM (the default): otherwise, where the GEMM gets the SMs
                first, the barrier kernel, and with it every push of this rank, waits for the

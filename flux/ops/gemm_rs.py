@@ -23,9 +23,11 @@ csrc/gemm_rs/gemm_rs_plan.cpp). Strategies, chosen per problem by flux.autotune:
                  comm:     [barrier]           [copy -> r+1, put] [copy -> r+2, put] ...
                  signal:                                       [wait r-1][wait r-2] ...
 
-               The peer blocks' GEMMs write local staging buffers, so only the copies and the
-               own block's GEMM (into this rank's workspace) wait for the barrier to pass; the
-               first GEMM waits only for the barrier kernel to hold an SM.
+               The peer blocks' GEMMs write this rank's staging (in its workspace, after the
+               slots), so only the copies and the own block's GEMM (into this rank's slot) wait
+               for the barrier to pass; the first GEMM waits only for the barrier kernel to hold
+               an SM. With one peer (W = 2) its waits follow the push on the comm stream, which
+               then ends with the event the reduction waits for.
 
                ``chunks`` > 1 splits each block into sub-blocks, each pushed and signalled on
                its own channel (a shorter last transfer, more GEMM launches).
