@@ -64,7 +64,7 @@ at::Tensor Runtime::rs_decomposed(const Plan& p, const at::Tensor& input, const 
   // One peer: its waits follow this rank's pushes on the communication stream itself, where the
   // signal stream would start them (after the push, the only one), so that one event tells the
   // current stream both that the peer's partials are in and that this rank's copies are done (no
-  // hand-off to the signal stream, no closing join: two CUDA calls fewer each).
+  // hand-off to the signal stream, no closing join: four CUDA calls fewer).
   const bool one_peer = W == 2;
   cudaStream_t cur = at::cuda::getCurrentCUDAStream(device_.index()).stream();
   cudaEvent_t after_barrier = nullptr, first_pushed = nullptr;

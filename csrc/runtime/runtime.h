@@ -197,7 +197,7 @@ class Runtime {
   int64_t timeout_ms_;
   uint32_t* error_record_;
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;  // NCCL groups: the collectives of 'sequential'
-  cudaStream_t comm_ = nullptr, signal_ = nullptr, capture_ = nullptr;  // capture_: launch_cached's
+  cudaStream_t comm_ = nullptr, signal_ = nullptr, capture_ = nullptr;  // capture_: graph_of's
   std::vector<cudaEvent_t> events_;
   size_t next_event_ = 0;
   // Workspace (set_workspace).
