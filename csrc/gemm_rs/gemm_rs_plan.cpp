@@ -61,11 +61,13 @@ at::Tensor Runtime::rs_decomposed(const Plan& p, const at::Tensor& input, const 
   at::Tensor out = output(out_arg, rows, n, a, p.out_dtype);
   at::Tensor staging = p2p ? at::Tensor() : view(buffer(r) + W * block_bytes, {(W - 1) * rows, n}, pdt);
   const int64_t chunks = std::max<int64_t>(1, std::min(p.chunks, rows));
-  // One peer: its waits follow this rank's pushes on the communication stream itself, where the
-  // signal stream would start them (after the push, the only one), so that one event tells the
-  // current stream both that the peer's partials are in and that this rank's copies are done (no
-  // hand-off to the signal stream, no closing join: four CUDA calls fewer).
-  const bool one_peer = W == 2;
+  // One peer, one chunk: its wait follows this rank's push on the communication stream itself,
+  // where the signal stream would start it (after the push, the only one), so that one event tells
+  // the current stream both that the peer's partial is in and that this rank's copy is done (no
+  // hand-off to the signal stream, no closing join: four CUDA calls fewer). With more chunks the
+  // waits stay on the signal stream, from the first push on, so that only the last is left when
+  // the last chunk lands (on the comm stream they would all start after this rank's last push).
+  const bool one_peer = W == 2 && chunks == 1;
   cudaStream_t cur = at::cuda::getCurrentCUDAStream(device_.index()).stream();
   cudaEvent_t after_barrier = nullptr, first_pushed = nullptr;
   if (p2p) {

@@ -26,8 +26,8 @@ csrc/gemm_rs/gemm_rs_plan.cpp). Strategies, chosen per problem by flux.autotune:
                The peer blocks' GEMMs write this rank's staging (in its workspace, after the
                slots), so only the copies and the own block's GEMM (into this rank's slot) wait
                for the barrier to pass; the first GEMM waits only for the barrier kernel to hold
-               an SM. With one peer (W = 2) its waits follow the push on the comm stream, which
-               then ends with the event the reduction waits for.
+               an SM. With one peer (W = 2) and one chunk its wait follows the push on the comm
+               stream, which then ends with the event the reduction waits for.
 
                ``chunks`` > 1 splits each block into sub-blocks, each pushed and signalled on
                its own channel (a shorter last transfer, more GEMM launches).
