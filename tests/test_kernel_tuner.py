@@ -252,3 +252,61 @@ def test_shipped_kernel_files_load_and_name_built_configs():
             op, dt, out = ek.split("|")[:3]
             descs = {c.id: c.desc for c in K.kernel_configs(op, dt, out)}
             assert descs.get(K.parse_label(e["choice"])[0]) == e["config"], ek
+
+
+# ---- the benchmark's and the tuner's logic, kernels and CUDA timing faked on the CPU ----------
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """torch.ops.flux's fused kernels as their meaning (config 2 of ag computes a wrong result),
+    CUDA events and graphs as wall-clock calls: the code paths of a GPU run, no timings."""
+    import time
+
+    from flux.autotune import kernel_timing as KT
+
+    def ag(out, a, w, bias, flags, rank, world, rows, timeout, err, raster, swizzle, config):
+        out.copy_(a.float() @ w.float().t() * (1.5 if config == 2 else 1.0))
+
+    def rs(out, a, w, bias, src, flags, seg_rows, rank, peer, timeout, err, raster, swizzle, config):
+        out.copy_(a.float() @ w.float().t() + src.float())
+
+    def events_ms(run, spin=False):
+        t0 = time.perf_counter()
+        run()
+        return (time.perf_counter() - t0) * 1e3
+
+    monkeypatch.setattr(torch.ops.flux, "ag_gemm_fused_", ag, raising=False)
+    monkeypatch.setattr(torch.ops.flux, "gemm_rs_fused_", rs, raising=False)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(KT, "_events_ms", events_ms)
+    monkeypatch.setattr(KT, "capture", lambda loop: types.SimpleNamespace(replay=loop))
+    monkeypatch.setattr(KT, "L2_BYTES", 1 << 20)  # the small shapes below rotate input sets
+
+
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_bench_shape_on_fakes(fake_gpu, op):
+    bench = _bench_module()
+    args = bench.parse_args(["--op", op, "--shapes", "256x256x512", "--quick"])
+    rec = bench.problems(args)[0]
+    r = bench.bench_shape(rec, args, torch.bfloat16, torch.bfloat16, 132, torch.device("cpu"))
+    assert r["input_sets"] >= 2
+    assert set(r["cublas"]["ms"]) == {"loop", "graph", "spin"} and r["cublas"]["rel_err"] < 1e-2
+    assert ("cublas_add" in r) == (op == "rs")
+    labels = set(r["variants"])
+    assert r["own"]["label"] in labels and r["served"] in labels
+    wrong = {lab for lab, v in r["variants"].items() if not v["ok"]}
+    assert wrong == ({lab for lab in labels if lab.startswith("c2/")} if op == "ag" else set())
+    assert all(v["ms"]["loop"] is None for lab, v in r["variants"].items() if lab in wrong)
+    assert all(r["best"][t]["label"] not in wrong for t in ("loop", "graph", "spin"))
+    summ = bench.summarize([r])
+    assert summ[op]["graph"]["shapes"] == 1 and summ[op]["loop"]["geomean_best_over_cublas"] > 0
+    bench.print_table([r], summ)
+    key, entries = K.entries_from_bench({"device": "x", "sm_count": 132, "dtype": "bf16", "out_dtype": "bf16",
+                                         "results": [r]})
+    assert list(entries) == [K.entry_key(op, 256, 512, 256, "bf16")]
+
+
+def test_tune_on_fakes(fake_gpu):
+    cache = K.KernelCache("kernels|cpu|sm132")
+    e = K.tune("ag", 256, 512, 256, torch.bfloat16, device=torch.device("cpu"), quick=True, cache=cache)
+    assert not any(lab.startswith("c2/") for lab in e["loop_ms"])  # the wrong configuration is never timed
+    assert e["choice"] in e["loop_ms"] and cache.get(K.entry_key("ag", 256, 512, 256, "bf16")) == e

@@ -231,7 +231,7 @@ def tune(op: str, m: int, n: int, k: int, dtype=torch.bfloat16, out_dtype=None, 
          cache: Optional[TuneCache] = None) -> dict:
     """Time every variant of ``op`` alone (all flags set) in loop and graph timing and store the
     entry (``make_entry``) in ``cache`` (default: this GPU's); the entry."""
-    from flux.autotune.kernel_timing import DTYPES, KernelProblem, estimate_ms, plan_sampling, time_calls
+    from flux.autotune.kernel_timing import DTYPES, KernelProblem, estimate_ms, plan_sampling, time_calls, tolerance
 
     out_dtype = out_dtype if out_dtype is not None else dtype
     key, sm = gpu_key(device)
@@ -241,11 +241,11 @@ def tune(op: str, m: int, n: int, k: int, dtype=torch.bfloat16, out_dtype=None, 
     labs = variants(op, m, cfgs)
     labs = labs + [default] if default not in labs else labs
     prob = KernelProblem(_op(op), m, n, k, DTYPES[_dt(dtype)], DTYPES[_dt(out_dtype)], torch.device(device or "cuda"))
-    fns = {}
+    fns, tol = {}, tolerance(prob)
     for lab in labs:
         f = prob.fused(*parse_label(lab))
         try:
-            ok = prob.rel_err(f) <= 2e-2
+            ok = prob.rel_err(f) <= tol
         except RuntimeError as e:
             log.warning("flux kernel tuner: %s %s failed: %s", op, lab, e)
             ok = False
