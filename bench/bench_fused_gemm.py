@@ -98,7 +98,7 @@ def bench_shape(rec, args, dtype, out_dtype, sm, device=None):
     subset = {int(c) for c in args.configs.split(",")} if args.configs else None
     cfgs = [c for c in built if subset is None or c.id in subset]
     labs = K.variants(op, m, cfgs, [int(s) for s in args.swizzles.split(",")],
-                      [int(r) for r in args.rasters.split(",")])
+                      [int(r) for r in args.rasters.split(",")], n)
     own = K.label(*K.analytic_config(op, m_bucket(m), n, k, dtype, out_dtype, sm, built))
     served = K.label(*K.choose_config(op, m, n, k, dtype, out_dtype, device))
     labs += [x for x in dict.fromkeys([own, served]) if x not in labs]

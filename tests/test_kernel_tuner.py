@@ -137,7 +137,8 @@ def test_analytic_default_is_valid_for_every_grid_shape():
         c = {c.id: c for c in K.kernel_configs(r["op"], "bf16")}[cfg]
         assert raster == 1 and swz in (1, 2, 4, 8)
         assert swz == 1 or r["m"] % (c.cluster_m * swz * c.tile_m) == 0, r  # a band never pads M tiles
-        assert K.label(cfg, raster, swz) in K.variants(r["op"], r["m"], [c], swizzles=(1, 2, 4, 8)), r
+        assert swz == 1 or r["n"] % (c.cluster_n * swz * c.tile_n) == 0, r
+        assert K.label(cfg, raster, swz) in K.variants(r["op"], r["m"], [c], (1, 2, 4, 8), n=r["n"]), r
 
 
 def test_rule_whole_waves():
@@ -173,6 +174,9 @@ def test_rule_swizzle():
     assert K.analytic_config("ag", 256, 4096, 4096, configs=[c])[2] == 1  # fits in L2: no band
     assert K.analytic_config("ag", 16384, 14336, 8192, configs=[c])[2] == 8
     assert K.analytic_config("ag", 768, 53248, 16384, configs=[c])[2] == 1  # 6 M tiles: no band divides
+    assert K.analytic_config("ag", 8192, 5120, 8192, configs=[c])[2] == 4  # 20 N tiles: bands of 8 would pad to 24
+    # Padding to bands costs what it adds: 20 -> 24 N tiles, 10 -> 12 waves.
+    assert K.predict_s(c, "ag", 8192, 5120, 8192, 8) / K.predict_s(c, "ag", 8192, 5120, 8192, 1) == pytest.approx(1.2)
 
 
 def test_no_config_for_dtype_is_an_error():
