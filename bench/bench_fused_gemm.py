@@ -118,8 +118,10 @@ def bench_shape(rec, args, dtype, out_dtype, sm, device=None):
         try:
             f = prob.fused(cfg, raster, swz)
             v["rel_err"] = prob.rel_err(f)
+            if math.isinf(v["rel_err"]):
+                v["rel_err"], v["error"] = None, "output left NaN (tiles not written)"
         except RuntimeError as e:
-            v["rel_err"], v["error"] = None, str(e).splitlines()[0][:200]
+            v["rel_err"], v["error"] = None, (str(e).splitlines() or ["RuntimeError"])[0][:200]
         v["ok"] = v["rel_err"] is not None and v["rel_err"] <= tol
         if v["ok"]:
             fns[lab] = f

@@ -261,7 +261,7 @@ def test_shipped_kernel_files_load_and_name_built_configs():
 # ---- the benchmark's and the tuner's logic, kernels and CUDA timing faked on the CPU ----------
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    """torch.ops.flux's fused kernels as their meaning (config 2 of ag computes a wrong result),
+    """torch.ops.flux's fused kernels as their meaning (config 2 computes a wrong result (ag) or none (rs)),
     CUDA events and graphs as wall-clock calls: the code paths of a GPU run, no timings."""
     import time
 
@@ -271,7 +271,8 @@ def fake_gpu(monkeypatch):
         out.copy_(a.float() @ w.float().t() * (1.5 if config == 2 else 1.0))
 
     def rs(out, a, w, bias, src, flags, seg_rows, rank, peer, timeout, err, raster, swizzle, config):
-        out.copy_(a.float() @ w.float().t() + src.float())
+        if config != 2:  # config 2 of rs writes nothing
+            out.copy_(a.float() @ w.float().t() + src.float())
 
     def events_ms(run, spin=False):
         t0 = time.perf_counter()
@@ -298,7 +299,8 @@ def test_bench_shape_on_fakes(fake_gpu, op):
     labels = set(r["variants"])
     assert r["own"]["label"] in labels and r["served"] in labels
     wrong = {lab for lab, v in r["variants"].items() if not v["ok"]}
-    assert wrong == ({lab for lab in labels if lab.startswith("c2/")} if op == "ag" else set())
+    assert wrong == {lab for lab in labels if lab.startswith("c2/")} != set()
+    assert all(("error" in r["variants"][lab]) == (op == "rs") for lab in wrong)  # rs: output left NaN
     assert all(v["ms"]["loop"] is None for lab, v in r["variants"].items() if lab in wrong)
     assert all(r["best"][t]["label"] not in wrong for t in ("loop", "graph", "spin"))
     summ = bench.summarize([r])
