@@ -241,7 +241,8 @@ def main(argv=None):
     summ = summarize(results)
     doc = {"format": 1, "command": "python " + " ".join(shlex.quote(a) for a in sys.argv), "commit": commit(),
            "device": torch.cuda.get_device_name(), "sm_count": sm, "torch": torch.__version__,
-           "cuda": torch.version.cuda, "dtype": args.dtype, "out_dtype": "fp32" if args.out_dtype == "fp32" else args.dtype,
+           "cuda": torch.version.cuda, "dtype": args.dtype,
+           "out_dtype": "fp32" if args.out_dtype == "fp32" else args.dtype,
            "timings": list(TIMINGS),
            "configs": {op: {"source": K.config_source(op),
                             "list": [{"id": c.id, "tile": c.desc, "dtypes": [list(p) for p in c.dtypes]}

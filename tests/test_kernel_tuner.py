@@ -29,7 +29,8 @@ def _fresh(tmp_path, monkeypatch):
 
 
 def _bench_module():
-    spec = importlib.util.spec_from_file_location("bench_fused_gemm", os.path.join(REPO, "bench", "bench_fused_gemm.py"))
+    path = os.path.join(REPO, "bench", "bench_fused_gemm.py")
+    spec = importlib.util.spec_from_file_location("bench_fused_gemm", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

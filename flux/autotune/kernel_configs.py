@@ -62,9 +62,12 @@ class KernelConfig:
 
 # The configurations compiled today (csrc/ag_gemm/ag_gemm_fused_cfg*.cu, csrc/gemm_rs/rs_fused_cfg*.cu).
 _BUILTIN = {
-    "ag": [KernelConfig("ag", 0, 128, 256, 64, 2, 1, "cooperative"), KernelConfig("ag", 1, 256, 128, 64, 2, 1, "cooperative"),
-           KernelConfig("ag", 2, 128, 128, 64, 2, 1, "pingpong"), KernelConfig("ag", 3, 256, 128, 64, 1, 2, "cooperative")],
-    "rs": [KernelConfig("rs", 0, 128, 256, 64, 2, 1, "cooperative"), KernelConfig("rs", 1, 256, 128, 64, 2, 1, "cooperative"),
+    "ag": [KernelConfig("ag", 0, 128, 256, 64, 2, 1, "cooperative"),
+           KernelConfig("ag", 1, 256, 128, 64, 2, 1, "cooperative"),
+           KernelConfig("ag", 2, 128, 128, 64, 2, 1, "pingpong"),
+           KernelConfig("ag", 3, 256, 128, 64, 1, 2, "cooperative")],
+    "rs": [KernelConfig("rs", 0, 128, 256, 64, 2, 1, "cooperative"),
+           KernelConfig("rs", 1, 256, 128, 64, 2, 1, "cooperative"),
            KernelConfig("rs", 2, 256, 128, 64, 1, 2, "cooperative")],
 }
 
@@ -150,7 +153,8 @@ def _built_filter():
     out = set()
     for s in items:
         toks = [t for t in re.split(r"[^a-z0-9]+", s.lower()) if t]
-        ops = [_OP_ALIASES[t] for t in toks if t in _OP_ALIASES]  # 'ag_gemm' splits into 'ag', 'gemm'; 'gemm_rs' into 'gemm', 'rs'
+        # 'ag_gemm' splits into 'ag', 'gemm' and 'gemm_rs' into 'gemm', 'rs': the op is found either way.
+        ops = [_OP_ALIASES[t] for t in toks if t in _OP_ALIASES]
         ids = [int(t) for t in toks if t.isdigit()]
         dts = [_DT[t] for t in toks if t in _DT]
         if ops and ids:

@@ -15,7 +15,7 @@ that a loop does not time L2-resident operands.
 """
 import math
 import statistics
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Sequence
 
 import torch
 

@@ -92,7 +92,8 @@ def analytic_config(op: str, m: int, n: int, k: int, dtype="bf16", out_dtype=Non
                     configs: Optional[Sequence[KernelConfig]] = None) -> Tuple[int, int, int]:
     """(config, raster, swizzle) of least modelled time; near-ties (within 2%) go to the
     earlier configuration of the table. Swizzle: the widest band (<= 8) that pads no tile row
-    or column, where the operands exceed L2 (a band then reuses operand tiles in L2); else 1. Raster 1 (along N): the order the fused strategies depend on."""
+    or column, where the operands exceed L2 (a band then reuses operand tiles in L2); else 1.
+    Raster 1 (along N): the order the fused strategies depend on."""
     op = _op(op)
     out_dtype = out_dtype if out_dtype is not None else dtype
     cfgs = list(configs) if configs is not None else kernel_configs(op, dtype, out_dtype)
