@@ -317,3 +317,29 @@ def test_tune_on_fakes(fake_gpu):
     e = K.tune("ag", 256, 512, 256, torch.bfloat16, device=torch.device("cpu"), quick=True, cache=cache)
     assert not any(lab.startswith("c2/") for lab in e["loop_ms"])  # the wrong configuration is never timed
     assert e["choice"] in e["loop_ms"] and cache.get(K.entry_key("ag", 256, 512, 256, "bf16")) == e
+
+
+# ---- on a GPU: the real kernels -------------------------------------------------------------
+def _fused_on_gpu() -> bool:
+    from flux.runtime.extension import cuda_kernels_available
+
+    return cuda_kernels_available() and bool(torch.ops.flux.ag_gemm_fused_supported())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU and flux._C with the sm_90a fused kernels")
+@pytest.mark.parametrize("op,shape", [("ag", "1024x4096x3072"), ("ag", "256x8192x1280"), ("rs", "512x1792x4096"),
+                                      ("rs", "32x512x4096")])
+def test_gpu_every_config_correct_and_tuned(op, shape, tmp_path):
+    if not _fused_on_gpu():
+        pytest.skip("flux._C without the sm_90a fused kernels")
+    bench = _bench_module()
+    args = bench.parse_args(["--op", op, "--shapes", shape, "--quick", "--swizzles", "1,2,8"])
+    r = bench.bench_shape(bench.problems(args)[0], args, torch.bfloat16, torch.bfloat16,
+                          torch.cuda.get_device_properties(0).multi_processor_count)
+    bad = {lab: (v["rel_err"], v.get("error")) for lab, v in r["variants"].items() if not v["ok"]}
+    assert not bad, bad
+    assert all(v["ms"]["loop"] and v["ms"]["graph"] for v in r["variants"].values())
+    m, k, n = map(int, shape.split("x"))
+    cache = K.KernelCache(K.gpu_key()[0], str(tmp_path))
+    e = K.tune(op, m, n, k, torch.bfloat16, quick=True, cache=cache)
+    assert K.cached_choice(cache, op, m, n, k, "bf16", "bf16") == K.parse_label(e["choice"])
