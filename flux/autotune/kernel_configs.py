@@ -162,13 +162,21 @@ def _built_filter():
     return out or None
 
 
-_CONFIGS: Dict[str, Tuple[List[KernelConfig], str]] = {}
+_CONFIGS: Dict[str, Tuple[List[KernelConfig], str, bool]] = {}
+
+
+def _extension_loaded() -> bool:
+    try:
+        getattr(torch.ops.flux, "ag_gemm_fused_")
+        return True
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def kernel_configs(op: str, dtype=None, out_dtype=None) -> List[KernelConfig]:
     """The configurations of ``op`` built for (dtype -> out_dtype) (all of them without dtypes)."""
     op = _op(op)
-    if op not in _CONFIGS:
+    if op not in _CONFIGS or not _CONFIGS[op][2]:
         cfgs, source = _from_table(op)
         if cfgs is None:
             cfgs = _BUILTIN[op]
@@ -182,7 +190,8 @@ def kernel_configs(op: str, dtype=None, out_dtype=None) -> List[KernelConfig]:
                 if pairs:
                     keep.append(dataclasses.replace(c, dtypes=pairs))
             cfgs = keep
-        _CONFIGS[op] = (cfgs, source)
+        # Kept once flux._C is loaded (its answer is final); read again until then.
+        _CONFIGS[op] = (cfgs, source, _extension_loaded())
     cfgs = _CONFIGS[op][0]
     if dtype is None:
         return list(cfgs)
