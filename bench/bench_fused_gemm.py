@@ -1,131 +1,259 @@
-"""A fused kernel alone on one GPU, against cuBLAS, with every peer's data already in place
-(flags set), so only the GEMM, its epilogue and its tile order are measured:
-
-    python bench/bench_fused_gemm.py [--op ag|rs] [--world 2] [--shapes MxKxN,...]
-
---op ag (default): the fused AG+GEMM kernel over all M rows against torch.mm.
---op rs: the fused GEMM+RS own-block kernel (world size 2) on one rank's block of a public RS
-shape (each rank's GEMM at two ranks): M/2 of its rows, all K, its epilogue adding the peer's partial (a random tensor here),
-against torch.mm alone and torch.mm followed by the addition (what `decomposed` does).
-
-For each shape: cuBLAS and the fused kernel's configurations under several rasters and swizzle
-sizes, median of 20 CUDA-event timings after warm-up, and the relative difference of the
-outputs. Prints a table; --out writes JSON.
+"""The fused GEMM kernels alone on one GPU (every flag set: nothing waits) against cuBLAS:
+    python bench/bench_fused_gemm.py --out fused.json    # model grid, both ops (~3-5 min, H200)
+    python bench/bench_fused_gemm.py --op ag --shapes 4096x8192x14336 [--configs 0,2] [--quick]
+Shapes are the kernel's own MxKxN (flux/autotune/model_grid.py): --grid models (default) = every AG
+(QKV, FC1) and RS (O-proj, FC2) GEMM of Llama-3 8B/70B/405B at TP 2/4/8, M in {256 .. 16384}; ag
+runs all M gathered rows, rs one rank's block of M/TP rows adding the peer's partial (random) in its
+epilogue. Baselines: torch.mm into the output dtype ('cublas'); rs also mm then the add ('cublas_add').
+Protocol: correctness first (random data, NaN-poisoned output, relative error of sampled rows vs an
+fp32 reference; above max(2 x cuBLAS's error, 1e-3) a config is reported, never timed); then all
+calls interleaved round by round, median over rounds after warm-up, timed as loop (calls back to
+back, events around the loop), graph (that loop as a CUDA graph, replayed) and spin (one call behind
+a GPU spin: a kernel-time diagnostic, never the headline); inputs rotate among 2-4 sets where one set
+fits in L2. Without a GPU it prints one line and exits 1.
+JSON (--out, stable): {"format": 1, "command", "commit", "device", "sm_count", "torch", "cuda",
+ "dtype", "out_dtype", "timings": ["loop", "graph", "spin"], "configs": {op: {"source", "list": [{"id",
+ "tile", "dtypes"}]}}, "results": [{"op", "m", "n", "k", "layers", "flop", "input_sets",
+ "calls_per_sample", "rounds", "tolerance", "cublas" (rs: and "cublas_add"): {"ms": {timing: ms},
+ "tflops": {timing: TFLOP/s}, "rel_err"}, "own" (the analytic default): {"label", "ms", "tflops",
+ "vs_cublas": {timing: ratio}}, "served" (choose_config's label: tuned cache, else analytic), "best":
+ {timing: {"label", "ms", "vs_cublas"}}, "variants": {"c<id>/r<raster>/s<swizzle>": {"config",
+ "raster", "swizzle", "tile", "ms", "tflops", "rel_err", "ok", "error"?}}}], "summary": {op: {timing:
+ {"shapes", "own_within_2pct", "own_within_5pct", "best_within_2pct", "best_within_5pct", "own_wrong",
+ "geomean_own_over_cublas", "geomean_best_over_cublas", "geomean_own_over_best"}}}}; untimed = null.
 """
 import argparse
 import json
+import math
+import os
 import shlex
-import statistics
+import subprocess
 import sys
 
 import torch
 
-import flux  # noqa: F401  (loads flux._C)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIMINGS = ("loop", "graph", "spin")
+HEADLINE = ("loop", "graph")
 
 
-def time_ms(fn, iters=20, warmup=5):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(1_000_000)  # queue the call behind a spin: no launch gap in the timing
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
-def main():
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--op", choices=("ag", "rs"), default="ag")
-    p.add_argument("--world", type=int, default=2)
-    p.add_argument("--shapes", default=None, help="MxKxN,... (default: the op's public suite without the "
-                                                  "smallest shapes)")
-    p.add_argument("--segments", type=int, default=8, help="--op rs: segments of the peer's partial")
+    p.add_argument("--op", choices=("ag", "rs"), default=None, help="default: both")
+    p.add_argument("--shapes", default=None, help="MxKxN,... (the kernel's own rows); needs --op")
+    p.add_argument("--grid", choices=("models",), default=None)
+    p.add_argument("--models", default=None, help="--grid subset: llama3-8b,llama3-70b,llama3-405b")
+    p.add_argument("--tp", default=None, help="--grid subset of TP sizes, e.g. 8")
+    p.add_argument("--m", default=None, help="--grid subset of M (rows of the whole batch)")
+    p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    p.add_argument("--out-dtype", nargs="?", const="fp32", choices=("fp32", "same"), default="same",
+                   help="fp32: fp32 output (the kernels' fp32-out variants); default: the input dtype")
+    p.add_argument("--configs", default=None, help="configuration ids to time, e.g. 0,2 (default: all built)")
+    p.add_argument("--swizzles", default="1,8")
+    p.add_argument("--rasters", default="1", help="1 along N (as the strategies launch), 2 along M, 0 CUTLASS's")
+    p.add_argument("--quick", action="store_true", help="shorter samples, 3 rounds")
     p.add_argument("--out", default=None)
-    args = p.parse_args()
-    if args.op == "rs":
-        return main_rs(args)
-    args.shapes = args.shapes or ("8192x8192x14336,8192x8192x5120,4096x8192x14336,16384x8192x4096,"
-                                  "2048x8192x8192,512x8192x14336")
-    dev = torch.device("cuda", 0)
-    flags = torch.ones(args.world, dtype=torch.int32, device=dev)
-    # (name, raster, swizzle, configuration): 1 = along N, 0 = CUTLASS's heuristic, 2 = along M.
-    variants = [("c0N8", 1, 8, 0), ("c0N1", 1, 1, 0), ("c1N8", 1, 8, 1), ("c1N1", 1, 1, 1),
-                ("c2N8", 1, 8, 2), ("c2N1", 1, 1, 2), ("c3N8", 1, 8, 3), ("c3N4", 1, 4, 3), ("c3N1", 1, 1, 3)]
-    rows_out = []
-    print(f"{'shape':>18} {'cuBLAS':>8} " + " ".join(f"{v[0]:>8}" for v in variants))
-    for shape in args.shapes.split(","):
-        m, k, n = map(int, shape.split("x"))
-        a = torch.randn(m, k, device=dev, dtype=torch.bfloat16) * 0.1
-        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.1
-        ref = torch.mm(a, w.t())
-        t_ref = time_ms(lambda: torch.mm(a, w.t()))
-        rec = {"shape": shape, "cublas_ms": t_ref, "variants": {}}
-        cells = []
-        for name, raster, swz, cfg in variants:
-            out = torch.full((m, n), float("nan"), device=dev, dtype=torch.bfloat16)
-            call = lambda: torch.ops.flux.ag_gemm_fused_(out, a, w, None, flags, 1 % args.world, args.world,
-                                                         m // args.world, 10000, 0, raster, swz, cfg)
-            call()
-            torch.cuda.synchronize()
-            err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-            t = time_ms(call)
-            rec["variants"][name] = {"ms": t, "rel_err": err, "vs_cublas": t / t_ref}
-            cells.append(f"{t:8.3f}" + ("!" if err > 1e-2 else ""))
-        print(f"{shape:>18} {t_ref:8.3f} " + " ".join(cells), flush=True)
-        rows_out.append(rec)
-    write(args, rows_out)
+    args = p.parse_args(argv)
+    if args.shapes and not args.op:
+        p.error("--shapes needs --op")
+    if not args.shapes and not args.grid:
+        args.grid = "models"
+    return args
 
 
-def main_rs(args):
-    if args.world != 2:
-        raise SystemExit("bench_fused_gemm --op rs: the fused RS kernel folds one peer's partial (--world 2)")
-    shapes = args.shapes or "8192x14336x8192,8192x4096x8192,4096x14336x8192,2048x8192x8192,512x8192x8192"
-    dev = torch.device("cuda", 0)
-    flags = torch.ones(args.segments, dtype=torch.int32, device=dev)
-    # (name, swizzle, configuration), raster along N as the strategy launches it.
-    variants = [("c0s1", 1, 0), ("c0s8", 8, 0), ("c1s1", 1, 1), ("c1s8", 8, 1), ("c2s1", 1, 2), ("c2s8", 8, 2)]
-    rows_out = []
-    print(f"{'shape':>18} {'rows':>6} {'mm':>8} {'mm+add':>8} " + " ".join(f"{v[0]:>8}" for v in variants))
-    for shape in shapes.split(","):
-        m_all, k_all, n = map(int, shape.split("x"))
-        m, k = m_all // 2, k_all  # one rank's own block at world size 2
-        a = torch.randn(m, k, device=dev, dtype=torch.bfloat16) * 0.1
-        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.1
-        src = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
-        ref = torch.mm(a, w.t()).float() + src.float()
-        buf = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
-        t_mm = time_ms(lambda: torch.mm(a, w.t(), out=buf))
-        t_mm_add = time_ms(lambda: torch.add(torch.mm(a, w.t(), out=buf), src, out=buf))
-        rec = {"shape": shape, "rows": m, "k_local": k, "cublas_ms": t_mm, "cublas_add_ms": t_mm_add,
-               "variants": {}}
-        seg_rows = -(-m // args.segments)
-        cells = []
-        for name, swz, cfg in variants:
-            out = torch.full((m, n), float("nan"), device=dev, dtype=torch.bfloat16)
-            call = lambda: torch.ops.flux.gemm_rs_fused_(out, a, w, None, src, flags, seg_rows, 0, 1, 10000, 0,
-                                                         1, swz, cfg)
-            call()
-            torch.cuda.synchronize()
-            err = ((out.float() - ref).norm() / ref.norm()).item()
-            t = time_ms(call)
-            rec["variants"][name] = {"ms": t, "rel_err": err, "vs_cublas": t / t_mm, "vs_cublas_add": t / t_mm_add}
-            cells.append(f"{t:8.3f}" + ("!" if err > 1e-2 else ""))
-        print(f"{shape:>18} {m:6d} {t_mm:8.3f} {t_mm_add:8.3f} " + " ".join(cells), flush=True)
-        rows_out.append(rec)
-    write(args, rows_out)
+def problems(args):
+    from flux.autotune.model_grid import MODELS, M_ROWS, TP_SIZES, model_grid, parse_shapes
+
+    ops = [args.op] if args.op else ["ag", "rs"]
+    recs = []
+    if args.grid:
+        models = args.models.split(",") if args.models else list(MODELS)
+        tps = [int(t) for t in args.tp.split(",")] if args.tp else TP_SIZES
+        ms = [int(m) for m in args.m.split(",")] if args.m else M_ROWS
+        recs += model_grid(ops, models, tps, ms)
+    if args.shapes:
+        recs += parse_shapes(args.op, args.shapes)
+    return recs
 
 
-def write(args, rows_out):
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              timeout=10).stdout.strip() or os.environ.get("FLUX_COMMIT", "unknown")
+    except (OSError, subprocess.SubprocessError):
+        return os.environ.get("FLUX_COMMIT", "unknown")
+
+
+def _ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def bench_shape(rec, args, dtype, out_dtype, sm, device=None):
+    from flux.autotune import kernels as K
+    from flux.autotune.kernel_timing import KernelProblem, estimate_ms, plan_sampling, time_calls
+    from flux.autotune.space import m_bucket
+
+    op, m, n, k = rec["op"], rec["m"], rec["n"], rec["k"]
+    built = K.kernel_configs(op, dtype, out_dtype)
+    subset = {int(c) for c in args.configs.split(",")} if args.configs else None
+    cfgs = [c for c in built if subset is None or c.id in subset]
+    labs = K.variants(op, m, cfgs, [int(s) for s in args.swizzles.split(",")],
+                      [int(r) for r in args.rasters.split(",")], n)
+    own = K.label(*K.analytic_config(op, m_bucket(m), n, k, dtype, out_dtype, sm, built))
+    served = K.label(*K.choose_config(op, m, n, k, dtype, out_dtype, device))
+    labs += [x for x in dict.fromkeys([own, served]) if x not in labs]
+    prob = KernelProblem(op, m, n, k, dtype, out_dtype, device or torch.device("cuda"))
+    base = {"cublas": prob.cublas()}
+    if op == "rs":
+        base["cublas_add"] = prob.cublas(add=True)
+    out = dict(rec, flop=prob.flop, input_sets=prob.n_sets, served=served)
+    errs = {name: prob.rel_err(fns, with_partial=name != "cublas") for name, fns in base.items()}
+    tol = max(2 * max(errs.values()), 1e-3)
+    out["tolerance"] = tol
+    desc = {c.id: c.desc for c in built}
+    var, fns = {}, {}
+    for lab in labs:
+        cfg, raster, swz = K.parse_label(lab)
+        v = {"config": cfg, "raster": raster, "swizzle": swz, "tile": desc[cfg]}
+        try:
+            f = prob.fused(cfg, raster, swz)
+            v["rel_err"] = prob.rel_err(f)
+            if math.isinf(v["rel_err"]):
+                v["rel_err"], v["error"] = None, "output left NaN (tiles not written)"
+        except RuntimeError as e:
+            v["rel_err"], v["error"] = None, (str(e).splitlines() or ["RuntimeError"])[0][:200]
+        v["ok"] = v["rel_err"] is not None and v["rel_err"] <= tol
+        if v["ok"]:
+            fns[lab] = f
+        var[lab] = v
+    t_est = estimate_ms(base["cublas"])
+    calls, rounds = plan_sampling(t_est, args.quick)
+    out.update(calls_per_sample=calls, rounds=rounds)
+    t = time_calls({**base, **fns}, calls, rounds, TIMINGS, settle=t_est < 1.0)
+
+    def tflops(ms):
+        return {tm: (prob.flop / (v * 1e-3) / 1e12 if v else None) for tm, v in ms.items()}
+
+    for name in base:
+        out[name] = {"ms": t[name], "tflops": tflops(t[name]), "rel_err": errs[name]}
+    cub = t["cublas"]
+    for lab, v in var.items():
+        v["ms"] = t.get(lab, {tm: None for tm in TIMINGS})
+        v["tflops"] = tflops(v["ms"])
+    out["variants"] = var
+    own_ms = var[own]["ms"]
+    out["own"] = {"label": own, "ms": own_ms, "tflops": var[own]["tflops"],
+                  "vs_cublas": {tm: _ratio(own_ms[tm], cub[tm]) for tm in TIMINGS}}
+    out["best"] = {}
+    for tm in TIMINGS:
+        timed = {lab: v["ms"][tm] for lab, v in var.items() if v["ms"][tm] is not None}
+        if timed:
+            b = min(timed, key=timed.get)
+            out["best"][tm] = {"label": b, "ms": timed[b], "vs_cublas": _ratio(timed[b], cub[tm])}
+        else:
+            out["best"][tm] = {"label": None, "ms": None, "vs_cublas": None}
+    del prob, fns, base
+    return out
+
+
+def summarize(results):
+    summ = {}
+    for op in sorted({r["op"] for r in results}):
+        summ[op] = {}
+        rs = [r for r in results if r["op"] == op]
+        for tm in TIMINGS:
+            own = [r["own"]["vs_cublas"][tm] for r in rs if r["own"]["vs_cublas"][tm]]
+            best = [r["best"][tm]["vs_cublas"] for r in rs if r["best"][tm]["vs_cublas"]]
+            ob = [r["own"]["ms"][tm] / r["best"][tm]["ms"] for r in rs
+                  if r["own"]["ms"][tm] and r["best"][tm]["ms"]]
+
+            def gm(xs):
+                return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+            summ[op][tm] = {"shapes": len(rs), "own_within_2pct": sum(x <= 1.02 for x in own),
+                            "own_within_5pct": sum(x <= 1.05 for x in own),
+                            "best_within_2pct": sum(x <= 1.02 for x in best),
+                            "best_within_5pct": sum(x <= 1.05 for x in best),
+                            "geomean_own_over_cublas": gm(own), "geomean_best_over_cublas": gm(best),
+                            "geomean_own_over_best": gm(ob),
+                            "own_wrong": sum(not r["variants"][r["own"]["label"]]["ok"] for r in rs)}
+    return summ
+
+
+def _f(x, fmt="8.3f"):
+    return format(x, fmt) if x is not None else " " * (int(fmt.split(".")[0]) - 1) + "-"
+
+
+def print_table(results, summ):
+    print(f"\n{'op':2} {'M':>6} {'K':>6} {'N':>6} | {'cuBLAS loop/graph':>17} | {'own':>9} {'loop/graph':>15} | "
+          f"{'best loop/graph':>15} {'(label)':>10} | own/cuB l g  best/cuB l g")
+    for r in results:
+        c, o = r["cublas"]["ms"], r["own"]
+        b = r["best"]
+        print(f"{r['op']:2} {r['m']:6d} {r['k']:6d} {r['n']:6d} | {_f(c['loop'])} {_f(c['graph'])} | "
+              f"{o['label']:>9} {_f(o['ms']['loop'], '7.3f')} {_f(o['ms']['graph'], '7.3f')} | "
+              f"{_f(b['loop']['ms'], '7.3f')} {_f(b['graph']['ms'], '7.3f')} {str(b['graph']['label']):>10} | "
+              f"{_f(o['vs_cublas']['loop'], '5.3f')} {_f(o['vs_cublas']['graph'], '5.3f')}  "
+              f"{_f(b['loop']['vs_cublas'], '5.3f')} {_f(b['graph']['vs_cublas'], '5.3f')}")
+    for op, per in summ.items():
+        for tm, s in per.items():
+            tag = "" if tm in HEADLINE else " (diagnostic)"
+            print(f"summary {op} {tm}{tag}: {s['shapes']} shapes; own choice within 2%/5% of cuBLAS: "
+                  f"{s['own_within_2pct']}/{s['own_within_5pct']}; best config: {s['best_within_2pct']}/"
+                  f"{s['best_within_5pct']}; geomean own/cuBLAS {_f(s['geomean_own_over_cublas'], '5.3f')}, "
+                  f"best/cuBLAS {_f(s['geomean_best_over_cublas'], '5.3f')}, own/best "
+                  f"{_f(s['geomean_own_over_best'], '5.3f')}")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_fused_gemm: needs a CUDA GPU and flux._C with the sm_90a fused kernels (no GPU visible); "
+              "nothing run")
+        return 1
+    sys.path.insert(0, REPO)
+    import flux  # noqa: F401  (loads flux._C)
+    from flux.autotune import kernels as K
+    from flux.autotune.kernel_timing import DTYPES
+    from flux.runtime.extension import cuda_kernels_available
+
+    if not (cuda_kernels_available() and bool(torch.ops.flux.ag_gemm_fused_supported())):
+        print("bench_fused_gemm: flux._C with the sm_90a fused kernels is not built or not loaded; nothing run")
+        return 1
+    dtype = DTYPES[args.dtype]
+    out_dtype = torch.float32 if args.out_dtype == "fp32" else dtype
+    sm = torch.cuda.get_device_properties(0).multi_processor_count
+    recs = problems(args)
+    ops = sorted({r["op"] for r in recs})
+    for op in ops:
+        if not K.kernel_configs(op, dtype, out_dtype):
+            print(f"bench_fused_gemm: no {op} configuration built for {args.dtype} -> "
+                  f"{'fp32' if args.out_dtype == 'fp32' else args.dtype}; nothing run")
+            return 1
+    torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference stays fp32
+    results = []
+    for i, rec in enumerate(recs):
+        r = bench_shape(rec, args, dtype, out_dtype, sm)
+        results.append(r)
+        bad = [lab for lab, v in r["variants"].items() if not v["ok"]]
+        print(f"[{i + 1}/{len(recs)}] {r['op']} {r['m']}x{r['k']}x{r['n']}: cuBLAS {_f(r['cublas']['ms']['loop'])} "
+              f"own {r['own']['label']} {_f(r['own']['ms']['loop'])} best {r['best']['loop']['label']} "
+              f"{_f(r['best']['loop']['ms'])} ms (loop)" + (f"  WRONG: {','.join(bad)}" if bad else ""), flush=True)
+    summ = summarize(results)
+    doc = {"format": 1, "command": "python " + " ".join(shlex.quote(a) for a in sys.argv), "commit": commit(),
+           "device": torch.cuda.get_device_name(), "sm_count": sm, "torch": torch.__version__,
+           "cuda": torch.version.cuda, "dtype": args.dtype,
+           "out_dtype": "fp32" if args.out_dtype == "fp32" else args.dtype,
+           "timings": list(TIMINGS),
+           "configs": {op: {"source": K.config_source(op),
+                            "list": [{"id": c.id, "tile": c.desc, "dtypes": [list(p) for p in c.dtypes]}
+                                     for c in K.kernel_configs(op)]} for op in ops},
+           "results": results, "summary": summ}
     if args.out:
-        json.dump({"command": "python " + " ".join(shlex.quote(a) for a in sys.argv), "op": args.op,
-                   "device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": rows_out},
-                  open(args.out, "w"), indent=1)
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=1)
+    print_table(results, summ)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,0 +1,201 @@
+"""One fused kernel alone on one GPU: inputs, launches with every flag set, correctness, timing.
+
+Shared by the kernel tuner (flux/autotune/kernels.py) and bench/bench_fused_gemm.py.
+Problems are the kernel's own (m, n, k): ag runs all gathered rows against its N columns of
+the weight; rs runs one rank's block of rows and adds the peer's partial (``src``).
+
+Timings, each the median over rounds (all calls interleaved round by round, so that a drift
+of clocks or temperature spreads over all of them):
+  loop   ``calls`` launches back to back between two CUDA events, ms per call;
+  graph  that loop captured in a CUDA graph and replayed, ms per call;
+  spin   one launch queued behind a GPU spin of SPIN_CYCLES (kernel time from a cool start,
+         host cost hidden): a diagnostic, never a headline.
+Where one input set fits in L2 the launches rotate among several sets (and outputs), so
+that a loop does not time L2-resident operands.
+"""
+import math
+import statistics
+from typing import Callable, Dict, List, Sequence
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+L2_BYTES = 60 << 20  # H100/H200 L2 is 50/60 MB: rotate sets while one set is below this
+SPIN_CYCLES = 1_000_000
+TIMEOUT_MS = 10000
+RS_SEGMENTS = 8  # segments of the peer's partial, as the fused RS strategy signals them
+MAX_REF_ROWS = 2048
+
+
+class KernelProblem:
+    """Input sets and a sampled fp32 reference of one (op, m, n, k, dtype, out_dtype)."""
+
+    def __init__(self, op: str, m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dtype,
+                 device: torch.device, max_sets: int = 4, seed: int = 0):
+        self.op, self.m, self.n, self.k, self.dtype, self.out_dtype = op, m, n, k, dtype, out_dtype
+        el, oel = torch.empty(0, dtype=dtype).element_size(), torch.empty(0, dtype=out_dtype).element_size()
+        in_bytes = (m * k + n * k) * el + (m * n * oel if op == "rs" else 0)
+        self.n_sets = 1 if in_bytes > L2_BYTES else max(2, min(max_sets, math.ceil(2 * L2_BYTES / in_bytes)))
+        g = torch.Generator(device=device).manual_seed(seed)
+        self.sets = []
+        for _ in range(self.n_sets):
+            # Unit-variance outputs: a ~ N(0, 1), w ~ N(0, 1/k).
+            s = {"a": torch.randn(m, k, device=device, dtype=dtype, generator=g),
+                 "w": (torch.randn(n, k, device=device, dtype=torch.float32, generator=g) / math.sqrt(k)).to(dtype),
+                 "out": torch.empty(m, n, device=device, dtype=out_dtype)}
+            if op == "rs":
+                s["src"] = torch.randn(m, n, device=device, dtype=out_dtype, generator=g)
+            self.sets.append(s)
+        step = max(1, m // MAX_REF_ROWS)
+        self.rows = torch.arange(0, m, step, device=device)[:MAX_REF_ROWS]
+        s0 = self.sets[0]
+        self.ref_mm = s0["a"][self.rows].float() @ s0["w"].float().t()
+        self.ref = self.ref_mm + s0["src"][self.rows].float() if op == "rs" else self.ref_mm
+        self.ag_flags = torch.ones(2, dtype=torch.int32, device=device)
+        self.rs_flags = torch.ones(RS_SEGMENTS, dtype=torch.int32, device=device)
+
+    @property
+    def flop(self) -> int:
+        return 2 * self.m * self.n * self.k
+
+    def fused(self, config: int, raster: int, swizzle: int) -> List[Callable[[], None]]:
+        """One launcher per input set of the fused kernel (every flag set: nothing waits)."""
+        fns = []
+        for s in self.sets:
+            if self.op == "ag":
+                world = 2 if self.m % 2 == 0 else 1
+                fns.append(lambda s=s, w=world: torch.ops.flux.ag_gemm_fused_(
+                    s["out"], s["a"], s["w"], None, self.ag_flags, 0, w, self.m // w, TIMEOUT_MS, 0,
+                    raster, swizzle, config))
+            else:
+                seg_rows = -(-self.m // RS_SEGMENTS)
+                fns.append(lambda s=s, r=seg_rows: torch.ops.flux.gemm_rs_fused_(
+                    s["out"], s["a"], s["w"], None, s["src"], self.rs_flags, r, 0, 1, TIMEOUT_MS, 0,
+                    raster, swizzle, config))
+        return fns
+
+    def cublas(self, add: bool = False) -> List[Callable[[], None]]:
+        """torch.mm into the output (in the output dtype), then (``add``) the peer's partial added."""
+        fns = []
+        for s in self.sets:
+            if self.out_dtype == self.dtype:
+                def mm(s=s):
+                    torch.mm(s["a"], s["w"].t(), out=s["out"])
+            elif self._mm_out_dtype():
+                def mm(s=s):
+                    torch.mm(s["a"], s["w"].t(), out_dtype=self.out_dtype, out=s["out"])
+            else:  # a torch without mm(out_dtype=): the product rounded to the input dtype, widened
+                def mm(s=s):
+                    s["out"].copy_(torch.mm(s["a"], s["w"].t()))
+            if add:
+                fns.append(lambda s=s, mm=mm: (mm(), s["out"].add_(s["src"])))
+            else:
+                fns.append(mm)
+        return fns
+
+    def _mm_out_dtype(self) -> bool:
+        s = self.sets[0]
+        try:
+            tiny = torch.empty(8, 8, device=s["a"].device, dtype=self.out_dtype)
+            torch.mm(s["a"][:8], s["w"][:8].t(), out_dtype=self.out_dtype, out=tiny)
+            return True
+        except (RuntimeError, TypeError):
+            return False
+
+    def rel_err(self, fns: Sequence[Callable[[], None]], with_partial: bool = True) -> float:
+        """Run set 0's launcher on a NaN-poisoned output; relative error of the sampled rows
+        against the fp32 reference (rs: with the peer's partial added unless not ``with_partial``);
+        inf where any output element stayed NaN."""
+        out = self.sets[0]["out"]
+        out.fill_(float("nan"))
+        fns[0]()
+        torch.cuda.synchronize()
+        if torch.isnan(out).any().item():
+            return math.inf
+        got = out[self.rows].float()
+        ref = self.ref if with_partial else self.ref_mm
+        return ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def tolerance(problem: KernelProblem) -> float:
+    """The error a fused launch may have: twice cuBLAS's on the same problem in the same
+    precision (rs: torch.mm then the addition of the partial), at least 1e-3."""
+    err = problem.rel_err(problem.cublas(add=problem.op == "rs"))
+    return max(2 * err, 1e-3)
+
+
+def loop_of(fns: Sequence[Callable[[], None]], calls: int) -> Callable[[], None]:
+    def loop():
+        for i in range(calls):
+            fns[i % len(fns)]()
+    return loop
+
+
+def capture(loop: Callable[[], None]):
+    """``loop`` captured in a CUDA graph (warmed up on a side stream), or None if it cannot be."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            loop()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            loop()
+        return g
+    except Exception:  # noqa: BLE001  (graph timing is then missing for this call, recorded as None)
+        torch.cuda.synchronize()
+        return None
+
+
+def _events_ms(run: Callable[[], None], spin: bool = False) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    if spin:
+        torch.cuda._sleep(SPIN_CYCLES)
+    start.record()
+    run()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def estimate_ms(fns: Sequence[Callable[[], None]]) -> float:
+    """A first reading of one call (after a warm-up call), to size the loops."""
+    fns[0]()
+    return _events_ms(loop_of(fns, 3)) / 3
+
+
+def plan_sampling(t_ms: float, quick: bool = False):
+    """(calls per sample, rounds): samples of ~2 ms (1 ms quick), at least 2 calls; fewer
+    rounds where a sample is long, so that the largest problems stay within the time budget."""
+    target = 1.0 if quick else 2.0
+    calls = max(2, min(64, round(target / max(t_ms, 1e-4))))
+    rounds = 3 if quick or calls * t_ms > 5.0 else 5
+    return calls, rounds
+
+
+def time_calls(variants: Dict[str, Sequence[Callable[[], None]]], calls: int, rounds: int,
+               timings: Sequence[str] = ("loop", "graph", "spin"), settle: bool = True) -> Dict[str, Dict]:
+    """{label: {timing: median ms per call or None}} for every variant, rounds interleaved.
+    ``settle``: one untimed call of a variant before its samples of each round (its operands
+    after the previous variant's)."""
+    loops = {lab: loop_of(fns, calls) for lab, fns in variants.items()}
+    for lab, fns in variants.items():
+        fns[0]()
+    graphs = {lab: capture(loops[lab]) if "graph" in timings else None for lab in variants}
+    samples = {lab: {t: [] for t in timings} for lab in variants}
+    for _ in range(rounds):
+        for lab, fns in variants.items():
+            if settle:
+                fns[-1]()
+            if "loop" in timings:
+                samples[lab]["loop"].append(_events_ms(loops[lab]) / calls)
+            if "graph" in timings and graphs[lab] is not None:
+                samples[lab]["graph"].append(_events_ms(graphs[lab].replay) / calls)
+            if "spin" in timings:
+                samples[lab]["spin"].append(_events_ms(fns[0], spin=True))
+    del graphs
+    return {lab: {t: (statistics.median(v) if v else None) for t, v in d.items()} for lab, d in samples.items()}

@@ -1,0 +1,334 @@
+"""Configuration choice for the fused CUTLASS kernels (csrc/ag_gemm/, csrc/gemm_rs/) on one GPU.
+
+``choose_config(op, m, n, k, dtype, out_dtype, device) -> (config, raster, swizzle)``, where
+m is the kernel's own rows (ag: all gathered rows; rs: one rank's block), returns in order:
+a tuned choice from the kernel cache of this GPU model (the user's file, then the shipped
+one in flux/autotune/shipped/), else the analytic default (``analytic_config``).
+
+Cache: kernels-<hash of "kernels|<GPU name>|sm<SMs>">.json in the strategy caches' directories
+($FLUX_CACHE_DIR or ~/.cache/flux/; shipped: flux/autotune/shipped/), cache.TuneCache's format, entries keyed
+"<op>|<dtype>|<out dtype>|m<M bucket>|n<N>|k<K>" holding {"choice": "c<id>/r<raster>/s<swizzle>",
+"config": "<tile/cluster/schedule>", "default": label, "loop_ms": {...}, "graph_ms": {...}}; a
+choice whose configuration is no longer built with the same tile, cluster and schedule is ignored.
+
+The configurations come from flux/ops/fused_configs.py where that table exists, else from the
+built-in list of the four AG and three RS bf16 configurations (``kernel_configs``).
+
+CLI (one GPU): python -m flux.autotune.kernels --grid models [--op ag|rs] [--ship]; or, without a GPU,
+from a bench/bench_fused_gemm.py JSON: python -m flux.autotune.kernels --from-bench FILE [--ship]
+"""
+import argparse
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import sys
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from flux.autotune import cache as cache_mod
+from flux.autotune.cache import GENERATION, TuneCache
+from flux.autotune.kernel_configs import OPS, KernelConfig, _dt, _op, config_source, kernel_configs  # noqa: F401
+from flux.autotune.kernel_configs import reset as kernel_configs_reset
+from flux.autotune.space import m_bucket
+
+log = logging.getLogger("flux")
+MARGIN = 0.01  # a tuned configuration must beat the analytic default by more than 1% to replace it
+
+
+# ---- analytic default -------------------------------------------------------------------
+# A roofline per wave of a persistent kernel on ``sm`` SMs. Constants are H100/H200 SXM class:
+# ~780 TFLOP/s sustained bf16 on 132 SMs, ~3.3 TB/s sustained HBM.
+SM_FLOPS = 780e12 / 132
+HBM_BW = 3.3e12
+SWIZZLES = (1, 2, 4, 8)
+
+
+def _tile_eff(c: KernelConfig) -> float:
+    """Tensor-core efficiency of a tile's mainloop: 128x256 and 256x128 tiles keep both consumer
+    warpgroups on 64+ rows of wide MMAs; a cooperative 128x128 halves each warpgroup's MMA;
+    a ping-pong 128x128 gives each warpgroup a whole tile (less operand reuse than 128x256)."""
+    area = c.tile_m * c.tile_n
+    if area >= 128 * 256:
+        return 1.0
+    if area >= 128 * 128:
+        return 0.93 if c.schedule == "pingpong" else 0.88
+    return 0.75
+
+
+def predict_s(c: KernelConfig, op: str, m: int, n: int, k: int, swizzle: int = 1, in_bytes: int = 2,
+              out_bytes: int = 2, sm: int = 132) -> float:
+    """Modelled seconds of one launch of ``c`` (raster along N). Counted: padded tiles as work
+    (tile rows and columns are rounded up to whole bands of cluster * swizzle tiles: the AG
+    scheduler pads M so, CUTLASS's persistent scheduler both; 8192x8192x5120 AG, 20 N tiles
+    padded to 24, ran 1.31x slower with swizzle 8 than with 1 on an H200), whole
+    waves of the persistent grid, the epilogue's HBM traffic per tile (cooperative: after its
+    mainloop; ping-pong: overlapped with the other warpgroup's mainloop), and the whole
+    kernel's HBM traffic at a bandwidth that falls where few CTAs hold useful tiles."""
+    tiles_m, tiles_n = math.ceil(m / c.tile_m), math.ceil(n / c.tile_n)
+    bm, bn = c.cluster_m * swizzle, c.cluster_n * swizzle
+    pm, pn = math.ceil(tiles_m / bm) * bm, math.ceil(tiles_n / bn) * bn
+    ctas = (sm // (c.cluster_m * c.cluster_n)) * c.cluster_m * c.cluster_n
+    waves = math.ceil(pm * pn / ctas)
+    mainloop = 2.0 * c.tile_m * c.tile_n * k / (SM_FLOPS * _tile_eff(c))
+    # The epilogue stores (and for rs first loads the peer's partial of) the tile's real rows only.
+    epi_bytes = min(c.tile_m, m) * c.tile_n * (out_bytes * (2 if op == "rs" else 1))
+    epilogue = epi_bytes / (HBM_BW / sm)
+    if c.schedule == "pingpong":
+        t_compute = waves * max(mainloop, epilogue) + min(mainloop, epilogue)
+    else:
+        t_compute = waves * (mainloop + epilogue)
+    real = tiles_m * tiles_n
+    useful = min(real, ctas) if pm * pn <= ctas else ctas * real / (pm * pn)
+    bw = HBM_BW * min(1.0, useful / (0.5 * ctas))  # half the SMs' loads in flight saturate HBM
+    hbm = (m * k + n * k) * in_bytes + m * n * out_bytes * (2 if op == "rs" else 1)
+    return max(t_compute, hbm / bw)
+
+
+def analytic_config(op: str, m: int, n: int, k: int, dtype="bf16", out_dtype=None, sm_count: int = 132,
+                    configs: Optional[Sequence[KernelConfig]] = None) -> Tuple[int, int, int]:
+    """(config, raster, swizzle) of least modelled time; near-ties (within 2%) go to the
+    earlier configuration of the table. Swizzle: the widest band (<= 8) that pads no tile row
+    or column, where the operands exceed L2 (a band then reuses operand tiles in L2); else 1.
+    Raster 1 (along N): the order the fused strategies depend on."""
+    op = _op(op)
+    out_dtype = out_dtype if out_dtype is not None else dtype
+    cfgs = list(configs) if configs is not None else kernel_configs(op, dtype, out_dtype)
+    if not cfgs:
+        raise ValueError(f"fused {op}: no configuration built for {_dt(dtype)} -> {_dt(out_dtype)}")
+    ib, ob = (4 if _dt(dtype) == "fp32" else 2), (4 if _dt(out_dtype) == "fp32" else 2)
+    big = (m * k + n * k) * ib > (60 << 20)
+    best = None
+    for c in cfgs:
+        swz = 1
+        if big:
+            tiles_m, tiles_n = math.ceil(m / c.tile_m), math.ceil(n / c.tile_n)
+            for s in (8, 4, 2):
+                if tiles_m % (c.cluster_m * s) == 0 and tiles_n % (c.cluster_n * s) == 0:
+                    swz = s
+                    break
+        t = predict_s(c, op, m, n, k, swz, ib, ob, sm_count)
+        if best is None or t < best[0] * 0.98:
+            best = (t, c.id, swz)
+    return best[1], 1, best[2]
+
+
+# ---- cache and choice -------------------------------------------------------------------
+def gpu_key(device=None) -> Tuple[str, int]:
+    """(cache key, SM count) of a CUDA device; ('kernels|cpu|sm132', 132) without one."""
+    if device is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device is None or torch.device(device).type != "cuda":
+        return "kernels|cpu|sm132", 132
+    p = torch.cuda.get_device_properties(torch.device(device))
+    return f"kernels|{p.name}|sm{p.multi_processor_count}", p.multi_processor_count
+
+
+def entry_key(op: str, m: int, n: int, k: int, dtype, out_dtype=None) -> str:
+    return f"{_op(op)}|{_dt(dtype)}|{_dt(out_dtype if out_dtype is not None else dtype)}|m{m_bucket(m)}|n{n}|k{k}"
+
+
+def label(config: int, raster: int, swizzle: int) -> str:
+    return f"c{config}/r{raster}/s{swizzle}"
+
+
+def parse_label(s: str) -> Tuple[int, int, int]:
+    mm = re.fullmatch(r"c(\d+)/r(\d+)/s(\d+)", s)
+    if not mm:
+        raise ValueError(f"not a kernel configuration label: {s!r}")
+    return int(mm[1]), int(mm[2]), int(mm[3])
+
+
+def file_name(key: str) -> str:
+    """kernels-<hash>.json: beside the strategy caches (tune-<hash>.json), in the same directories."""
+    return "kernels-" + hashlib.sha1(key.encode()).hexdigest()[:16] + ".json"
+
+
+class KernelCache(TuneCache):
+    """TuneCache's format and precedence (the user's file over the shipped one) for the kernel
+    choices of one GPU model, in files named by ``file_name``."""
+
+    def __init__(self, key: str, directory: Optional[str] = None):
+        self.topology_key = key
+        self.path = os.path.join(directory or cache_mod.cache_dir(), file_name(key))
+        self.shipped = cache_mod._load(os.path.join(cache_mod.SHIPPED_DIR, file_name(key)), key, check_version=False)
+        self.user = cache_mod._load(self.path, key, check_version=True)
+
+
+_caches: Dict[Tuple[str, Optional[str]], KernelCache] = {}
+_memo: Dict[tuple, Tuple[int, int, int]] = {}
+
+
+def kernel_cache(key: str, directory: Optional[str] = None) -> KernelCache:
+    if (key, directory) not in _caches:
+        _caches[(key, directory)] = KernelCache(key, directory)
+    return _caches[(key, directory)]
+
+
+def reset() -> None:
+    """Forget loaded caches, remembered choices and the configuration list (tests, new files)."""
+    _caches.clear()
+    _memo.clear()
+    kernel_configs_reset()
+
+
+def cached_choice(cache: TuneCache, op, m, n, k, dtype, out_dtype) -> Optional[Tuple[int, int, int]]:
+    e = cache.get(entry_key(op, m, n, k, dtype, out_dtype))
+    if not e:
+        return None
+    try:
+        cfg, raster, swz = parse_label(e["choice"])
+    except (KeyError, ValueError, TypeError):
+        return None
+    valid = {c.id: c.desc for c in kernel_configs(op, dtype, out_dtype)}
+    return (cfg, raster, swz) if valid.get(cfg) == e.get("config") else None
+
+
+def choose_config(op: str, m: int, n: int, k: int, dtype=torch.bfloat16, out_dtype=None,
+                  device=None) -> Tuple[int, int, int]:
+    """(config id, raster, swizzle) for the fused ``op`` kernel running m x n x k (m: the
+    kernel's rows, ag: all gathered rows, rs: one rank's block) from ``dtype`` to ``out_dtype``
+    on ``device``: the cached tuned choice, else the analytic default. Raises ValueError when no
+    configuration is built for these dtypes (the fused strategy is then ineligible)."""
+    out_dtype = out_dtype if out_dtype is not None else dtype
+    key, sm = gpu_key(device)
+    memo = (GENERATION[0], _op(op), m_bucket(m), n, k, _dt(dtype), _dt(out_dtype), key)
+    if memo not in _memo:
+        got = cached_choice(kernel_cache(key), op, m, n, k, dtype, out_dtype)
+        _memo[memo] = got or analytic_config(op, m_bucket(m), n, k, dtype, out_dtype, sm)
+    return _memo[memo]
+
+
+# ---- tuning (one GPU) -----------------------------------------------------------------------
+def variants(op: str, m: int, configs: Sequence[KernelConfig], swizzles=(1, 8), rasters=(1,),
+             n: int = 0) -> List[str]:
+    """Labels to time: each configuration with each raster and swizzle whose bands of tiles
+    (cluster * swizzle) do not exceed the problem's M (and N, where given): a larger band
+    only pads the grid."""
+    out = []
+    for c in configs:
+        for r in rasters:
+            for s in swizzles:
+                if s == 1 or (m >= c.cluster_m * s * c.tile_m and n >= c.cluster_n * s * c.tile_n):
+                    out.append(label(c.id, r, s))
+    return out
+
+
+def make_entry(loop_ms: Dict[str, float], graph_ms: Dict[str, float], default: str, descs: Dict[int, str]) -> dict:
+    """A cache entry from loop and graph timings (ms per call by label): the fastest by their
+    mean (loop alone where a graph was not timed), unless within MARGIN of ``default``."""
+    mean = {lab: (t + graph_ms[lab]) / 2 if graph_ms.get(lab) is not None else t
+            for lab, t in loop_ms.items() if t is not None}
+    best = min(mean, key=mean.get)
+    if default in mean and mean[best] >= mean[default] * (1 - MARGIN):
+        best = default
+    return {"choice": best, "config": descs[parse_label(best)[0]], "default": default,
+            "loop_ms": {lab: t for lab, t in loop_ms.items() if t is not None},
+            "graph_ms": {lab: t for lab, t in graph_ms.items() if t is not None}}
+
+
+def tune(op: str, m: int, n: int, k: int, dtype=torch.bfloat16, out_dtype=None, device=None, quick=False,
+         cache: Optional[TuneCache] = None) -> dict:
+    """Time every variant of ``op`` alone (all flags set) in loop and graph timing and store the
+    entry (``make_entry``) in ``cache`` (default: this GPU's); the entry."""
+    from flux.autotune.kernel_timing import DTYPES, KernelProblem, estimate_ms, plan_sampling, time_calls, tolerance
+
+    out_dtype = out_dtype if out_dtype is not None else dtype
+    key, sm = gpu_key(device)
+    cache = cache if cache is not None else kernel_cache(key)
+    cfgs = kernel_configs(op, dtype, out_dtype)
+    default = label(*analytic_config(op, m, n, k, dtype, out_dtype, sm, cfgs))
+    labs = variants(op, m, cfgs, n=n)
+    labs = labs + [default] if default not in labs else labs
+    prob = KernelProblem(_op(op), m, n, k, DTYPES[_dt(dtype)], DTYPES[_dt(out_dtype)], torch.device(device or "cuda"))
+    fns, tol = {}, tolerance(prob)
+    for lab in labs:
+        f = prob.fused(*parse_label(lab))
+        try:
+            ok = prob.rel_err(f) <= tol
+        except RuntimeError as e:
+            log.warning("flux kernel tuner: %s %s failed: %s", op, lab, e)
+            ok = False
+        if ok:
+            fns[lab] = f
+    if not fns:
+        raise RuntimeError(f"fused {op} {m}x{n}x{k}: no configuration computed the right result")
+    calls, rounds = plan_sampling(estimate_ms(next(iter(fns.values()))), quick)
+    t = time_calls(fns, calls, rounds, ("loop", "graph"))
+    entry = make_entry({lab: v["loop"] for lab, v in t.items()}, {lab: v["graph"] for lab, v in t.items()},
+                       default, {c.id: c.desc for c in cfgs})
+    cache.put(entry_key(op, m, n, k, dtype, out_dtype), entry)
+    return entry
+
+
+def entries_from_bench(doc: dict) -> Tuple[str, Dict[str, dict]]:
+    """(GPU cache key, entries) from bench/bench_fused_gemm.py's JSON: the same choice as
+    ``tune`` from the bench's loop and graph timings of each shape (no GPU needed)."""
+    key = f"kernels|{doc['device']}|sm{doc['sm_count']}"
+    entries = {}
+    for r in doc["results"]:
+        loop = {lab: v["ms"]["loop"] for lab, v in r["variants"].items() if v["ok"]}
+        if not any(t is not None for t in loop.values()):
+            continue
+        graph = {lab: v["ms"]["graph"] for lab, v in r["variants"].items() if v["ok"]}
+        descs = {v["config"]: v["tile"] for v in r["variants"].values()}
+        entries[entry_key(r["op"], r["m"], r["n"], r["k"], doc["dtype"], doc["out_dtype"])] = make_entry(
+            loop, graph, r["own"]["label"], descs)
+    return key, entries
+
+
+def main(argv=None) -> int:
+    from flux.autotune.model_grid import model_grid, parse_shapes
+
+    p = argparse.ArgumentParser(prog="python -m flux.autotune.kernels", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--grid", choices=("models",), default=None)
+    p.add_argument("--shapes", default=None, help="MxKxN,... (the kernel's own rows, K, N)")
+    p.add_argument("--op", choices=OPS, default=None, help="default: both")
+    p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    p.add_argument("--out-dtype", choices=("same", "fp32"), default="same")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--ship", action="store_true", help="write into flux/autotune/shipped/ instead of the user cache")
+    p.add_argument("--from-bench", default=None, metavar="JSON",
+                   help="make the entries from bench/bench_fused_gemm.py's output instead of timing (no GPU)")
+    args = p.parse_args(argv)
+    directory = cache_mod.SHIPPED_DIR if args.ship else None
+    if args.from_bench:
+        with open(args.from_bench) as f:
+            key, entries = entries_from_bench(json.load(f))
+        cache = KernelCache(key, directory)
+        cache.user = {**(cache.shipped if args.ship else cache.user), **entries}
+        print(f"wrote {len(entries)} entries to {cache.save()}")
+        return 0
+    if not torch.cuda.is_available():
+        print("flux.autotune.kernels: needs a CUDA GPU (none visible); nothing tuned")
+        return 1
+    from flux.runtime.extension import cuda_kernels_available
+
+    if not (cuda_kernels_available() and bool(torch.ops.flux.ag_gemm_fused_supported())):
+        print("flux.autotune.kernels: flux._C with the sm_90a fused kernels is not built/loaded; nothing tuned")
+        return 1
+    ops = [args.op] if args.op else list(OPS)
+    probs = (model_grid(ops) if args.grid else []) + [r for op in ops for r in parse_shapes(op, args.shapes or "")]
+    out_dtype = args.dtype if args.out_dtype == "same" else "fp32"
+    key, _ = gpu_key()
+    cache = KernelCache(key, directory)
+    if args.ship:
+        cache.user = {**cache.shipped, **cache.user}
+    done = set()
+    for r in probs:
+        ek = entry_key(r["op"], r["m"], r["n"], r["k"], args.dtype, out_dtype)
+        if ek in done:
+            continue
+        done.add(ek)
+        e = tune(r["op"], m_bucket(r["m"]), r["n"], r["k"], args.dtype, out_dtype, quick=args.quick, cache=cache)
+        print(f"{ek:44s} {e['choice']:>12s} (default {e['default']})", flush=True)
+    print(f"wrote {len(done)} entries to {cache.save()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

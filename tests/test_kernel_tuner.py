@@ -1,0 +1,345 @@
+"""The fused kernels' configuration choice without a GPU: the model grid's shapes, the
+configuration table adapter, the analytic default's rules, the kernel cache (round trip,
+precedence, shipped files, entries from a benchmark JSON) and the benchmark's exit without a GPU."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+from flux.autotune import cache as cache_mod
+from flux.autotune import kernel_configs as KC
+from flux.autotune import kernels as K
+from flux.autotune.model_grid import model_grid, parse_shapes
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True)
+def _fresh(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLUX_CACHE_DIR", str(tmp_path / "user"))
+    monkeypatch.delitem(sys.modules, "flux.ops.fused_configs", raising=False)
+    K.reset()
+    yield
+    K.reset()
+
+
+def _bench_module():
+    path = os.path.join(REPO, "bench", "bench_fused_gemm.py")
+    spec = importlib.util.spec_from_file_location("bench_fused_gemm", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# ---- the grid ------------------------------------------------------------------------------
+def test_model_grid_shapes():
+    g = model_grid()
+    keys = {(r["op"], r["m"], r["n"], r["k"]) for r in g}
+    assert len(keys) == len(g)  # listed once
+    for op in ("ag", "rs"):  # 3 models x 3 TP x 4 M x 2 layers per op
+        assert sum(len(r["layers"]) for r in g if r["op"] == op) == 72
+    assert ("ag", 256, 3072, 4096) in keys          # 8B QKV, TP 2: (32 + 16) * 128 / 2, K = hidden
+    assert ("ag", 16384, 7168, 8192) in keys        # 70B FC1, TP 8: 2 * 28672 / 8
+    assert ("ag", 4096, 2 * 53248 // 4, 16384) in keys  # 405B FC1, TP 4
+    assert ("ag", 1024, (128 + 16) * 128 // 8, 16384) in keys  # 405B QKV, TP 8
+    assert ("rs", 32, 4096, 512) in keys            # 8B O-proj, TP 8, M = 256: 32 rows of the block
+    assert ("rs", 4096, 16384, 53248 // 4) in keys  # 405B FC2, TP 4, M = 16384
+    assert ("rs", 8192, 8192, 28672 // 2) in keys   # 70B FC2, TP 2, M = 16384
+    rec = next(r for r in g if (r["op"], r["m"], r["n"], r["k"]) == ("rs", 32, 4096, 512))
+    assert rec["layers"] == ["llama3-8b tp8 oproj M=256"]
+    assert all(r["m"] in (256, 1024, 4096, 16384) for r in g if r["op"] == "ag")
+
+
+def test_bench_grid_and_shapes_match_the_builder():
+    bench = _bench_module()
+    assert bench.problems(bench.parse_args(["--grid", "models"])) == model_grid()
+    sub = bench.problems(bench.parse_args(["--op", "rs", "--grid", "models", "--tp", "8", "--m", "256"]))
+    assert {(r["m"], r["n"], r["k"]) for r in sub} == {(32, 4096, 512), (32, 4096, 1792), (32, 8192, 1024),
+                                                       (32, 8192, 3584), (32, 16384, 2048), (32, 16384, 6656)}
+    assert parse_shapes("ag", "128x8192x14336") == [{"op": "ag", "m": 128, "n": 14336, "k": 8192,
+                                                       "layers": ["custom 128x8192x14336"]}]
+    with pytest.raises(ValueError):
+        parse_shapes("ag", "128x8192")
+
+
+def test_bench_without_gpu_says_so_in_one_line():
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=REPO)
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "bench", "bench_fused_gemm.py"), "--quick"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 1
+    assert proc.stdout.strip().count("\n") == 0 and "needs a CUDA GPU" in proc.stdout
+
+
+# ---- the configuration table adapter ----------------------------------------------------------
+def test_builtin_configs_without_a_table():
+    ag, rs = K.kernel_configs("ag"), K.kernel_configs("gemm_rs")
+    assert [c.id for c in ag] == [0, 1, 2, 3] and [c.id for c in rs] == [0, 1, 2]
+    assert "built-in" in K.config_source("ag")
+    assert ag[2].schedule == "pingpong" and (ag[3].cluster_m, ag[3].cluster_n) == (1, 2)
+    assert K.kernel_configs("ag", torch.bfloat16) == ag and K.kernel_configs("ag", torch.float16) == []
+    assert K.kernel_configs("ag", "bf16", torch.float32) == []
+
+
+def _fake_table(monkeypatch, **attrs):
+    mod = types.ModuleType("flux.ops.fused_configs")
+    for k, v in attrs.items():
+        setattr(mod, k, v)
+    monkeypatch.setitem(sys.modules, "flux.ops.fused_configs", mod)
+    K.reset()
+
+
+def test_table_as_dicts(monkeypatch):
+    _fake_table(monkeypatch, CONFIGS={
+        "ag": [{"id": 0, "tile": (128, 256, 64), "cluster": (2, 1), "schedule": "cooperative",
+                "dtypes": [("bf16", "bf16"), ("bf16", "fp32")]},
+               {"id": 5, "tile": "64x256x64", "cluster": "1x2", "schedule": "KernelTmaWarpSpecializedPingpong",
+                "dtypes": ["fp16->fp16", "bf16"]}],
+        "rs": []})
+    ag = K.kernel_configs("ag")
+    assert K.config_source("ag") == "flux.ops.fused_configs"
+    assert (ag[1].tile_m, ag[1].tile_n, ag[1].cluster_n, ag[1].schedule) == (64, 256, 2, "pingpong")
+    assert [c.id for c in K.kernel_configs("ag", "bf16", "fp32")] == [0]
+    assert [c.id for c in K.kernel_configs("ag", torch.float16)] == [5]
+    assert [c.id for c in K.kernel_configs("ag", "bf16")] == [0, 5]
+    assert [c.id for c in K.kernel_configs("rs")] == [0, 1, 2]  # an empty table list: the built-in one
+
+
+def test_table_as_function_of_objects_and_built_filter(monkeypatch):
+    cfg = types.SimpleNamespace
+    _fake_table(monkeypatch, configs=lambda op: [cfg(id=i, tile_m=128, tile_n=128 * (i + 1), tile_k=64, cluster_m=2,
+                                                     cluster_n=1, schedule="cooperative", dtypes=None)
+                                                 for i in range(3)])
+    assert [c.id for c in K.kernel_configs("rs")] == [0, 1, 2]
+    monkeypatch.setattr(torch.ops.flux, "fused_kernels_built", lambda: ["rs:0", "gemm_rs:2:bf16:bf16", "ag:1"],
+                        raising=False)
+    K.reset()
+    assert [c.id for c in K.kernel_configs("rs")] == [0, 2] and [c.id for c in K.kernel_configs("ag")] == [1]
+
+
+def test_unreadable_table_falls_back(monkeypatch):
+    _fake_table(monkeypatch, CONFIGS={"ag": [{"tile": "nonsense"}]})
+    assert [c.id for c in K.kernel_configs("ag")] == [0, 1, 2, 3]
+    assert "unreadable" in K.config_source("ag")
+
+
+# ---- the analytic default ------------------------------------------------------------------
+def _cfg(i, tm, tn, cm=1, cn=1, sched="cooperative"):
+    return KC.KernelConfig("ag", i, tm, tn, 64, cm, cn, sched)
+
+
+def test_analytic_default_is_valid_for_every_grid_shape():
+    for r in model_grid():
+        cfg, raster, swz = K.choose_config(r["op"], r["m"], r["n"], r["k"], torch.bfloat16)
+        c = {c.id: c for c in K.kernel_configs(r["op"], "bf16")}[cfg]
+        assert raster == 1 and swz in (1, 2, 4, 8)
+        assert swz == 1 or r["m"] % (c.cluster_m * swz * c.tile_m) == 0, r  # a band never pads M tiles
+        assert swz == 1 or r["n"] % (c.cluster_n * swz * c.tile_n) == 0, r
+        assert K.label(cfg, raster, swz) in K.variants(r["op"], r["m"], [c], (1, 2, 4, 8), n=r["n"]), r
+
+
+def test_rule_whole_waves():
+    """A tile count one past a whole wave of 132 SMs costs a second wave."""
+    c = _cfg(0, 128, 256)
+    one = K.predict_s(c, "ag", 128 * 12, 256 * 11, 8192)        # 132 tiles
+    two = K.predict_s(c, "ag", 128 * 12, 256 * 11 + 8, 8192)    # 144 tiles
+    assert two / one > 1.8
+    # Between two configurations, the one whose tiles fill whole waves wins.
+    a, b = _cfg(0, 128, 256), _cfg(1, 256, 128)
+    m, n = 128 * 11, 256 * 12  # a: 11 x 12 = 132 tiles (1 wave); b: 6 x 24 = 144 (2 waves, padded rows)
+    assert K.analytic_config("ag", m, n, 8192, configs=[b, a])[0] == 0
+
+
+def test_rule_cluster_padding_small_m():
+    """With one M tile a 2x1 cluster pads a second, idle M tile into every cluster: 1x2 wins."""
+    c21, c12 = _cfg(0, 128, 256, 2, 1), _cfg(1, 128, 256, 1, 2)
+    assert K.analytic_config("ag", 128, 256 * 132, 4096, configs=[c21, c12])[0] == 1
+    # Many M tiles: no padding, the tie goes to the table's first.
+    assert K.analytic_config("ag", 8192, 8192, 8192, configs=[c21, c12])[0] == 0
+
+
+def test_rule_pingpong_for_shallow_k():
+    """Shallow K (rs O-proj at TP 8): the epilogue (store + the peer's partial) rivals the
+    mainloop, and ping-pong hides it behind the other warpgroup's mainloop; deep K: wide tiles."""
+    coop, pp = _cfg(0, 128, 256, 2, 1), _cfg(1, 128, 128, 2, 1, "pingpong")
+    assert K.analytic_config("rs", 2048, 8192, 1024, configs=[coop, pp])[0] == 1
+    assert K.analytic_config("ag", 8192, 8192, 8192, configs=[coop, pp])[0] == 0
+
+
+def test_rule_swizzle():
+    c = _cfg(0, 128, 256, 2, 1)
+    assert K.analytic_config("ag", 256, 4096, 4096, configs=[c])[2] == 1  # fits in L2: no band
+    assert K.analytic_config("ag", 16384, 14336, 8192, configs=[c])[2] == 8
+    assert K.analytic_config("ag", 768, 53248, 16384, configs=[c])[2] == 1  # 6 M tiles: no band divides
+    assert K.analytic_config("ag", 8192, 5120, 8192, configs=[c])[2] == 4  # 20 N tiles: bands of 8 would pad to 24
+    # Padding to bands costs what it adds: 20 -> 24 N tiles, 10 -> 12 waves.
+    assert K.predict_s(c, "ag", 8192, 5120, 8192, 8) / K.predict_s(c, "ag", 8192, 5120, 8192, 1) == pytest.approx(1.2)
+
+
+def test_no_config_for_dtype_is_an_error():
+    with pytest.raises(ValueError, match="no configuration built"):
+        K.choose_config("ag", 1024, 4096, 4096, torch.float16)
+
+
+# ---- the cache ------------------------------------------------------------------------------
+def _entry(choice, desc):
+    return {"choice": choice, "config": desc, "default": "c0/r1/s1", "loop_ms": {choice: 1.0}, "graph_ms": {}}
+
+
+def test_cache_round_trip_and_precedence(tmp_path, monkeypatch):
+    monkeypatch.setattr(cache_mod, "SHIPPED_DIR", str(tmp_path / "shipped"))
+    key, _ = K.gpu_key(torch.device("cpu"))
+    desc3 = K.kernel_configs("ag")[3].desc
+    assert K.choose_config("ag", 4096, 14336, 8192) == K.analytic_config("ag", 4096, 14336, 8192)
+    # shipped file (another flux version: shipped files are read regardless)
+    shipped = K.KernelCache(key, str(tmp_path / "shipped"))
+    shipped.put(K.entry_key("ag", 4096, 14336, 8192, "bf16"), _entry("c3/r1/s4", desc3))
+    shipped.put(K.entry_key("ag", 1024, 14336, 8192, "bf16"), _entry("c3/r1/s1", "999x1x1/1x1/coop"))  # stale
+    path = shipped.save()
+    assert os.path.basename(path).startswith("kernels-")
+    data = json.load(open(path))
+    data["flux"] = "0.0.0-other"
+    json.dump(data, open(path, "w"))
+    K.reset()
+    assert K.choose_config("ag", 4096, 14336, 8192) == (3, 1, 4)
+    assert K.choose_config("ag", 3000, 14336, 8192) == (3, 1, 4)  # same M bucket (4096)
+    assert K.choose_config("ag", 1024, 14336, 8192) == K.analytic_config("ag", 1024, 14336, 8192)  # stale ignored
+    # the user's file wins over the shipped one, and survives a reload
+    user = K.kernel_cache(key)
+    user.put(K.entry_key("ag", 4096, 14336, 8192, "bf16"), _entry("c1/r1/s8", K.kernel_configs("ag")[1].desc))
+    user.save()
+    K.reset()
+    assert K.choose_config("ag", 4096, 14336, 8192) == (1, 1, 8)
+
+
+def test_entries_from_bench_and_cli(tmp_path, monkeypatch):
+    monkeypatch.setattr(cache_mod, "SHIPPED_DIR", str(tmp_path / "shipped"))
+    descs = {c.id: c.desc for c in K.kernel_configs("rs")}
+
+    def var(cfg, swz, loop, graph, ok=True):
+        return {"config": cfg, "raster": 1, "swizzle": swz, "tile": descs[cfg], "ok": ok,
+                "ms": {"loop": loop, "graph": graph, "spin": loop}}
+    doc = {"device": "NVIDIA H200", "sm_count": 132, "dtype": "bf16", "out_dtype": "bf16", "results": [
+        {"op": "rs", "m": 2048, "n": 8192, "k": 4096, "own": {"label": "c0/r1/s1"},
+         "variants": {"c0/r1/s1": var(0, 1, 1.00, 1.00), "c1/r1/s1": var(1, 1, 0.995, 0.995),  # within the margin
+                      "c2/r1/s1": var(2, 1, 0.5, 0.5, ok=False)}},                            # wrong: never chosen
+        {"op": "rs", "m": 4096, "n": 8192, "k": 4096, "own": {"label": "c0/r1/s1"},
+         "variants": {"c0/r1/s1": var(0, 1, 1.0, 1.0), "c2/r1/s8": var(2, 8, 0.9, None)}}]}
+    key, entries = K.entries_from_bench(doc)
+    assert key == "kernels|NVIDIA H200|sm132"
+    assert entries["rs|bf16|bf16|m2048|n8192|k4096"]["choice"] == "c0/r1/s1"
+    assert entries["rs|bf16|bf16|m4096|n8192|k4096"]["choice"] == "c2/r1/s8"
+    src = tmp_path / "bench.json"
+    src.write_text(json.dumps(doc))
+    assert K.main(["--from-bench", str(src), "--ship"]) == 0
+    files = os.listdir(tmp_path / "shipped")
+    assert files == [K.file_name(key)]
+    got = K.KernelCache(key)
+    assert got.get("rs|bf16|bf16|m4096|n8192|k4096")["choice"] == "c2/r1/s8"
+    assert K.cached_choice(got, "rs", 4096, 8192, 4096, "bf16", "bf16") == (2, 1, 8)
+
+
+def test_shipped_kernel_files_load_and_name_built_configs():
+    """Every shipped kernel file (none until measured) loads for its key, and every choice
+    names a configuration built today with the tile it was measured with."""
+    for name in os.listdir(cache_mod.SHIPPED_DIR):
+        if not name.startswith("kernels-"):
+            continue
+        data = json.load(open(os.path.join(cache_mod.SHIPPED_DIR, name)))
+        assert name == K.file_name(data["topology"])
+        cache = K.KernelCache(data["topology"])
+        assert len(cache.shipped) == len(data["entries"]) > 0
+        for ek, e in cache.shipped.items():
+            op, dt, out = ek.split("|")[:3]
+            descs = {c.id: c.desc for c in K.kernel_configs(op, dt, out)}
+            assert descs.get(K.parse_label(e["choice"])[0]) == e["config"], ek
+
+
+# ---- the benchmark's and the tuner's logic, kernels and CUDA timing faked on the CPU ----------
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """torch.ops.flux's fused kernels as their meaning (config 2 computes a wrong result (ag) or none (rs)),
+    CUDA events and graphs as wall-clock calls: the code paths of a GPU run, no timings."""
+    import time
+
+    from flux.autotune import kernel_timing as KT
+
+    def ag(out, a, w, bias, flags, rank, world, rows, timeout, err, raster, swizzle, config):
+        out.copy_(a.float() @ w.float().t() * (1.5 if config == 2 else 1.0))
+
+    def rs(out, a, w, bias, src, flags, seg_rows, rank, peer, timeout, err, raster, swizzle, config):
+        if config != 2:  # config 2 of rs writes nothing
+            out.copy_(a.float() @ w.float().t() + src.float())
+
+    def events_ms(run, spin=False):
+        t0 = time.perf_counter()
+        run()
+        return (time.perf_counter() - t0) * 1e3
+
+    monkeypatch.setattr(torch.ops.flux, "ag_gemm_fused_", ag, raising=False)
+    monkeypatch.setattr(torch.ops.flux, "gemm_rs_fused_", rs, raising=False)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(KT, "_events_ms", events_ms)
+    monkeypatch.setattr(KT, "capture", lambda loop: types.SimpleNamespace(replay=loop))
+    monkeypatch.setattr(KT, "L2_BYTES", 1 << 20)  # the small shapes below rotate input sets
+
+
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_bench_shape_on_fakes(fake_gpu, op):
+    bench = _bench_module()
+    args = bench.parse_args(["--op", op, "--shapes", "256x256x512", "--quick"])
+    rec = bench.problems(args)[0]
+    r = bench.bench_shape(rec, args, torch.bfloat16, torch.bfloat16, 132, torch.device("cpu"))
+    assert r["input_sets"] >= 2
+    assert set(r["cublas"]["ms"]) == {"loop", "graph", "spin"} and r["cublas"]["rel_err"] < 1e-2
+    assert ("cublas_add" in r) == (op == "rs")
+    labels = set(r["variants"])
+    assert r["own"]["label"] in labels and r["served"] in labels
+    wrong = {lab for lab, v in r["variants"].items() if not v["ok"]}
+    assert wrong == {lab for lab in labels if lab.startswith("c2/")} != set()
+    assert all(("error" in r["variants"][lab]) == (op == "rs") for lab in wrong)  # rs: output left NaN
+    assert all(v["ms"]["loop"] is None for lab, v in r["variants"].items() if lab in wrong)
+    assert all(r["best"][t]["label"] not in wrong for t in ("loop", "graph", "spin"))
+    summ = bench.summarize([r])
+    assert summ[op]["graph"]["shapes"] == 1 and summ[op]["loop"]["geomean_best_over_cublas"] > 0
+    bench.print_table([r], summ)
+    key, entries = K.entries_from_bench({"device": "x", "sm_count": 132, "dtype": "bf16", "out_dtype": "bf16",
+                                         "results": [r]})
+    assert list(entries) == [K.entry_key(op, 256, 512, 256, "bf16")]
+
+
+def test_tune_on_fakes(fake_gpu):
+    cache = K.KernelCache("kernels|cpu|sm132")
+    e = K.tune("ag", 256, 512, 256, torch.bfloat16, device=torch.device("cpu"), quick=True, cache=cache)
+    assert not any(lab.startswith("c2/") for lab in e["loop_ms"])  # the wrong configuration is never timed
+    assert e["choice"] in e["loop_ms"] and cache.get(K.entry_key("ag", 256, 512, 256, "bf16")) == e
+
+
+# ---- on a GPU: the real kernels -------------------------------------------------------------
+def _fused_on_gpu() -> bool:
+    from flux.runtime.extension import cuda_kernels_available
+
+    return cuda_kernels_available() and bool(torch.ops.flux.ag_gemm_fused_supported())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU and flux._C with the sm_90a fused kernels")
+@pytest.mark.parametrize("op,shape", [("ag", "1024x4096x3072"), ("ag", "256x8192x1280"), ("rs", "512x1792x4096"),
+                                      ("rs", "32x512x4096")])
+def test_gpu_every_config_correct_and_tuned(op, shape, tmp_path):
+    if not _fused_on_gpu():
+        pytest.skip("flux._C without the sm_90a fused kernels")
+    bench = _bench_module()
+    args = bench.parse_args(["--op", op, "--shapes", shape, "--quick", "--swizzles", "1,2,8"])
+    r = bench.bench_shape(bench.problems(args)[0], args, torch.bfloat16, torch.bfloat16,
+                          torch.cuda.get_device_properties(0).multi_processor_count)
+    bad = {lab: (v["rel_err"], v.get("error")) for lab, v in r["variants"].items() if not v["ok"]}
+    assert not bad, bad
+    assert all(v["ms"]["loop"] and v["ms"]["graph"] for v in r["variants"].values())
+    m, k, n = map(int, shape.split("x"))
+    cache = K.KernelCache(K.gpu_key()[0], str(tmp_path))
+    e = K.tune(op, m, n, k, torch.bfloat16, quick=True, cache=cache)
+    assert K.cached_choice(cache, op, m, n, k, "bf16", "bf16") == K.parse_label(e["choice"])
