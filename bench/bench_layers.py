@@ -311,6 +311,9 @@ def init_distributed(cpu: bool):
     if cpu:
         dist.init_process_group("gloo")
         return torch.device("cpu"), torch.float32
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{os.path.basename(sys.argv[0])}: no CUDA device here; add --cpu for a gloo smoke run "
+                         "on the CPU (timings need GPUs)")
     local = int(os.environ.get("LOCAL_RANK", "0"))
     dev = torch.device("cuda", local % torch.cuda.device_count())
     torch.cuda.set_device(dev)
