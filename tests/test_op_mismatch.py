@@ -8,8 +8,8 @@ check's header, is what tells them apart. Then every rank makes a good call on t
 show that it still works. A rank that skips a call (and stays alive) makes its peers fail after
 FLUX_CHECK_TIMEOUT_S (2 s here, on a fresh group, which the skip leaves out of step).
 
-GPU part (skipped without a CUDA device): tests/gpu_worker.py's "mismatch-ops" case, ranks
-sharing the GPU over gloo (FLUX_GLOO_CUDA=1), the same pairs with CUDA tensors.
+GPU part (skipped without a CUDA device): tests/gpu_worker.py's "bad-ops-differ" case, two ranks
+sharing the GPU over gloo (FLUX_GLOO_CUDA=1), three of the pairs with CUDA tensors.
 """
 import datetime
 import os
@@ -118,6 +118,17 @@ for _op in ("ag_gemm", "gemm_rs", "moe_dispatch"):
     case(f"skip-{_op}", worlds=WORLDS)(_skip_case(_op))
 
 
+@case("mismatch-hint-kn-weight", worlds=(2,))
+def _kn_hint(rank, world):
+    """A [K, N] weight passed with the default layout 'nk': the message names weight_layout='kn'."""
+    x, w = rand((4, 16), F32, 100 + rank), rand((16, 12), F32, 200)
+    msg, _ = _expect_raise(lambda: flux.ag_gemm(x, w))
+    assert "weight_layout='kn'" in msg, msg
+    torch.testing.assert_close(flux.ag_gemm(x, w, weight_layout="kn"),
+                               torch.cat([rand((4, 16), F32, 100 + r) for r in range(world)]) @ w)
+    return msg
+
+
 # --------------------------------------------------------------------------------------
 # pytest side
 
@@ -142,6 +153,11 @@ def test_mismatched_ops(batch, world, pair):
     assert all(m == msgs[0] for m in msgs), f"the ranks' messages differ: {msgs}"
 
 
+def test_wrong_layout_names_kn(batch):
+    msgs = batch(2).assert_ok("mismatch-hint-kn-weight")
+    assert all(m == msgs[0] for m in msgs), msgs
+
+
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("op", ["ag_gemm", "gemm_rs", "moe_dispatch"])
 def test_skipped_call(batch, world, op):
@@ -158,8 +174,8 @@ def test_gpu_mismatched_ops_shared(tmp_path_factory):
     from _dist import run_torchrun
 
     out_dir = tmp_path_factory.mktemp("gpu-mismatch")
-    rc, output = run_torchrun(os.path.join(os.path.dirname(__file__), "gpu_worker.py"), ["mismatch-ops"], 2, out_dir,
-                              300, "gpu-mismatch-ops.log", FLUX_GLOO_CUDA="1", FLUX_CHECK_TIMEOUT_S="20")
+    rc, output = run_torchrun(os.path.join(os.path.dirname(__file__), "gpu_worker.py"), ["bad-ops-differ"], 2, out_dir,
+                              300, "gpu-bad-ops-differ.log", FLUX_GLOO_CUDA="1", FLUX_CHECK_TIMEOUT_S="20")
     recs = {}
     for rank in range(2):
         path = out_dir / f"results.{rank}"
@@ -170,4 +186,5 @@ def test_gpu_mismatched_ops_shared(tmp_path_factory):
     assert sorted(recs) == [0, 1], f"ranks {sorted(recs)} reported (exit {rc}):\n{output}"
     bad = {r: rec["error"] for r, rec in recs.items() if rec["status"] == "fail"}
     assert not bad, bad
-    assert recs[0]["value"] == recs[1]["value"], recs
+    assert all(rec["status"] == "ok" for rec in recs.values()), recs
+    assert recs[0]["value"] == recs[1]["value"] and len(recs[0]["value"]) == 3, recs
