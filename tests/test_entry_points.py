@@ -72,3 +72,33 @@ def test_report_help_and_bad_file(tmp_path):
                    torchrun=False)
     assert rc == 2 and "not a readable bench_ops.py JSON file" in out, out
     _no_traceback(out)
+
+
+@pytest.mark.parametrize("version", ["0.16.1", "0.18.0rc1"])
+def test_megatron_integration_refuses_old_megatron_core(version, tmp_path):
+    """An unsupported megatron-core (a stand-in package of that version) is refused at import with
+    one line naming the installed version and the supported range."""
+    pkg = tmp_path / "fake" / "megatron" / "core"
+    pkg.mkdir(parents=True)
+    (tmp_path / "fake" / "megatron" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text(f"__version__ = {version!r}\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "fake"), REPO]))
+    proc = subprocess.run([sys.executable, "-c", "import flux.integrations.megatron"], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=120, env=env)
+    assert proc.returncode != 0
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("ImportError:") and version in last and ">= 0.19" in last, proc.stdout[-2000:]
+
+
+def test_import_flux_is_light_and_lazy_names_resolve():
+    """``import flux`` does not import torch._dynamo (seconds: the import-time budget is measured
+    with farm-bench, not here); the names imported on first use resolve."""
+    code = ("import sys, flux; assert 'torch._dynamo' not in sys.modules, 'torch._dynamo imported'; "
+            "assert callable(flux.integrations.compile.stats); "
+            "from flux import ag_scatter_grouped_mm, TpMoeRouting; import flux.ops; "
+            "assert flux.ops.moe_tp.ag_scatter_grouped_mm is ag_scatter_grouped_mm; "
+            "assert set(flux.__all__) <= set(dir(flux))")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:]
