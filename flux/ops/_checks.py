@@ -39,7 +39,7 @@ _validated: Dict[Tuple[int, ...], Set[Tuple[int, ...]]] = {}  # group ranks -> s
 OP_CODES = {"flux.ag_gemm": 1, "flux.gemm_rs": 2, "flux.moe_dispatch": 3, "flux.moe_combine": 4,
             "flux.ag_scatter_grouped_mm": 5, "flux.grouped_mm_gather_rs": 6, "flux.gemm_ar": 7}
 _OP_NAMES = {v: k for k, v in OP_CODES.items()}
-_GRACE_S = 5.0  # how long a timed-out rank waits for its peers' posts (they time out at about the same time)
+_GRACE_S = 5.0  # at most this long (and a fifth of the bound) a timed-out rank reads its peers' posts
 
 
 def op_code(op: str) -> int:
@@ -127,6 +127,16 @@ def check_timeout_s() -> float:
     return float(os.environ.get("FLUX_CHECK_TIMEOUT_S", "60"))
 
 
+def _wait_s(timeout: float) -> float:
+    """How long a check waits for its peers: the bound less the time it then takes to read their
+    posts (_timed_out), so that a failing check raises within FLUX_CHECK_TIMEOUT_S."""
+    return timeout - _grace_s(timeout)
+
+
+def _grace_s(timeout: float) -> float:
+    return min(_GRACE_S, 0.2 * timeout)
+
+
 # --------------------------------------------------------------------------------------
 # The store exchange (bounded)
 
@@ -157,7 +167,7 @@ def _gather_store(ranks: Tuple[int, ...], me: int, payload, op: str, group=None)
     keys = [prefix + str(r) for r in ranks]
     timeout = check_timeout_s()
     try:
-        store.wait(keys, datetime.timedelta(seconds=timeout))
+        store.wait(keys, datetime.timedelta(seconds=_wait_s(timeout)))
     except RuntimeError:  # the store's wait timed out
         missing = [r for r, k in zip(ranks, keys) if not store.check([k])]
         raise FluxInputError(_timed_out(op, gkey, ranks, me, missing, timeout)) from None
@@ -190,7 +200,7 @@ def _timed_out(op: str, gkey: str, ranks: Sequence[int], me: int, missing: Seque
     now = time.time()
     store.set(f"flux/stuck/{gkey}/{me}", pickle.dumps((op, now)))
     where = {}
-    deadline = time.monotonic() + min(_GRACE_S, timeout)
+    deadline = time.monotonic() + _grace_s(timeout)
     for r in missing:
         key = f"flux/stuck/{gkey}/{r}"
         try:
@@ -285,7 +295,7 @@ def _gather_bounded(mine: torch.Tensor, group: dist.ProcessGroup, op: str) -> Li
     done = torch.cuda.Event()
     done.record()
     timeout = check_timeout_s()
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + _wait_s(timeout)
     spins = 0
     while not done.query():
         if time.monotonic() > deadline:
