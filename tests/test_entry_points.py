@@ -102,3 +102,14 @@ def test_import_flux_is_light_and_lazy_names_resolve():
     proc = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=120, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:]
+
+
+@pytest.mark.parametrize("script", ["bench_layers.py", "bench_moe_tp.py"])
+def test_bench_cpu_defaults_are_smoke_sizes(script, tmp_path):
+    """``--cpu`` without sizes runs the smoke sizes (the GPU grid would compute for hours on a CPU)."""
+    out = tmp_path / "r.json"
+    rc, text = _run([os.path.join(REPO, "bench", script), "--cpu", "--steps", "2", "--rounds", "1", "--warmup", "1",
+                     "--out", str(out)], tmp_path)
+    assert rc == 0, text[-4000:]
+    _no_traceback(text)
+    assert out.exists(), text[-4000:]
