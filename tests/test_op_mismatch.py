@@ -118,6 +118,33 @@ for _op in ("ag_gemm", "gemm_rs", "moe_dispatch"):
     case(f"skip-{_op}", worlds=WORLDS)(_skip_case(_op))
 
 
+@case("skip-peer-in-another-op", worlds=(2,))
+def _peer_in_other_op(rank, world):
+    """On CUDA groups a first call's store exchange and an MoE op's header all-gather cannot meet;
+    both time out, post the op they are in, and read each other's. Here rank 1 posts as its
+    timed-out check would (no CUDA group on this machine): rank 0's error names both ops."""
+    from flux.ops import _checks
+
+    group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=60))
+    x, w = rand((16, 16), F32, 100 + rank), rand((12, 16), F32, 200)
+    old = os.environ.get("FLUX_CHECK_TIMEOUT_S")
+    os.environ["FLUX_CHECK_TIMEOUT_S"] = str(SKIP_TIMEOUT_S)
+    try:
+        if rank == 1:
+            time.sleep(0.7 * SKIP_TIMEOUT_S)  # posted before rank 0 reads (from 0.8 of the bound on)
+            ranks = tuple(dist.get_process_group_ranks(group))
+            return _checks._timed_out("flux.moe_dispatch", _checks._group_key(group, ranks), ranks, 1, [0],
+                                      SKIP_TIMEOUT_S, True)
+        msg, _ = _expect_raise(lambda: flux.ag_gemm(x, w, group=group))
+    finally:
+        if old is None:
+            del os.environ["FLUX_CHECK_TIMEOUT_S"]
+        else:
+            os.environ["FLUX_CHECK_TIMEOUT_S"] = old
+    assert "rank 0 called flux.ag_gemm but rank 1 called flux.moe_dispatch" in msg, msg
+    return msg
+
+
 @case("mismatch-hint-kn-weight", worlds=(2,))
 def _kn_hint(rank, world):
     """A [K, N] weight passed with the default layout 'nk': the message names weight_layout='kn'."""
@@ -151,6 +178,10 @@ def batch(tmp_path_factory):
 def test_mismatched_ops(batch, world, pair):
     msgs = batch(world).assert_ok(f"mismatch-{pair}")
     assert all(m == msgs[0] for m in msgs), f"the ranks' messages differ: {msgs}"
+
+
+def test_peer_in_another_op_is_named(batch):
+    batch(2).assert_ok("skip-peer-in-another-op")  # rank 0's error names both ops (asserted in the case)
 
 
 def test_wrong_layout_names_kn(batch):

@@ -220,7 +220,8 @@ def _timed_out(op: str, gkey: str, ranks: Sequence[int], me: int, missing: Seque
             parts.append(f"rank {gr} is in another call of {op} (the ranks' calls are out of step: some rank "
                          "skipped or repeated a call)")
         elif r not in where:
-            parts.append(f"rank {gr} did not reach a flux call on this group")
+            parts.append(f"rank {gr} did not reach a flux call's check on this group (it made no flux call "
+                         "here, or one that exchanges no check, such as flux.moe_combine)")
     if not parts:  # every peer waits in this op's check too
         parts.append("every rank is in this check, so the group's collectives were out of step before it")
     return (f"{op}: the argument check across ranks did not complete within FLUX_CHECK_TIMEOUT_S={timeout:g} s: "
