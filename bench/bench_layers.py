@@ -135,8 +135,10 @@ def _count_fused_ops():
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--blocks", default="mlp,megatron", help="mlp, megatron (comma-separated)")
-    p.add_argument("--sizes", default="8192x28672,4096x14336", help="HIDDENxFFN,... (FFN split over the ranks)")
-    p.add_argument("--tokens", default="2048,8192", help="tokens (all ranks together), comma-separated")
+    p.add_argument("--sizes", default=None, help="HIDDENxFFN,... (FFN split over the ranks; default "
+                   "8192x28672,4096x14336, with --cpu 64x128)")
+    p.add_argument("--tokens", default=None, help="tokens (all ranks together), comma-separated (default 2048,8192, "
+                   "with --cpu 32)")
     p.add_argument("--variants", default="nccl,flux,asynctp")
     p.add_argument("--modes", default="fwd,fwdbwd")
     p.add_argument("--heads", type=int, default=0, help="megatron: attention heads (default hidden / 128)")
@@ -147,7 +149,11 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None, help="JSON path (rank 0)")
     p.add_argument("--plot", default=None, help="draw this JSON as a PNG (no torchrun needed) and exit")
     p.add_argument("--png", default=None, help="--plot: the PNG path (default: the JSON's, .png)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    # A CPU smoke run at the GPU sizes would compute for hours without printing anything.
+    args.sizes = args.sizes or ("64x128" if args.cpu else "8192x28672,4096x14336")
+    args.tokens = args.tokens or ("32" if args.cpu else "2048,8192")
+    return args
 
 
 def rel_err(a, b):
@@ -311,6 +317,9 @@ def init_distributed(cpu: bool):
     if cpu:
         dist.init_process_group("gloo")
         return torch.device("cpu"), torch.float32
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{os.path.basename(sys.argv[0])}: no CUDA device here; add --cpu for a gloo smoke run "
+                         "on the CPU (timings need GPUs)")
     local = int(os.environ.get("LOCAL_RANK", "0"))
     dev = torch.device("cuda", local % torch.cuda.device_count())
     torch.cuda.set_device(dev)

@@ -60,8 +60,9 @@ VARIANTS = ("ref", "sequential", "chunked", "symm", "flux")
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tokens", default="1024,4096", help="tokens per rank, comma-separated")
-    p.add_argument("--shapes", default="4096x14336x8x2,7168x2048x64x8", help="HxFxExK, comma-separated")
+    p.add_argument("--tokens", default=None, help="tokens per rank, comma-separated (default 1024,4096, with --cpu 16)")
+    p.add_argument("--shapes", default=None, help="HxFxExK, comma-separated (default 4096x14336x8x2,7168x2048x64x8, "
+                   "with --cpu 32x16x4x2)")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--modes", default="fwd,fwdbwd")
     p.add_argument("--steps", type=int, default=10, help="steps per timed loop")
@@ -69,7 +70,11 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--cpu", action="store_true", help="gloo on the CPU, fp32 (a smoke run)")
     p.add_argument("--out", default=None, help="JSON path (rank 0)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    # A CPU smoke run at the GPU sizes would compute for hours without printing anything.
+    args.tokens = args.tokens or ("16" if args.cpu else "1024,4096")
+    args.shapes = args.shapes or ("32x16x4x2" if args.cpu else "4096x14336x8x2,7168x2048x64x8")
+    return args
 
 
 def swiglu(y):

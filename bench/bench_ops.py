@@ -9,9 +9,9 @@ Run (one process per GPU)::
     torchrun --nproc_per_node=2 bench/bench_ops.py --matrix             # argument matrix only (below)
     torchrun --nproc_per_node=2 bench/bench_ops.py --matrix --shapes suite   # the suite, then the matrix
 
-Shapes (GUIDE.md §3). A shape is ``M x K x N``, M the gathered (full) number of rows.
+Shapes (the public suite: flux.autotune.space.PUBLIC_SUITE). A shape is ``M x K x N``, M the gathered (full) number of rows.
 The listed shape IS the GEMM that each rank runs at world size W = 2, so that the
-``gemm`` column is comparable with the reference cuBLAS figures of GUIDE.md §3
+``gemm`` column is comparable with cuBLAS alone on one GPU
 (8192x8192x14336: 2*M*K*N / 2.467 ms = 780 TFLOP/s on one H200):
 
     ag_gemm  (column-parallel, sequence-parallel input)
@@ -59,7 +59,7 @@ Methods, all measured side by side in one process, on the same tensors:
               dispatch. Its first call (the correctness check) checks, chooses and plans;
               later calls run the plan from C++. Its choice is recorded.
 
-Protocol (GUIDE.md §3):
+Protocol:
   * random data (torch.randn; A ~ N(0, 1), W ~ N(0, 1/K)), never zeros; a different seed
     per rank for A;
   * correctness before timing: each non-baseline method's output is compared with the
@@ -281,7 +281,7 @@ def parse_args(argv=None):
                     "(run with torchrun --nproc_per_node=N; the protocol is in the module docstring).")
     p.add_argument("--op", choices=["ag_gemm", "gemm_rs", "all"], default="all", help="default: all")
     p.add_argument("--shapes", default=None,
-                   help="'suite' (the public suite of GUIDE.md §3) or a comma-separated list MxKxN,... "
+                   help="'suite' (the public suite, flux.autotune.space.PUBLIC_SUITE) or a comma-separated list MxKxN,... "
                         "(M gathered; used for every op selected); default: suite, or none with --matrix")
     p.add_argument("--matrix", action="store_true",
                    help="measure the public ops against NCCL then cuBLAS doing the same on the matrix of "

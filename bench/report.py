@@ -75,7 +75,22 @@ def strategies(path):
     return "\n".join(lines)
 
 
+def main(argv=None):
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python bench/report.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("file", help="a JSON file written by bench/bench_ops.py")
+    p.add_argument("--strategies", action="store_true", help="also a table of every flux strategy")
+    args = p.parse_args(argv)
+    try:
+        print(headline(args.file))
+        if args.strategies:
+            print(strategies(args.file))
+    except (OSError, ValueError, KeyError) as e:
+        p.exit(2, f"bench/report.py: {args.file}: not a readable bench_ops.py JSON file ({type(e).__name__}: {e})\n")
+    return 0
+
+
 if __name__ == "__main__":
-    print(headline(sys.argv[1]))
-    if "--strategies" in sys.argv[2:]:
-        print(strategies(sys.argv[1]))
+    sys.exit(main())

@@ -26,17 +26,28 @@ from flux.ops._checks import FluxInputError  # noqa: E402
 from flux.ops.ag_gemm import ag_gemm, ag_gemm_ref  # noqa: E402
 from flux.ops.gemm_rs import gemm_rs, gemm_rs_ref  # noqa: E402
 from flux.ops.moe import MoeHandle, moe_combine, moe_combine_ref, moe_dispatch, moe_dispatch_ref  # noqa: E402
-from flux.ops.moe_tp import TpMoeRouting, ag_scatter_grouped_mm, ag_scatter_grouped_mm_ref, grouped_mm_gather_rs, grouped_mm_gather_rs_ref  # noqa: E402
 
+# The TP MoE ops are imported on first use: their module applies torch.compiler.disable, which
+# imports torch._dynamo (seconds; more than half of ``import torch`` again).
+_TP_MOE = ("TpMoeRouting", "ag_scatter_grouped_mm", "ag_scatter_grouped_mm_ref", "grouped_mm_gather_rs",
+           "grouped_mm_gather_rs_ref")
 
 
 def __getattr__(name):
     # Submodules imported on first use: ``import flux`` then ``flux.nn.ColumnParallelLinear``.
-    if name in ("nn", "integrations"):
-        import importlib
+    import importlib
 
+    if name in ("nn", "integrations"):
         return importlib.import_module(f"flux.{name}")
+    if name in _TP_MOE:
+        value = getattr(importlib.import_module("flux.ops.moe_tp"), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'flux' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__) | {"nn", "integrations"})
 
 
 __all__ = [

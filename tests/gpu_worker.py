@@ -358,6 +358,40 @@ def _strategy_differs(rank, world, dev):
     return msg
 
 
+@gcase("bad-ops-differ")
+def _ops_differ(rank, world, dev):
+    """Rank 0 calls one flux op, the others another, on the same tensors: every rank raises the
+    same FluxInputError naming both ops, and the group works afterwards. NCCL: ag_gemm / gemm_rs
+    (first calls, which meet in the store exchange; planned calls: test_gpu_diverging_call). Ranks
+    sharing GPUs over gloo (FLUX_GLOO_CUDA=1) also run ag_gemm / moe_dispatch and gemm_rs /
+    ag_scatter_grouped_mm (on gloo every check's header goes through the store)."""
+    # Shapes no other case uses: a plan of rank 0's problem left by an earlier case would take the
+    # hot path (the entry barrier) while the others wait in the first-call exchange.
+    x, w = rand((16, 24), BF16, 100 + rank, dev), rand((20, 24), BF16, 200, dev)
+    idx = (torch.arange(2, device=dev) + torch.arange(16, device=dev)[:, None]) % (2 * world)
+    ops = {"ag_gemm": lambda: flux.ag_gemm(x, w), "gemm_rs": lambda: flux.gemm_rs(x, w),
+           "moe_dispatch": lambda: flux.moe_dispatch(x, idx, torch.ones(idx.shape, device=dev), 2 * world),
+           "ag_scatter_grouped_mm": lambda: flux.ag_scatter_grouped_mm(x, idx % 4, rand((4, 20, 24), BF16, 7, dev))}
+    pairs = [("ag_gemm", "gemm_rs")]
+    if SHARED_GPUS:
+        pairs += [("ag_gemm", "moe_dispatch"), ("gemm_rs", "ag_scatter_grouped_mm")]
+    msgs = []
+    for a, b in pairs:
+        try:
+            ops[a if rank == 0 else b]()
+            torch.cuda.synchronize()
+        except flux.FluxInputError as e:
+            msgs.append(str(e))
+        else:
+            raise AssertionError(f"{a} on rank 0 and {b} elsewhere raised nothing")
+        assert f"rank 0 called flux.{a} but rank 1 called flux.{b}" in msgs[-1], msgs[-1]
+    xs = [rand((4, 24), BF16, 300 + r, dev) for r in range(world)]
+    out = flux.ag_gemm(xs[rank], w)
+    ref = torch.cat(xs).double() @ w.double().t()
+    assert rel_err(out, ref) < 2e-2, "the group does not work after the mismatched calls"
+    return msgs
+
+
 @gcase("reduce_chunks")
 def _reduce_chunks(rank, world, dev):
     if not flux.cuda_kernels_available():

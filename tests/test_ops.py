@@ -599,7 +599,7 @@ case("compile-aot_eager-backward", worlds=WORLDS)(_compile_backward("aot_eager")
 def _repeat_skips_exchange(rank, world):
     """Repeated calls of one problem take the fast path: the first call exchanges signatures
     through the store and chooses a strategy; the next nine do neither (on gloo each call still
-    all-gathers its signature's hash, the check that catches a diverging rank)."""
+    exchanges its header through the store, the check that catches a diverging rank)."""
     from flux import autotune
     from flux.ops import _checks
 
@@ -976,8 +976,8 @@ def test_gpu_timeout(strategy):
 def test_gpu_timeout_shared(strategy):
     """test_gpu_timeout with FLUX_TEST_SHARED_WORLD ranks sharing the GPUs (see test_gpu_shared),
     the ":drop" cases only: ranks sharing a GPU talk over gloo, where every call first exchanges a
-    header through the group (flux/ops/_checks.py), so a rank that skips the call leaves its
-    peers in that host exchange, not in a device-side wait. bench/run_gpu.sh --shared leaves
+    header through the store (flux/ops/_checks.py), so a rank that skips the call leaves its
+    peers in that host exchange (bounded by FLUX_CHECK_TIMEOUT_S), not in a device-side wait. bench/run_gpu.sh --shared leaves
     these out: select them with -k timeout_shared."""
     if SHARED_WORLD < 2 or not torch.cuda.is_available():
         pytest.skip("set FLUX_TEST_SHARED_WORLD=W (W >= 2) on a machine with a CUDA device")

@@ -47,11 +47,18 @@ def _parse_shapes(args, world):
         return out
     out = []
     for item in args.shapes.split(","):
-        op, _, shape = item.rpartition(":")
+        op, _, shape = item.strip().rpartition(":")
+        dims = shape.lower().split("x")
+        if len(dims) != 3 or not all(d.isdigit() and int(d) > 0 for d in dims):
+            raise SystemExit(f"flux.autotune: {shape!r} in --shapes {item!r} is not MxKxN (three positive integers, "
+                             "e.g. ag_gemm:8192x8192x14336)")
+        if int(dims[0]) % world:
+            raise SystemExit(f"flux.autotune: M = {dims[0]} in --shapes {item!r} is not a multiple of the world size "
+                             f"{world}")
         ops = [op] if op else args.ops
         for o in ops:
             if o not in ("ag_gemm", "gemm_rs"):
-                raise SystemExit(f"flux.autotune: unknown op {o!r} in {item!r}")
+                raise SystemExit(f"flux.autotune: unknown op {o!r} in {item!r} (ag_gemm or gemm_rs)")
             out.append((o, shape))
     return out
 
@@ -74,10 +81,24 @@ def main(argv=None):
                    help="--suite: divide M, K and N by this (default 16 with --cpu, where the full suite "
                         "takes many minutes, else 1)")
     args = p.parse_args(argv)
+    if not args.cpu and not torch.cuda.is_available():
+        # No GPU (or no driver): the CPU path is the only one that can run; say so in one line.
+        if int(os.environ.get("RANK", "0")) == 0:
+            print("flux.autotune: no CUDA device here; tuning the CPU path (gloo), as --cpu does "
+                  "(on a GPU machine this tunes the GPU strategies)", flush=True)
+        args.cpu = True
+    elif not args.cpu and int(os.environ.get("LOCAL_RANK", "0")) >= torch.cuda.device_count():
+        raise SystemExit(f"flux.autotune: local rank {os.environ.get('LOCAL_RANK')} has no GPU (this machine has "
+                         f"{torch.cuda.device_count()}): use --nproc_per_node={torch.cuda.device_count()} or fewer")
     if args.scale_down is None:
         args.scale_down = 16 if args.cpu else 1
     args.ops = args.ops.split(",")
+    bad = [o for o in args.ops if o not in ("ag_gemm", "gemm_rs")]
+    if bad:
+        raise SystemExit(f"flux.autotune: unknown op(s) {bad} in --ops (ag_gemm, gemm_rs)")
 
+    # Arguments are checked before any process group exists, so a bad one stops every rank at once.
+    shapes = _parse_shapes(args, int(os.environ.get("WORLD_SIZE", "1")))
     if args.cpu:
         dist.init_process_group("gloo")
         device = torch.device("cpu")
@@ -94,7 +115,6 @@ def main(argv=None):
     group, rank, world = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
     topo = autotune.topology(world, device)
     dtype = DTYPES[args.dtype]
-    shapes = _parse_shapes(args, world)
     if rank == 0:
         print(f"flux.autotune: {topo}\n  topology key {topo.key!r}, flux {flux.__version__}, {len(shapes)} shapes",
               flush=True)

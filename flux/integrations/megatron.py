@@ -47,15 +47,48 @@ from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.tensor_parallel import layers as _mlayers
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
-from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-from flux import ag_gemm, gemm_rs
-from flux.runtime import all_gather_dim0
+# The megatron-core releases this module supports (tested: 0.19.2). Older ones differ in the
+# spec's structure (0.16's MLP spec makes get_gpt_layer_flux_spec fail) and are refused here.
+MEGATRON_CORE_MIN = (0, 19)
+
+
+def _megatron_core_version() -> str:
+    try:
+        import megatron.core as _mc
+    except ImportError as e:
+        raise ImportError("flux.integrations.megatron needs megatron-core >= "
+                          f"{'.'.join(map(str, MEGATRON_CORE_MIN))} (pip install 'megatron-core>=0.19'): {e}") from e
+    version = getattr(_mc, "__version__", None)
+    if version is None:
+        from importlib import metadata
+
+        try:
+            version = metadata.version("megatron-core")
+        except metadata.PackageNotFoundError:
+            version = "0"
+    parts = []
+    for p in str(version).split(".")[:2]:
+        digits = "".join(c for c in p if c.isdigit())
+        parts.append(int(digits or 0))
+    if tuple(parts) < MEGATRON_CORE_MIN:
+        raise ImportError(f"flux.integrations.megatron supports megatron-core >= "
+                          f"{'.'.join(map(str, MEGATRON_CORE_MIN))} (tested with 0.19.2); megatron-core {version} is "
+                          "installed: pip install 'megatron-core>=0.19'")
+    return str(version)
+
+
+MEGATRON_CORE_VERSION = _megatron_core_version()
+
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.tensor_parallel import layers as _mlayers  # noqa: E402
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
+from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region  # noqa: E402
+from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
+from megatron.core.transformer.torch_norm import WrappedTorchNorm  # noqa: E402
+
+from flux import ag_gemm, gemm_rs  # noqa: E402
+from flux.runtime import all_gather_dim0  # noqa: E402
 
 _log = logging.getLogger("flux")
 _logged = set()

@@ -6,7 +6,16 @@ The modules keep their names (``flux.ops.ag_gemm`` is the module, with ``STRATEG
 """
 from flux.ops import ag_gemm, gemm_rs  # noqa: F401  (registers torch.ops.flux.ag_gemm / gemm_rs)
 from flux.ops import moe  # noqa: F401  (registers torch.ops.flux.moe_dispatch / moe_combine)
-from flux.ops import moe_tp  # noqa: F401  (tensor-parallel MoE: ag_scatter_grouped_mm / grouped_mm_gather_rs)
 from flux.ops._checks import FluxInputError
+
+
+def __getattr__(name):
+    # flux.ops.moe_tp (tensor-parallel MoE) is imported on first use: it imports torch._dynamo.
+    if name == "moe_tp":
+        import importlib
+
+        return importlib.import_module("flux.ops.moe_tp")
+    raise AttributeError(f"module 'flux.ops' has no attribute {name!r}")
+
 
 __all__ = ["FluxInputError", "ag_gemm", "gemm_rs", "moe", "moe_tp"]

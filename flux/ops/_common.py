@@ -37,8 +37,14 @@ def check_gemm_args(sig: Signature, input: torch.Tensor, weight: torch.Tensor, b
         return
     n, k = weight_nk_shape(weight, weight_layout)
     if input.dim() >= 2 and input.shape[-1] != k:
+        hint = ""
+        if input.shape[-1] == n:  # the other layout would fit: name it
+            other = "kn" if weight_layout == "nk" else "nk"
+            hint = (f"; a {'[K, N]' if other == 'kn' else '[N, K]'} weight takes weight_layout={other!r}"
+                    f"{' (the default is nk)' if weight_layout == 'nk' else ''}")
         sig.fail(f"input has K={input.shape[-1]} (last dimension) but weight "
-                 f"{'[N, K]' if weight_layout == 'nk' else '[K, N]'} = {tuple(weight.shape)} has K={k}")
+                 f"{'[N, K]' if weight_layout == 'nk' else '[K, N]'} = {tuple(weight.shape)} has K={k}"
+                 f" in weight_layout={weight_layout!r}{hint}")
     if input.dtype not in SUPPORTED_DTYPES:
         sig.fail(f"input dtype {input.dtype} is not supported (use one of {[str(d) for d in SUPPORTED_DTYPES]})")
     if weight.dtype != input.dtype:
