@@ -2,6 +2,7 @@
 #pragma once
 
 #include <optional>
+#include <string>
 
 #include <ATen/ATen.h>
 
@@ -19,6 +20,9 @@ void ag_gemm_fused_(at::Tensor& out, const at::Tensor& a_full, const at::Tensor&
                     const std::optional<at::Tensor>& bias, const at::Tensor& flags, int64_t rank, int64_t world,
                     int64_t rows_per_rank, int64_t timeout_ms, int64_t error_record, int64_t raster,
                     int64_t swizzle, int64_t config);
+
+// The fused GEMM instantiations built ("ag:0:bf16 rs:3:fp16 ...", flux/ops/fused_configs.py).
+std::string fused_kernels_built();
 
 // Fused GEMM+ReduceScatter own block (csrc/gemm_rs/rs_fused.cu): out = a @ weight^T + source (+ bias),
 // the epilogue of each tile waiting for the flags of the source segments it reads.

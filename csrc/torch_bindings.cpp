@@ -37,6 +37,9 @@ TORCH_LIBRARY(flux, m) {
         "int world, int rows_per_rank, int timeout_ms, int error_record, int raster=1, int swizzle=8, "
         "int config=0) -> ()");
   m.def("ag_gemm_fused_supported() -> bool");
+  // The fused GEMM instantiations compiled in: "op:config:dtype" separated by spaces (op ag or rs,
+  // dtype bf16, fp16, bf16_fp32 or fp16_fp32; flux/ops/fused_configs.py parse_built).
+  m.def("fused_kernels_built() -> str");
   // Fused GEMM+ReduceScatter own block (csrc/gemm_rs/rs_fused.cu): out = a @ weight^T + source (+ bias);
   // source: this rank's workspace slot that the peer fills segment by segment, segment s announced
   // by flags[s] != 0; the epilogue of a tile waits (bounded, naming `peer`) for its segments.
@@ -47,6 +50,7 @@ TORCH_LIBRARY(flux, m) {
 
 TORCH_LIBRARY_IMPL(flux, CompositeExplicitAutograd, m) {
   m.impl("ag_gemm_fused_supported", &flux::ag_gemm_fused_supported);
+  m.impl("fused_kernels_built", &flux::fused_kernels_built);
 }
 
 TORCH_LIBRARY_IMPL(flux, CUDA, m) {
