@@ -183,7 +183,7 @@ def _default_jobs():
 
 def _short_progress(cpp_extension):
     """torch runs ninja with -v: every progress line is a whole compiler command. Run it without
-    -v and with a short description per file ("[3/25, 2 running, 95 s] nvcc ag_fused_c5_bf16.cu").
+    -v and with a short description per file ("flux: [3/25, 95.2 s] nvcc ag_fused_c5_bf16.cu").
     ninja, writing into a pipe, prints a file's line when it finishes (a CUTLASS kernel takes a
     minute or more), so the count of files comes first."""
     if os.environ.get("FLUX_BUILD_VERBOSE", "0") == "1" or not hasattr(cpp_extension, "_run_ninja_build"):
@@ -208,7 +208,7 @@ def _short_progress(cpp_extension):
         print(f"flux: compiling {edges} files, {jobs} at a time, {time.time() - _T0:.0f} s after setup.py "
               "started; a line per file as it finishes (FLUX_BUILD_VERBOSE=1 prints the commands)", flush=True)
         cmd = ["ninja"] + (["-j", jobs] if jobs else [])
-        env = dict(os.environ, NINJA_STATUS="flux: [%f/%t, %r running, %e s] ")
+        env = dict(os.environ, NINJA_STATUS="flux: [%f/%t, %e s] ")
         sys.stdout.flush()
         sys.stderr.flush()
         try:
@@ -272,7 +272,8 @@ def _cuda_extension():
         name="flux._C",
         sources=sources,
         include_dirs=[os.path.join(ROOT, "csrc"), *include_dirs],
-        extra_compile_args={"cxx": ["-O3", "-std=c++20", "-DNDEBUG"], "nvcc": nvcc_flags},
+        extra_compile_args={"cxx": ["-O3", "-std=c++20", "-DNDEBUG", *(["-DFLUX_WITH_SM90"] if with_sm90 else [])],
+                            "nvcc": nvcc_flags},
         py_limited_api=False,
     )
     cmdclass = {"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)}

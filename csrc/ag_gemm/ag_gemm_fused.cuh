@@ -23,7 +23,7 @@
 
 namespace flux {
 
-// Everything a launch needs, checked once by the dispatcher (ag_gemm_fused.cu); `a` is a_full.
+// Everything a launch needs, checked once by the dispatcher (ag_gemm_fused.cpp); `a` is a_full.
 struct AgFusedArgs : FusedGemmLaunch {
   int rank = 0, world = 1, rows_per_rank = 1;  // flags[src]: rows [src * rows_per_rank, ...) are in place
 };

@@ -28,7 +28,7 @@
 
 namespace flux {
 
-// Everything a launch needs, checked once by the dispatcher (rs_fused.cu): out = a @ weight^T
+// Everything a launch needs, checked once by the dispatcher (rs_fused.cpp): out = a @ weight^T
 // + source + bias; flags[s]: rows [s * rows_per_segment, ...) of `source` are in place.
 struct RsFusedArgs : FusedGemmLaunch {
   const void* source = nullptr;  // [m, n], the peer's partial of these rows

@@ -133,12 +133,15 @@ def parse_built(text):
 
 
 def built():
-    """The (op, config id, dtype) kernels compiled into flux._C (empty without it)."""
+    """The (op, config id, dtype) kernels compiled into flux._C (empty without it, or with a
+    flux._C older than this table)."""
     import torch
 
-    try:
-        import flux._C  # noqa: F401  (registers torch.ops.flux.*)
+    from flux.runtime.extension import extension_error
 
+    if extension_error() is not None:
+        return frozenset()
+    try:
         return parse_built(torch.ops.flux.fused_kernels_built())
-    except (ImportError, AttributeError, RuntimeError):
+    except (AttributeError, RuntimeError):
         return frozenset()
