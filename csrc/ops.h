@@ -2,6 +2,7 @@
 #pragma once
 
 #include <optional>
+#include <string>
 
 #include <ATen/ATen.h>
 
@@ -13,14 +14,17 @@ void reduce_chunks_(at::Tensor& out, const at::Tensor& partials, const std::opti
 void reduce_peers_(at::Tensor& out, int64_t ptrs_dev, int64_t world, int64_t offset_bytes,
                    const std::optional<at::Tensor>& bias);
 
-// Fused AllGather+GEMM over a symmetric workspace (csrc/ag_gemm/ag_gemm_fused.cu).
+// Fused AllGather+GEMM over a symmetric workspace (csrc/ag_gemm/ag_gemm_fused.cpp).
 bool ag_gemm_fused_supported();
 void ag_gemm_fused_(at::Tensor& out, const at::Tensor& a_full, const at::Tensor& weight,
                     const std::optional<at::Tensor>& bias, const at::Tensor& flags, int64_t rank, int64_t world,
                     int64_t rows_per_rank, int64_t timeout_ms, int64_t error_record, int64_t raster,
                     int64_t swizzle, int64_t config);
 
-// Fused GEMM+ReduceScatter own block (csrc/gemm_rs/rs_fused.cu): out = a @ weight^T + source (+ bias),
+// The fused GEMM instantiations built ("ag:0:bf16 rs:3:fp16 ...", flux/ops/fused_configs.py).
+std::string fused_kernels_built();
+
+// Fused GEMM+ReduceScatter own block (csrc/gemm_rs/rs_fused.cpp): out = a @ weight^T + source (+ bias),
 // the epilogue of each tile waiting for the flags of the source segments it reads.
 void gemm_rs_fused_(at::Tensor& out, const at::Tensor& a, const at::Tensor& weight,
                     const std::optional<at::Tensor>& bias, const at::Tensor& source, const at::Tensor& flags,

@@ -30,14 +30,17 @@ TORCH_LIBRARY(flux, m) {
         "int timeout_ms, bool zero_pad=True, int tok_off=-1) -> ()");
   m.def("moe_recv_sum_(Tensor(a!) out, Tensor? weights, Tensor pair_pos, int n_send, Tensor(b!) done, int ws_base, "
         "int pads_dev, int world, int rank, int rows_off, int channel, int timeout_ms) -> ()");
-  // Fused AllGather+GEMM (csrc/ag_gemm/ag_gemm_fused.cu): out = a_full @ weight^T (+ bias), tiles of
+  // Fused AllGather+GEMM (csrc/ag_gemm/ag_gemm_fused.cpp): out = a_full @ weight^T (+ bias), tiles of
   // remote rows waiting on flags[src]; a_full is a symmetric workspace written by peers;
   // error_record: host-mapped address of 2 uint32 (waiting rank + 1, missing rank), or 0.
   m.def("ag_gemm_fused_(Tensor(a!) out, Tensor a_full, Tensor weight, Tensor? bias, Tensor flags, int rank, "
         "int world, int rows_per_rank, int timeout_ms, int error_record, int raster=1, int swizzle=8, "
         "int config=0) -> ()");
   m.def("ag_gemm_fused_supported() -> bool");
-  // Fused GEMM+ReduceScatter own block (csrc/gemm_rs/rs_fused.cu): out = a @ weight^T + source (+ bias);
+  // The fused GEMM instantiations compiled in: "op:config:dtype" separated by spaces (op ag or rs,
+  // dtype bf16, fp16, bf16_fp32 or fp16_fp32; flux/ops/fused_configs.py parse_built).
+  m.def("fused_kernels_built() -> str");
+  // Fused GEMM+ReduceScatter own block (csrc/gemm_rs/rs_fused.cpp): out = a @ weight^T + source (+ bias);
   // source: this rank's workspace slot that the peer fills segment by segment, segment s announced
   // by flags[s] != 0; the epilogue of a tile waits (bounded, naming `peer`) for its segments.
   m.def("gemm_rs_fused_(Tensor(a!) out, Tensor a, Tensor weight, Tensor? bias, Tensor source, Tensor flags, "
@@ -47,6 +50,7 @@ TORCH_LIBRARY(flux, m) {
 
 TORCH_LIBRARY_IMPL(flux, CompositeExplicitAutograd, m) {
   m.impl("ag_gemm_fused_supported", &flux::ag_gemm_fused_supported);
+  m.impl("fused_kernels_built", &flux::fused_kernels_built);
 }
 
 TORCH_LIBRARY_IMPL(flux, CUDA, m) {

@@ -8,9 +8,11 @@
 // shard announced by flags[src] = 1 (flux/ops/ag_gemm.py, strategy "fused"). Tiles of this
 // rank's rows run first, so the transfers hide behind them.
 //
-// A few configurations (ag_gemm_fused_cfg*.cu, one translation unit each so that they
-// compile in parallel), all bf16, A row-major, weight [N, K] (nn.Linear), fp32 accumulation,
-// per-column bias in the epilogue; the autotuner chooses among them.
+// Configurations (tile, cluster, schedule) x dtype variants (bf16 or fp16 inputs; output in the
+// input dtype or fp32): the table flux/ops/fused_configs.py, from which setup.py generates one
+// translation unit per instantiation (they compile in parallel) and the dispatch
+// (ag_fused_dispatch). A row-major, weight [N, K] (nn.Linear), fp32 accumulation, per-column
+// bias in the epilogue; the autotuner chooses among them.
 #pragma once
 
 #include <ATen/cuda/CUDAContext.h>
@@ -21,17 +23,14 @@
 
 namespace flux {
 
-// Everything a launch needs, checked once by the dispatcher (ag_gemm_fused.cu); `a` is a_full.
+// Everything a launch needs, checked once by the dispatcher (ag_gemm_fused.cpp); `a` is a_full.
 struct AgFusedArgs : FusedGemmLaunch {
   int rank = 0, world = 1, rows_per_rank = 1;  // flags[src]: rows [src * rows_per_rank, ...) are in place
 };
 
-// Launchers, one per configuration (defined in ag_gemm_fused_cfg<N>.cu).
-void ag_gemm_fused_cfg0(const AgFusedArgs& a);  // 128x256x64 tile, cluster 2x1, cooperative
-void ag_gemm_fused_cfg1(const AgFusedArgs& a);  // 256x128x64 tile, cluster 2x1, cooperative
-void ag_gemm_fused_cfg2(const AgFusedArgs& a);  // 128x128x64 tile, cluster 2x1, ping-pong
-void ag_gemm_fused_cfg3(const AgFusedArgs& a);  // 256x128x64 tile, cluster 1x2, cooperative (cuBLAS's choice)
-constexpr int kAgFusedConfigs = 4;
+// Launches the instantiation (config, dtype variant) where it was built (false otherwise); the
+// generated dispatch (setup.py, from flux/ops/fused_configs.py).
+bool ag_fused_dispatch(int config, int dtype, const AgFusedArgs& a);
 
 }  // namespace flux
 
@@ -41,9 +40,9 @@ constexpr int kAgFusedConfigs = 4;
 
 namespace flux {
 
-template <class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule>
-using AgGemmBf16 =
-    Sm90Bf16Gemm<TileShape, ClusterShape, KernelSchedule, EpilogueSchedule, void, PlainEpilogue, AgSchedulerTag>;
+template <int Dtype, class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule>
+using AgGemm = Sm90FusedGemm<typename FusedTypes<Dtype>::In, typename FusedTypes<Dtype>::Out, TileShape, ClusterShape,
+                             KernelSchedule, EpilogueSchedule, false, PlainEpilogue, AgSchedulerTag>;
 
 template <class G>
 void launch_ag_fused(const AgFusedArgs& a) {

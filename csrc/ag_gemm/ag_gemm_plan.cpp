@@ -66,7 +66,7 @@ std::tuple<at::Tensor, at::Tensor> Runtime::ag_sequential(const Plan& p, const a
   // The token check costs one small kernel; it keeps a divergent call from being paired with
   // another call's all-gather (a mismatched NCCL call hangs or mixes data).
   if (!ws_ptrs_.empty()) barrier(cur, p.token, false);
-  pg_->_allgather_base(gathered, a)->wait();  // the current stream waits for NCCL's
+  pg_all_gather(*pg_, gathered, a)->wait();  // the current stream waits for NCCL's
   at::Tensor out = output(out_arg, world_ * p.rows, p.n, a, p.out_dtype);
   gemm_into(out, gathered, weight, bias, p.nk);
   return {out.view(p.out_shape), p.gathered ? gathered.view(p.gathered_shape) : at::Tensor()};
@@ -190,9 +190,12 @@ std::tuple<at::Tensor, at::Tensor> Runtime::ag_fused(const Plan& p, const at::Te
   // TMA needs 16-byte aligned bases: a caller's tensors at odd offsets go through aligned copies
   // (a rank-local choice: the signals are the same either way).
   const bool out_aligned = out_arg.has_value() && is_aligned(out_arg->data_ptr(), 16);
-  at::Tensor res = out_aligned ? out_arg->view({W * rows, p.n}) : at::empty({W * rows, p.n}, a.options());
+  at::Tensor res =
+      out_aligned ? out_arg->view({W * rows, p.n}) : at::empty({W * rows, p.n}, a.options().dtype(p.out_dtype));
   const at::Tensor w = is_aligned(weight.data_ptr(), 16) ? weight : weight.clone();
+  // The kernel's bias is in the output dtype (fp32 for a wider output).
   std::optional<at::Tensor> b = bias;
+  if (b.has_value() && b->scalar_type() != p.out_dtype) b = b->to(p.out_dtype);
   if (b.has_value() && !is_aligned(b->data_ptr(), 16)) b = b->clone();
   // Zeroed after this rank's previous fused GEMM (their only reader) in stream order, and before
   // the barrier, which every peer passes before it sets any of them for this call.

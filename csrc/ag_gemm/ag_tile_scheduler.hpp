@@ -1,4 +1,4 @@
-// Tile scheduler of the fused AllGather+GEMM kernel (csrc/ag_gemm/ag_gemm_fused.cu).
+// Tile scheduler of the fused AllGather+GEMM kernel (csrc/ag_gemm/ag_gemm_fused.cuh).
 //
 // CUTLASS's persistent sm90 scheduler, with two changes to the tiles it hands out:
 //

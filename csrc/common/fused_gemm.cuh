@@ -1,10 +1,12 @@
 // What the fused GEMMs (csrc/ag_gemm/, csrc/gemm_rs/) share: their launch arguments, checked
-// once by each op's dispatcher, and (with FLUX_WITH_SM90) the CUTLASS 3.x sm90 bf16 GEMM type
-// they are built from, which differ only in the source C, the epilogue wrapper and the tile
-// scheduler.
+// once by each op's dispatcher, the dtype variants they are built for, and (with FLUX_WITH_SM90)
+// the CUTLASS 3.x sm90 GEMM type they are built from, which differ only in the source C, the
+// epilogue wrapper and the tile scheduler. Which (config, dtype) instantiations exist is the
+// table flux/ops/fused_configs.py; setup.py generates their translation units and dispatch.
 #pragma once
 
 #include <optional>
+#include <string>
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -26,6 +28,23 @@ struct FusedGemmLaunch {
   cudaStream_t stream = nullptr;
   at::TensorOptions byte_options;  // for a CUTLASS workspace, if one is needed
 };
+
+// The dtype variants, numbered as flux/ops/fused_configs.py DTYPES: inputs -> output (fp32
+// accumulation; the bias and a source C are in the output dtype).
+enum FusedDtype : int { kBf16 = 0, kFp16 = 1, kBf16Fp32 = 2, kFp16Fp32 = 3 };
+inline const char* fused_dtype_name(int d) {
+  static const char* names[] = {"bf16", "fp16", "bf16_fp32", "fp16_fp32"};
+  return d >= 0 && d < 4 ? names[d] : "unsupported";
+}
+// The instantiations compiled into flux._C, "op:config:dtype" separated by spaces (generated).
+std::string fused_kernels_built();
+
+// The variant of (input, output) dtypes, or -1 where none is defined.
+inline int fused_dtype_of(at::ScalarType in, at::ScalarType out) {
+  if (in == at::kBFloat16) return out == at::kBFloat16 ? kBf16 : out == at::kFloat ? kBf16Fp32 : -1;
+  if (in == at::kHalf) return out == at::kHalf ? kFp16 : out == at::kFloat ? kFp16Fp32 : -1;
+  return -1;
+}
 
 // The common part of the launch arguments, from tensors the dispatcher has checked.
 inline FusedGemmLaunch fused_gemm_launch(at::Tensor& out, const at::Tensor& a, const at::Tensor& weight,
@@ -63,25 +82,41 @@ inline FusedGemmLaunch fused_gemm_launch(at::Tensor& out, const at::Tensor& a, c
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
 
+#include <type_traits>
+
 namespace flux {
 
 template <class Epilogue>
 using PlainEpilogue = Epilogue;
 
-// bf16 A [M, K] row-major, weight [N, K] (nn.Linear, K contiguous), D [M, N] row-major, fp32
-// accumulation; D = acc (+ C, where ElementC is not void) + bias per column, rounded once.
-template <class TileShape_, class ClusterShape_, class KernelSchedule, class EpilogueSchedule, class ElementC_,
-          template <class> class EpilogueWrap, class Scheduler>
-struct Sm90Bf16Gemm {
-  using ElementA = cutlass::bfloat16_t;
-  using ElementB = cutlass::bfloat16_t;
-  using ElementC = ElementC_;  // void: no source
-  using ElementD = cutlass::bfloat16_t;
+// The CUTLASS element types of the dtype variants.
+template <int Dtype>
+struct FusedTypes;
+template <>
+struct FusedTypes<kBf16> { using In = cutlass::bfloat16_t; using Out = cutlass::bfloat16_t; };
+template <>
+struct FusedTypes<kFp16> { using In = cutlass::half_t; using Out = cutlass::half_t; };
+template <>
+struct FusedTypes<kBf16Fp32> { using In = cutlass::bfloat16_t; using Out = float; };
+template <>
+struct FusedTypes<kFp16Fp32> { using In = cutlass::half_t; using Out = float; };
+
+// A [M, K] row-major, weight [N, K] (nn.Linear, K contiguous), both ElementIn (bf16 or fp16),
+// D [M, N] row-major ElementOut (the input dtype or fp32), fp32 accumulation;
+// D = acc (+ C, ElementOut, where HasSource) + bias per column (ElementOut), rounded once.
+template <class ElementIn, class ElementOut, class TileShape_, class ClusterShape_, class KernelSchedule,
+          class EpilogueSchedule, bool HasSource, template <class> class EpilogueWrap, class Scheduler>
+struct Sm90FusedGemm {
+  using ElementA = ElementIn;
+  using ElementB = ElementIn;
+  using ElementC = std::conditional_t<HasSource, ElementOut, void>;  // void: no source
+  using ElementD = ElementOut;
   using ElementAcc = float;
   using LayoutA = cutlass::layout::RowMajor;
   using LayoutB = cutlass::layout::ColumnMajor;
   using LayoutD = cutlass::layout::RowMajor;
-  static constexpr int kAlign = 8;  // 16 bytes of bf16
+  static constexpr int kAlign = 16 / sizeof(ElementIn);    // TMA: 16-byte rows of A and B
+  static constexpr int kAlignD = 16 / sizeof(ElementOut);  // and of C and D
   using TileShape = TileShape_;
   using ClusterShape = ClusterShape_;
   static constexpr int kTileM = cute::size<0>(TileShape{});
@@ -89,8 +124,8 @@ struct Sm90Bf16Gemm {
   using Fusion = cutlass::epilogue::fusion::LinCombPerColBias<ElementD, float, ElementD, ElementD, float>;
   using BaseEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, ElementAcc, float, ElementC, LayoutD, kAlign, ElementD, LayoutD,
-      kAlign, EpilogueSchedule, Fusion>::CollectiveOp;
+      cutlass::epilogue::collective::EpilogueTileAuto, ElementAcc, float, ElementC, LayoutD, kAlignD, ElementD,
+      LayoutD, kAlignD, EpilogueSchedule, Fusion>::CollectiveOp;
   using CollectiveEpilogue = EpilogueWrap<BaseEpilogue>;
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, LayoutA, kAlign, ElementB, LayoutB, kAlign,

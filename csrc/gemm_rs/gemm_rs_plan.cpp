@@ -38,7 +38,7 @@ at::Tensor Runtime::rs_sequential(const Plan& p, const at::Tensor& input, const 
   gemm_into(partial, a, weight, std::nullopt, p.nk);
   if (!ws_ptrs_.empty()) join(cur, signal_);
   at::Tensor out = output(out_arg, p.rows, p.n, a, p.out_dtype);
-  pg_->_reduce_scatter_base(out, partial)->wait();  // the current stream waits for NCCL's
+  pg_reduce_scatter(*pg_, out, partial)->wait();  // the current stream waits for NCCL's
   if (bias.has_value()) out.add_(*bias);  // once, after the reduction
   return out.view(p.out_shape);
 }
@@ -151,7 +151,9 @@ at::Tensor Runtime::rs_fused(const Plan& p, const at::Tensor& input, const at::T
   const int64_t W = world_, r = rank_, rows = p.rows, n = p.n;
   const int64_t prev = (r - 1 + W) % W, nxt = (r + 1) % W;
   at::Tensor a = input.view({-1, p.k});
-  const size_t es = a.element_size();
+  // The partial sums passed around the ring (inbox, staging) are in the output dtype: fp32 sums
+  // stay fp32 until the end.
+  const size_t es = c10::elementSize(p.out_dtype);
   // Segments of at least one tile of rows (a tile's epilogue waits for every segment it reads, so
   // a thinner segment lands no earlier for it and only adds a copy and a flag to enqueue).
   constexpr int64_t kMinSegmentRows = 128;
@@ -163,24 +165,26 @@ at::Tensor Runtime::rs_fused(const Plan& p, const at::Tensor& input, const at::T
   // The ring (flux/ops/gemm_rs.py ring_steps): at step s this rank computes block b_s = r - s - 1,
   // its GEMM adding (s >= 1) the sum so far of that block from rank - 1 (inbox slot s - 1), and
   // passes the result to rank + 1 (its inbox slot s); the last block is this rank's own.
-  at::Tensor inbox = view(buffer(r), {(W - 1) * rows, n}, a.scalar_type());
+  at::Tensor inbox = view(buffer(r), {(W - 1) * rows, n}, p.out_dtype);
   char* outbox = buffer(nxt);
   at::Tensor flags = own_pad_slots(kSegmentChannel * W, (W - 1) * nseg);  // [(s-1) nseg + j]: segment j in
   // Everything is allocated, and operands at odd offsets copied to 16-byte aligned buffers (TMA),
   // before the first signal, so that nothing can fail after the pushes began.
   const bool out_aligned = out_arg.has_value() && is_aligned(out_arg->data_ptr(), 16);
-  at::Tensor res = out_aligned ? out_arg->view({rows, n}) : at::empty({rows, n}, a.options());
+  at::Tensor res = out_aligned ? out_arg->view({rows, n}) : at::empty({rows, n}, a.options().dtype(p.out_dtype));
   std::vector<at::Tensor> a_blocks;
   for (int64_t s = 1; s < W; ++s) {
     const int64_t b = ((r - s - 1) % W + W) % W;
     a_blocks.push_back(*aligned16(rows_of(a, b * rows, rows)));
   }
   const at::Tensor w = *aligned16(weight);
-  const std::optional<at::Tensor> bias16 = aligned16(bias);
+  std::optional<at::Tensor> bias_out = bias;  // the kernel's bias is in the output dtype
+  if (bias_out.has_value() && bias_out->scalar_type() != p.out_dtype) bias_out = bias_out->to(p.out_dtype);
+  const std::optional<at::Tensor> bias16 = aligned16(bias_out);
   // The sums this rank passes on are staged in its workspace after the inbox (only this rank
   // writes there; see rs_decomposed), at addresses fixed with the workspace, as the push graphs
   // need.
-  at::Tensor staging = view(buffer(r) + (W - 1) * rows * n * es, {(W - 1) * rows, n}, a.scalar_type());
+  at::Tensor staging = view(buffer(r) + (W - 1) * rows * n * es, {(W - 1) * rows, n}, p.out_dtype);
   char* const staged = static_cast<char*>(staging.data_ptr());
   auto segments = [&](int64_t step, cudaStream_t s) {  // step's result to rank + 1's inbox slot `step`
     for (int64_t j = 0; j < nseg; ++j) {

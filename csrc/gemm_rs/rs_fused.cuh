@@ -13,8 +13,11 @@
 // warps finish tile t before tile t+1's mainloop). The decomposed strategy's separate
 // reduction pass disappears.
 //
-// Configurations (rs_fused_cfg*.cu, one translation unit each): bf16, A row-major, weight
-// [N, K] (nn.Linear), fp32 accumulation, D = acc + C + bias rounded once to bf16.
+// Configurations x dtype variants: the table flux/ops/fused_configs.py, from which setup.py
+// generates one translation unit per instantiation and the dispatch (rs_fused_dispatch).
+// A row-major, weight [N, K] (nn.Linear), bf16 or fp16, fp32 accumulation, D = acc + C + bias
+// rounded once to the output dtype (the inputs' or fp32), in which C (the peer's partial) and
+// the bias are too.
 #pragma once
 
 #include <ATen/cuda/CUDAContext.h>
@@ -25,18 +28,16 @@
 
 namespace flux {
 
-// Everything a launch needs, checked once by the dispatcher (rs_fused.cu): out = a @ weight^T
+// Everything a launch needs, checked once by the dispatcher (rs_fused.cpp): out = a @ weight^T
 // + source + bias; flags[s]: rows [s * rows_per_segment, ...) of `source` are in place.
 struct RsFusedArgs : FusedGemmLaunch {
   const void* source = nullptr;  // [m, n], the peer's partial of these rows
   int rows_per_segment = 1, rank = 0, peer = 0;
 };
 
-// Launchers, one per configuration (defined in rs_fused_cfg<N>.cu).
-void rs_fused_cfg0(const RsFusedArgs& a);  // 128x256x64 tile, cluster 2x1, cooperative
-void rs_fused_cfg1(const RsFusedArgs& a);  // 256x128x64 tile, cluster 2x1, cooperative
-void rs_fused_cfg2(const RsFusedArgs& a);  // 256x128x64 tile, cluster 1x2, cooperative (cuBLAS's choice, below)
-constexpr int kRsFusedConfigs = 3;
+// Launches the instantiation (config, dtype variant) where it was built (false otherwise); the
+// generated dispatch (setup.py, from flux/ops/fused_configs.py).
+bool rs_fused_dispatch(int config, int dtype, const RsFusedArgs& a);
 
 }  // namespace flux
 
@@ -103,9 +104,10 @@ class SegmentWaitEpilogue : public Base {
   SegmentWait wait_;
 };
 
-template <class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule>
-using RsFoldGemmBf16 = Sm90Bf16Gemm<TileShape, ClusterShape, KernelSchedule, EpilogueSchedule, cutlass::bfloat16_t,
-                                    SegmentWaitEpilogue, cutlass::gemm::PersistentScheduler>;
+template <int Dtype, class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule>
+using RsFoldGemm =
+    Sm90FusedGemm<typename FusedTypes<Dtype>::In, typename FusedTypes<Dtype>::Out, TileShape, ClusterShape,
+                  KernelSchedule, EpilogueSchedule, true, SegmentWaitEpilogue, cutlass::gemm::PersistentScheduler>;
 
 template <class G>
 void launch_rs_fused(const RsFusedArgs& a) {
@@ -128,24 +130,3 @@ void launch_rs_fused(const RsFusedArgs& a) {
 
 #endif  // FLUX_WITH_SM90 && FLUX_RS_FUSED_IMPL
 
-// The body of rs_fused_cfg<N>.cu: configuration N, a TILE_M x TILE_N x 64 tile, a cluster of
-// CLUSTER_M x CLUSTER_N CTAs, cooperative (one translation unit per configuration, so that they
-// compile in parallel).
-#if defined(FLUX_WITH_SM90)
-#define FLUX_RS_FUSED_CONFIG(N, TILE_M, TILE_N, CLUSTER_M, CLUSTER_N)                                       \
-  namespace flux {                                                                                        \
-  void rs_fused_cfg##N(const RsFusedArgs& a) {                                                            \
-    launch_rs_fused<RsFoldGemmBf16<cute::Shape<cute::_##TILE_M, cute::_##TILE_N, cute::_64>,                 \
-                                   cute::Shape<cute::_##CLUSTER_M, cute::_##CLUSTER_N, cute::_1>,         \
-                                   cutlass::gemm::KernelTmaWarpSpecializedCooperative,                    \
-                                   cutlass::epilogue::TmaWarpSpecializedCooperative>>(a);                 \
-  }                                                                                                       \
-  }
-#else
-#define FLUX_RS_FUSED_CONFIG(N, TILE_M, TILE_N, CLUSTER_M, CLUSTER_N)                                       \
-  namespace flux {                                                                                        \
-  void rs_fused_cfg##N(const RsFusedArgs&) {                                                              \
-    TORCH_CHECK(false, "flux.gemm_rs_fused_: flux._C was built without an sm_90a target (FLUX_CUDA_ARCH)"); \
-  }                                                                                                       \
-  }
-#endif

@@ -208,18 +208,20 @@ std::shared_ptr<Plan> Runtime::make_plan(int64_t op, int64_t strategy, const std
     switch (p->strategy) {
       case StrategyKind::Sequential: p->workspace_bytes = 0; break;
       // The inbox of the ring's partial sums, then this rank's staging of the sums it passes on.
-      case StrategyKind::Fused: p->workspace_bytes = 2 * (world_ - 1) * p->rows * p->n * es; break;
+      case StrategyKind::Fused: p->workspace_bytes = 2 * (world_ - 1) * p->rows * p->n * out_es; break;
       // The W slots of the partials, then this rank's staging of the peers' blocks.
       case StrategyKind::Decomposed: p->workspace_bytes = (2 * world_ - 1) * p->rows * p->n * out_es; break;
       default: p->workspace_bytes = world_ * p->rows * p->n * out_es; break;
     }
-    FLUX_CHECK(p->strategy != StrategyKind::Decomposed && p->strategy != StrategyKind::DecomposedP2P ||
+    FLUX_CHECK((p->strategy != StrategyKind::Decomposed && p->strategy != StrategyKind::DecomposedP2P) ||
                    (p->chunks >= 1 && p->chunks <= kMaxDataChannels),
                kOp, "chunks must be 1..", kMaxDataChannels);
   }
   FLUX_CHECK(p->strategy == StrategyKind::Sequential || world_ > 1, kOp, "overlapped strategies need 2+ ranks");
-  FLUX_CHECK(p->out_dtype == p->dtype || (p->out_dtype == at::kFloat && p->strategy != StrategyKind::Fused &&
-                                          (p->dtype == at::kBFloat16 || p->dtype == at::kHalf)),
+  // fp32 from bf16/fp16: the fused kernels write it from their fp32 epilogue (and, for gemm_rs,
+  // pass fp32 partial sums); the other strategies through aten::mm's dtype_out.
+  FLUX_CHECK(p->out_dtype == p->dtype ||
+                 (p->out_dtype == at::kFloat && (p->dtype == at::kBFloat16 || p->dtype == at::kHalf)),
              kOp, "out_dtype ", p->out_dtype, " from ", p->dtype, " is not planned here");
   FLUX_CHECK(p->strategy != StrategyKind::Sequential || nccl_, kOp,
              "'sequential' runs here only on NCCL groups (others run it in Python)");

@@ -34,6 +34,26 @@ class ProcessGroup;
 
 namespace flux {
 
+// out <- the ranks' `in` gathered, and out <- `in` summed over ranks and scattered, through the
+// group's collectives: torch >= 2.12 names them all_gather_single / reduce_scatter_single and
+// deprecates the older _allgather_base / _reduce_scatter_base, which earlier versions alone have.
+template <class PG>
+auto pg_all_gather(PG& pg, at::Tensor& out, at::Tensor& in) {
+  if constexpr (requires { pg.all_gather_single(out, in); }) {
+    return pg.all_gather_single(out, in);
+  } else {
+    return pg._allgather_base(out, in);
+  }
+}
+template <class PG>
+auto pg_reduce_scatter(PG& pg, at::Tensor& out, at::Tensor& in) {
+  if constexpr (requires { pg.reduce_scatter_single(out, in); }) {
+    return pg.reduce_scatter_single(out, in);
+  } else {
+    return pg._reduce_scatter_base(out, in);
+  }
+}
+
 // Signal pad channels; flux/runtime/symm.py documents them.
 constexpr int kBarrierChannel = 0;
 constexpr int kDataChannel = 1;

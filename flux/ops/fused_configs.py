@@ -1,0 +1,147 @@
+"""The fused GEMM kernels' configurations: one table for the build, the C++ dispatch and Python.
+
+Each op ("ag": fused AllGather+GEMM, csrc/ag_gemm/; "rs": fused GEMM+ReduceScatter own block,
+csrc/gemm_rs/) has configurations, each a CUTLASS sm90 warp-specialized persistent GEMM: a tile
+of M x N x K elements, a cluster of CTAs (cluster_m x cluster_n), and a schedule ("cooperative":
+two consumer warpgroups split each tile's rows, tile_m >= 128; "pingpong": each consumer
+warpgroup runs whole tiles, alternating, which suits 64-row tiles and small problems). Every
+configuration is built for its ``default`` dtype variants; ``FLUX_KERNELS=all`` builds all four.
+
+dtype variants (inputs -> output; fp32 accumulation always; bias and, for "rs", the peer's
+partial folded in, are in the output dtype): bf16, fp16, bf16_fp32, fp16_fp32.
+
+setup.py reads this file by path (no import of flux, no torch) and generates one translation
+unit per (op, config, dtype) and the dispatch over them; ``torch.ops.flux.fused_kernels_built()``
+says which were compiled (``built()`` below). Configuration ids are stable: tuned choices name them.
+
+FLUX_KERNELS (build setting): "default", "all", "minimal" (config 0 of each op, bf16), or a comma
+list of those and of terms op:id[:dtype] with "*" wildcards, e.g. "default,ag:*:fp16".
+"""
+from typing import NamedTuple
+
+DTYPES = ("bf16", "fp16", "bf16_fp32", "fp16_fp32")  # index = the C++ dtype variant id
+DTYPE_IO = {"bf16": ("bf16", "bf16"), "fp16": ("fp16", "fp16"),
+            "bf16_fp32": ("bf16", "fp32"), "fp16_fp32": ("fp16", "fp32")}
+ALL = DTYPES
+BF16 = ("bf16",)
+
+
+class FusedConfig(NamedTuple):
+    id: int
+    tile: tuple  # (M, N, K) elements
+    cluster: tuple  # (cluster_m, cluster_n) CTAs
+    schedule: str  # "cooperative" | "pingpong"
+    default: tuple  # dtype variants built by default
+
+    @property
+    def tile_m(self):
+        return self.tile[0]
+
+    @property
+    def cluster_m(self):
+        return self.cluster[0]
+
+    def describe(self):
+        m, n, k = self.tile
+        return f"{m}x{n}x{k} tile, cluster {self.cluster[0]}x{self.cluster[1]}, {self.schedule}"
+
+
+C = FusedConfig
+F = ("bf16", "fp16", "bf16_fp32")  # the dtypes of the default build's general-purpose configuration
+# Ids 0..3 (ag) and 0..2 (rs) keep their meaning across releases; new shapes get new ids.
+# The default set is what a 2-core build compiles in about 15 minutes (each instantiation costs
+# ~1.7 CPU-minutes); the others are built with FLUX_KERNELS=all or by name.
+CONFIGS = {
+    "ag": (
+        C(0, (128, 256, 64), (2, 1), "cooperative", F),
+        C(1, (256, 128, 64), (2, 1), "cooperative", ()),
+        C(2, (128, 128, 64), (2, 1), "pingpong", BF16),
+        C(3, (256, 128, 64), (1, 2), "cooperative", BF16),  # cuBLAS's shape on big GEMMs
+        C(4, (128, 128, 64), (1, 1), "cooperative", ()),
+        C(5, (128, 192, 64), (1, 1), "cooperative", BF16),  # N = 1536, 2304, 3072: whole tiles
+        C(6, (128, 256, 64), (1, 2), "cooperative", ()),
+        C(7, (64, 128, 64), (1, 1), "pingpong", BF16),  # few rows, narrow N: 2x the tiles of 128x128
+        C(8, (64, 256, 64), (1, 1), "pingpong", BF16),  # few rows, wide N
+        C(9, (128, 64, 64), (1, 1), "pingpong", ()),
+        C(10, (128, 128, 64), (1, 2), "pingpong", ()),
+        C(11, (64, 128, 128), (1, 1), "pingpong", ()),
+    ),
+    "rs": (
+        C(0, (128, 256, 64), (2, 1), "cooperative", F),
+        C(1, (256, 128, 64), (2, 1), "cooperative", ()),
+        C(2, (256, 128, 64), (1, 2), "cooperative", BF16),  # cuBLAS's shape on big GEMMs
+        C(3, (128, 128, 64), (1, 1), "cooperative", ()),
+        C(4, (64, 256, 64), (1, 1), "pingpong", BF16),  # 128..512 rows per rank
+        C(5, (64, 128, 64), (1, 1), "pingpong", ()),
+        C(6, (128, 128, 64), (2, 1), "pingpong", ()),
+        C(7, (128, 192, 64), (1, 1), "cooperative", ()),
+    ),
+}
+OPS = tuple(CONFIGS)
+
+
+def config(op, cid):
+    """The configuration ``cid`` of ``op`` ("ag" or "rs"), or None."""
+    for c in CONFIGS.get(op, ()):
+        if c.id == cid:
+            return c
+    return None
+
+
+def _expand(term):
+    if term == "all":
+        return {(op, c.id, d) for op in OPS for c in CONFIGS[op] for d in DTYPES}
+    if term == "default":
+        return {(op, c.id, d) for op in OPS for c in CONFIGS[op] for d in c.default}
+    if term == "minimal":
+        return {(op, 0, "bf16") for op in OPS}
+    parts = term.split(":")
+    if not 1 <= len(parts) <= 3 or parts[0] not in OPS:
+        raise ValueError(f"FLUX_KERNELS: bad term {term!r} (default, all, minimal or op:id[:dtype], op in {OPS})")
+    op, cid, dt = parts[0], (parts[1:] or ["*"])[0], (parts[2:] or ["*"])[0]
+    ids = [c.id for c in CONFIGS[op]] if cid == "*" else [int(cid)]
+    dts = DTYPES if dt == "*" else [dt]
+    out = set()
+    for i in ids:
+        if config(op, i) is None or any(d not in DTYPES for d in dts):
+            raise ValueError(f"FLUX_KERNELS: {term!r} names no configuration (ops {OPS}, dtypes {DTYPES})")
+        out.update((op, i, d) for d in dts)
+    return out
+
+
+def select(spec="default"):
+    """The (op, config id, dtype) triples a FLUX_KERNELS value builds, sorted."""
+    out = set()
+    for term in (spec or "default").replace(" ", "").split(","):
+        if term:
+            out |= _expand(term)
+    return sorted(out, key=lambda t: (OPS.index(t[0]), t[1], DTYPES.index(t[2])))
+
+
+def kernel_name(op, cid, dtype):
+    """The C++ launcher (and generated file stem) of one instantiation."""
+    return f"{op}_fused_c{cid}_{dtype}"
+
+
+def parse_built(text):
+    """``torch.ops.flux.fused_kernels_built()``'s string ("ag:0:bf16 rs:3:fp16 ...") as a set of triples."""
+    out = set()
+    for item in text.split():
+        op, cid, dt = item.split(":")
+        out.add((op, int(cid), dt))
+    return frozenset(out)
+
+
+def built():
+    """The (op, config id, dtype) kernels compiled into flux._C (empty without it, or with a
+    flux._C older than this table)."""
+    import torch
+
+    from flux.runtime.extension import extension_error
+
+    if extension_error() is not None:
+        return frozenset()
+    try:
+        return parse_built(torch.ops.flux.fused_kernels_built())
+    except (AttributeError, RuntimeError):
+        return frozenset()

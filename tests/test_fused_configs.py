@@ -1,0 +1,187 @@
+"""The fused GEMM instantiation table (flux/ops/fused_configs.py), the sources setup.py generates
+from it, and, on a GPU, every built instantiation against torch.mm.
+
+GPU cases: every (op, config, dtype) that flux._C was built with, all flags already set (AG: any
+rank, every shard "arrived"; RS: a random peer partial folded in), outputs poisoned with NaN,
+inputs random; the relative error against an fp32 reference must stay within twice cuBLAS's on
+the same data. Instantiations not built are skipped by name; calling one fails naming it.
+"""
+import os
+
+import pytest
+import torch
+
+from flux.ops import fused_configs as fc
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_table_is_consistent():
+    for op, configs in fc.CONFIGS.items():
+        ids = [c.id for c in configs]
+        assert len(ids) == len(set(ids)), op
+        for c in configs:
+            m, n, k = c.tile
+            assert c.schedule in ("cooperative", "pingpong"), c
+            assert m in (64, 128, 256) and n % 16 == 0 and 16 <= n <= 256 and k in (64, 128), c
+            # Cooperative splits a tile's rows between two consumer warpgroups of 64 rows each.
+            assert c.schedule == "pingpong" or m >= 128, c
+            assert c.cluster in ((1, 1), (2, 1), (1, 2)), c
+            assert set(c.default) <= set(fc.DTYPES), c
+    assert fc.config("ag", 0).tile == (128, 256, 64) and fc.config("rs", 99) is None
+
+
+def test_select_and_parse():
+    default = fc.select("default")
+    assert ("ag", 0, "bf16") in default and ("rs", 0, "bf16_fp32") in default
+    assert len(fc.select("all")) == sum(len(v) for v in fc.CONFIGS.values()) * len(fc.DTYPES)
+    assert fc.select("minimal") == [("ag", 0, "bf16"), ("rs", 0, "bf16")]
+    assert fc.select("ag:2") == [("ag", 2, d) for d in fc.DTYPES]
+    assert set(fc.select("minimal,rs:*:fp16")) == {("ag", 0, "bf16"), ("rs", 0, "bf16")} | {
+        ("rs", c.id, "fp16") for c in fc.CONFIGS["rs"]}
+    for bad in ("ag:99", "xx:0", "ag:0:fp8", "ag:0:bf16:1"):
+        with pytest.raises(ValueError, match="FLUX_KERNELS"):
+            fc.select(bad)
+    text = " ".join(f"{op}:{i}:{d}" for op, i, d in default)
+    assert fc.parse_built(text) == frozenset(default)
+    assert fc.parse_built("") == frozenset()
+
+
+def test_setup_generates_one_unit_per_instantiation(tmp_path, monkeypatch):
+    """setup.py's generator, run against a scratch root: a file per instantiation, a dispatch case
+    per instantiation, and the built list naming exactly them."""
+    src = open(os.path.join(ROOT, "setup.py")).read().split("ext_modules, cmdclass, _ = _cuda_extension()")[0]
+    scope = {"__file__": os.path.join(ROOT, "setup.py"), "__name__": "flux_setup_under_test"}
+    exec(compile(src, "setup.py", "exec"), scope)
+    scope["ROOT"] = str(tmp_path)
+    os.makedirs(tmp_path / "flux" / "ops")
+    with open(os.path.join(ROOT, "flux", "ops", "fused_configs.py")) as f:
+        (tmp_path / "flux" / "ops" / "fused_configs.py").write_text(f.read())
+    monkeypatch.setenv("FLUX_KERNELS", "minimal,ag:7:fp16_fp32")
+    sources = scope["_generate_fused_sources"](True)
+    names = sorted(os.path.basename(s) for s in sources)
+    assert names == ["ag_fused_c0_bf16.cu", "ag_fused_c7_fp16_fp32.cu", "fused_dispatch.cpp", "rs_fused_c0_bf16.cu"]
+    dispatch = (tmp_path / "build" / "flux_generated" / "fused_dispatch.cpp").read_text()
+    assert "case 0: ag_fused_c0_bf16(a); return true;" in dispatch
+    assert f"case {7 * 4 + 3}: ag_fused_c7_fp16_fp32(a); return true;" in dispatch
+    assert '"ag:0:bf16 ag:7:fp16_fp32 rs:0:bf16"' in dispatch
+    unit = (tmp_path / "build" / "flux_generated" / "ag_fused_c7_fp16_fp32.cu").read_text()
+    assert "kFp16Fp32" in unit and "cute::_64, cute::_128, cute::_64" in unit and "Pingpong" in unit
+    # Without an sm_90a target nothing is instantiated, and stale units are removed.
+    assert [os.path.basename(s) for s in scope["_generate_fused_sources"](False)] == ["fused_dispatch.cpp"]
+    assert os.listdir(tmp_path / "build" / "flux_generated") == ["fused_dispatch.cpp"]
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+def _gpu_built():
+    if not torch.cuda.is_available():
+        return None
+    try:
+        from flux.runtime.extension import cuda_kernels_available
+
+        if not cuda_kernels_available() or not torch.ops.flux.ag_gemm_fused_supported():
+            return None
+        if torch.cuda.get_device_capability() != (9, 0):
+            return None
+    except (ImportError, AttributeError, RuntimeError):
+        return None
+    return fc.built()
+
+
+_BUILT = _gpu_built()
+gpu = pytest.mark.skipif(_BUILT is None, reason="needs flux._C with the sm_90a fused kernels and an H100/H200")
+_TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# (M, K, N): whole tiles; ragged M, N (partial tiles on every side) and K not a multiple of 64;
+# rows of one shard thinner than a tile (tiles spanning two shards in AG, two segments in RS).
+_SHAPES = ((512, 512, 512), (328, 392, 1288), (96, 256, 2312))
+
+
+def _case(op, cid, dtype):
+    if (op, cid, dtype) not in _BUILT:
+        pytest.skip(f"{op}:{cid}:{dtype} not built (FLUX_KERNELS)")
+    torch.manual_seed(1000 * cid + fc.DTYPES.index(dtype))
+    din, dout = (_TORCH_DTYPE[x] for x in fc.DTYPE_IO[dtype])
+    return din, dout
+
+
+def _cublas(a, w, dout):
+    """cuBLAS on the same data: the inputs' dtype, or fp32 output from the same inputs."""
+    if dout == a.dtype:
+        return torch.mm(a, w.t())
+    try:
+        return torch.mm(a, w.t(), out_dtype=dout)
+    except (TypeError, RuntimeError):  # a torch without mm's out_dtype: fp32 operands, exact products
+        return torch.mm(a.to(dout), w.to(dout).t())
+
+
+def _check(out, ref32, baseline, what):
+    assert torch.isfinite(out).all(), f"{what}: NaN/inf left in the output (tiles not written)"
+    norm = ref32.norm()
+    err = ((out.double() - ref32.double()).norm() / norm).item()
+    base = ((baseline.double() - ref32.double()).norm() / norm).item()
+    assert err <= 2 * base + 1e-6, f"{what}: relative error {err:.3g}, cuBLAS's {base:.3g}"
+
+
+@gpu
+@pytest.mark.parametrize("op,cid,dtype", [t for t in fc.select("all") if t[0] == "ag"])
+def test_gpu_ag_fused(op, cid, dtype):
+    din, dout = _case(op, cid, dtype)
+    dev = torch.device("cuda")
+    world = 2
+    for i, (m, k, n) in enumerate(_SHAPES):
+        m = m // world * world
+        a = torch.randn(m, k, device=dev, dtype=din)
+        w = torch.randn(n, k, device=dev, dtype=din) / k ** 0.5
+        bias = torch.randn(n, device=dev, dtype=dout) if i == 1 else None
+        flags = torch.ones(world, device=dev, dtype=torch.int32)
+        ref32 = a.float() @ w.float().t() + (bias.float() if bias is not None else 0)
+        baseline = _cublas(a, w, dout) + (bias if bias is not None else 0)
+        for rank, raster, swizzle in ((1, 1, 8), (0, 2, 1)):
+            out = torch.full((m, n), float("nan"), device=dev, dtype=dout)
+            torch.ops.flux.ag_gemm_fused_(out, a, w, bias, flags, rank, world, m // world, 10000, 0, raster,
+                                          swizzle, cid)
+            torch.cuda.synchronize()
+            _check(out, ref32, baseline, f"ag:{cid}:{dtype} {m}x{k}x{n} rank {rank} raster {raster}")
+
+
+@gpu
+@pytest.mark.parametrize("op,cid,dtype", [t for t in fc.select("all") if t[0] == "rs"])
+def test_gpu_rs_fused(op, cid, dtype):
+    din, dout = _case(op, cid, dtype)
+    dev = torch.device("cuda")
+    for i, (m, k, n) in enumerate(_SHAPES):
+        a = torch.randn(m, k, device=dev, dtype=din)
+        w = torch.randn(n, k, device=dev, dtype=din) / k ** 0.5
+        src = torch.randn(m, n, device=dev, dtype=dout)  # the peer's partial, in the output dtype
+        bias = torch.randn(n, device=dev, dtype=dout) if i == 1 else None
+        seg_rows = 40  # thinner than every tile: tiles wait for two or more segments
+        flags = torch.ones(-(-m // seg_rows), device=dev, dtype=torch.int32)
+        ref32 = a.float() @ w.float().t() + src.float() + (bias.float() if bias is not None else 0)
+        baseline = _cublas(a, w, dout) + src + (bias if bias is not None else 0)
+        for swizzle in (1, 8):
+            out = torch.full((m, n), float("nan"), device=dev, dtype=dout)
+            torch.ops.flux.gemm_rs_fused_(out, a, w, bias, src, flags, seg_rows, 0, 1, 10000, 0, 1, swizzle, cid)
+            torch.cuda.synchronize()
+            _check(out, ref32, baseline, f"rs:{cid}:{dtype} {m}x{k}x{n} swizzle {swizzle}")
+
+
+@gpu
+def test_gpu_unbuilt_instantiation_fails_by_name():
+    missing = [t for t in fc.select("all") if t not in _BUILT]
+    if not missing:
+        pytest.skip("every instantiation is built (FLUX_KERNELS=all)")
+    op, cid, dtype = missing[0]
+    din, dout = (_TORCH_DTYPE[x] for x in fc.DTYPE_IO[dtype])
+    dev = torch.device("cuda")
+    a = torch.randn(128, 64, device=dev, dtype=din)
+    w = torch.randn(64, 64, device=dev, dtype=din)
+    out = torch.empty(128, 64, device=dev, dtype=dout)
+    flags = torch.ones(2, device=dev, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=f"configuration {cid} for {dtype} is not built"):
+        if op == "ag":
+            torch.ops.flux.ag_gemm_fused_(out, a, w, None, flags, 0, 2, 64, 10000, 0, 1, 1, cid)
+        else:
+            src = torch.randn(128, 64, device=dev, dtype=dout)
+            torch.ops.flux.gemm_rs_fused_(out, a, w, None, src, flags, 64, 0, 1, 10000, 0, 1, 1, cid)
