@@ -484,7 +484,7 @@ std::vector<at::Tensor> moe_local_combine_backward(const at::Tensor& grad_out, c
   }
   const c10::cuda::CUDAGuard guard(grad_out.device());
   at::Tensor dy = at::empty({rows, h}, grad_out.options());
-  at::Tensor dw = y.has_value() ? at::zeros({t * k}, grad_out.options().dtype(at::kFloat)) : at::Tensor();
+  at::Tensor dw = at::zeros({y.has_value() ? t * k : 0}, grad_out.options().dtype(at::kFloat));
   if (rows == 0 || h == 0) return {dy, dw};
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const int grid = grid_for(rows, 16);
