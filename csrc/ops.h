@@ -69,4 +69,8 @@ std::vector<at::Tensor> moe_local_combine_backward(const at::Tensor& grad_out, c
                                                    const at::Tensor& send_pairs, const std::optional<at::Tensor>& y,
                                                    int64_t k);
 
+// SwiGLU of [R, 2F] (gate, up) -> [R, F], and its backward -> [R, 2F] (csrc/moe/moe_swiglu.cu).
+at::Tensor moe_swiglu(const at::Tensor& h);
+at::Tensor moe_swiglu_backward(const at::Tensor& grad, const at::Tensor& h);
+
 }  // namespace flux

@@ -38,6 +38,9 @@ TORCH_LIBRARY(flux, m) {
   m.def("moe_local_combine(Tensor y, Tensor? weights, Tensor pair_row, int k) -> Tensor");
   m.def("moe_local_combine_backward(Tensor grad_out, Tensor? weights, Tensor send_pairs, Tensor? y, int k) "
         "-> Tensor[]");
+  // SwiGLU of the experts' [R, 2F] GEMM output (csrc/moe/moe_swiglu.cu) and its backward.
+  m.def("moe_swiglu(Tensor h) -> Tensor");
+  m.def("moe_swiglu_backward(Tensor grad, Tensor h) -> Tensor");
   // Fused AllGather+GEMM (csrc/ag_gemm/ag_gemm_fused.cu): out = a_full @ weight^T (+ bias), tiles of
   // remote rows waiting on flags[src]; a_full is a symmetric workspace written by peers;
   // error_record: host-mapped address of 2 uint32 (waiting rank + 1, missing rank), or 0.
@@ -69,6 +72,8 @@ TORCH_LIBRARY_IMPL(flux, CUDA, m) {
   m.impl("moe_local_gather", &flux::moe_local_gather);
   m.impl("moe_local_combine", &flux::moe_local_combine);
   m.impl("moe_local_combine_backward", &flux::moe_local_combine_backward);
+  m.impl("moe_swiglu", &flux::moe_swiglu);
+  m.impl("moe_swiglu_backward", &flux::moe_swiglu_backward);
   m.impl("ag_gemm_fused_", &flux::ag_gemm_fused_);
   m.impl("gemm_rs_fused_", &flux::gemm_rs_fused_);
 }

@@ -230,6 +230,7 @@ __device__ __forceinline__ void store_from_f32(T* p, const float (&f)[N]) {
 }
 
 constexpr int kMaxTopk = 64;
+constexpr int kSlotBatch = 4;
 
 // out[t] = sum over k with pair_row[t, k] >= 0 of w[t, k] * y[pair_row[t, k]] (w null: 1), fp32,
 // k = 0 first; one block per token (grid-stride), N elements per thread access.
@@ -251,14 +252,24 @@ __global__ void combine_kernel(const T* __restrict__ y, const float* __restrict_
       float acc[N];
 #pragma unroll
       for (int i = 0; i < N; ++i) acc[i] = 0.0f;
-      for (int j = 0; j < k; ++j) {
-        const int64_t r = s_row[j];
-        if (r < 0) continue;
-        float v[N];
-        load_f32<T, N>(y + r * h + g * N, v);
-        const float wj = s_w[j];
+      // Slots in groups of kSlotBatch: the group's loads are issued before its sums (latency), the
+      // sums still run slot by slot from k = 0.
+      for (int j0 = 0; j0 < k; j0 += kSlotBatch) {
+        float v[kSlotBatch][N];
 #pragma unroll
-        for (int i = 0; i < N; ++i) acc[i] = fmaf(wj, v[i], acc[i]);
+        for (int u = 0; u < kSlotBatch; ++u) {
+          const int j = j0 + u;
+          if (j < k && s_row[j] >= 0) load_f32<T, N>(y + s_row[j] * h + g * N, v[u]);
+        }
+#pragma unroll
+        for (int u = 0; u < kSlotBatch; ++u) {
+          const int j = j0 + u;
+          if (j < k && s_row[j] >= 0) {
+            const float wj = s_w[j];
+#pragma unroll
+            for (int i = 0; i < N; ++i) acc[i] = fmaf(wj, v[u][i], acc[i]);
+          }
+        }
       }
       store_from_f32<T, N>(out + t * h + g * N, acc);
     }

@@ -883,6 +883,8 @@ def _dispatch_local(impl, sig, x, topk_idx, topk_weights, num_experts, group, ca
     rows = _pack_fp8(x) if fp8 else x
     recv_x, counts, send_pairs, recv_dest, counts_host, verdict, code = impl.dispatch_local(
         rows, topk_idx, num_experts, capacity, host_code, zero_pad)
+    if capacity is not None and not defer:  # a verdict that is not deferred is read (a synchronisation)
+        code = int(verdict[0])
     if code:
         raise FluxInputError(f"{OP}: invalid arguments on rank {dist.get_rank(group)}: "
                              + (_data_message(topk_idx, num_experts) or "invalid topk_idx"))
