@@ -81,6 +81,14 @@ MoeHandle for what the tensors mean):
                variant no host read and no padding rows (positions come from the exchanged
                counts on the device). Chosen wherever it can run.
 
+  local        (flux/ops/_moe_local.py, csrc/moe/moe_local.cu) a group of one rank on CUDA: the
+               dispatch is a permutation within the GPU: layout kernels (counts, each pair's
+               row, each row's pair; the data verdict with them) and one row-gather kernel; combine
+               one kernel (fp32, slot 0 first), its backward one kernel. Unbounded: one host read
+               (counts and verdict together); bounded: none (CUDA-graph capturable). Chosen
+               automatically there; a call whose host-side checks passed before with the same key
+               (all but T and the data) skips them (``_local_plan_key``).
+
 The handle records the strategy (``meta[0]``), so combine and both backward passes use the same
 one. In the deferred-verdict case a strategy sends nothing when ``any_error``.
 
@@ -822,10 +830,15 @@ def _dispatch_impl(x, topk_idx, topk_weights, num_experts, group, capacity, *, d
     variant on CUDA groups). ``fp8``: x is quantised and moved as packed byte rows, and recv_x
     is the received byte rows (uint8 ``[..., _packed_width(H)]``; ``_unpack_fp8`` splits them).
     ``zero_pad=False``: the bounded variant may leave recv_x's rows past the counts unwritten."""
-    sig = _signature(x, topk_idx, topk_weights, num_experts, group, capacity, fp8)
     bounded = capacity is not None
     if defer_verdict is None:
         defer_verdict = bounded and cuda_group(group)
+    if _LOCAL_PLANS and strategy in (None, "local"):
+        key = _local_plan_key(x, topk_idx, topk_weights, num_experts, group, capacity, defer_verdict, fp8)
+        if key is not None and key in _LOCAL_PLANS:
+            return _run_local(LocalStrategy, x, topk_idx, topk_weights, num_experts, group, capacity, defer_verdict,
+                              fp8, zero_pad, 0)
+    sig = _signature(x, topk_idx, topk_weights, num_experts, group, capacity, fp8)
     name = strategy or _choose_strategy(x, group, bounded, num_experts, topk_idx)
     sig.add("strategy", STRATEGIES.index(name))
     impl = _STRATEGY_IMPLS[name]
@@ -869,7 +882,7 @@ def _dispatch_local(impl, sig, x, topk_idx, topk_weights, num_experts, group, ca
     the signature is checked alone (check_collectively: no peer, nothing to exchange once it was
     seen), the ids and duplicates by the layout kernels: read with the counts (unbounded, which
     raises before any row moves) or reported through ``handle.check()`` (bounded, deferred)."""
-    host_code = 0
+    host_code, clean = 0, sig.error is None
     if capacity is not None and defer:
         host_code, local = _deferred_host_code(sig, x, group, capacity)
         if local is not None:  # stand-ins of no tokens, as in _dispatch_impl
@@ -880,6 +893,36 @@ def _dispatch_local(impl, sig, x, topk_idx, topk_weights, num_experts, group, ca
         if capacity is not None and sig.error is None and x.shape[0] > capacity:
             sig.fail(f"x has T = {x.shape[0]} tokens, more than max_tokens_per_rank = {capacity}")
         check_collectively(sig, group)
+    if clean and host_code == 0:  # the call's plan is valid: later calls like it skip the checks above
+        key = _local_plan_key(x, topk_idx, topk_weights, num_experts, group, capacity, defer, fp8)
+        if key is not None:
+            _LOCAL_PLANS.add(key)
+    return _run_local(impl, x, topk_idx, topk_weights, num_experts, group, capacity, defer, fp8, zero_pad, host_code)
+
+
+# Keys (_local_plan_key) of local dispatches whose host-side checks passed: a call with the same key
+# passes them too (it differs only in T, within the same bounds, and in the data, which the layout
+# kernels check every call), so it goes straight to the kernels.
+_LOCAL_PLANS = set()
+_LOCAL_META = {}  # bounded calls' meta tensor (the strategy index only), shared: nobody writes it
+
+
+def _local_plan_key(x, topk_idx, topk_weights, num_experts, group, capacity, defer, fp8):
+    """What the host-side checks of a local dispatch depend on (all but T and the data), or None
+    for arguments that always take the checked path."""
+    if type(x) is not torch.Tensor or type(topk_idx) is not torch.Tensor or type(topk_weights) is not torch.Tensor:
+        return None
+    if x.dim() != 2 or topk_idx.dim() != 2 or topk_weights.dim() != 2:
+        return None
+    t = x.shape[0]
+    return (id(group), x.dtype, x.device, torch.cuda.current_device() if x.is_cuda else -1, x.shape[1], topk_idx.dtype, topk_idx.device,
+            topk_idx.shape[1], topk_weights.dtype, topk_weights.device, topk_weights.shape == topk_idx.shape,
+            topk_idx.shape[0] == t, num_experts, capacity, capacity is None or t <= capacity, defer, fp8,
+            os.environ.get(STRATEGY_ENV, ""))
+
+
+def _run_local(impl, x, topk_idx, topk_weights, num_experts, group, capacity, defer, fp8, zero_pad, host_code):
+    """The kernels of a checked local dispatch, the verdict, the handle."""
     rows = _pack_fp8(x) if fp8 else x
     recv_x, counts, send_pairs, recv_dest, counts_host, verdict, code = impl.dispatch_local(
         rows, topk_idx, num_experts, capacity, host_code, zero_pad)
@@ -888,7 +931,12 @@ def _dispatch_local(impl, sig, x, topk_idx, topk_weights, num_experts, group, ca
     if code:
         raise FluxInputError(f"{OP}: invalid arguments on rank {dist.get_rank(group)}: "
                              + (_data_message(topk_idx, num_experts) or "invalid topk_idx"))
-    meta = torch.tensor([STRATEGIES.index(impl.name)] + (counts_host or []), dtype=torch.int64)
+    if counts_host is None:
+        meta = _LOCAL_META.get(impl.name)
+        if meta is None:
+            meta = _LOCAL_META[impl.name] = torch.tensor([STRATEGIES.index(impl.name)], dtype=torch.int64)
+    else:
+        meta = torch.tensor([STRATEGIES.index(impl.name)] + counts_host, dtype=torch.int64)
     h = x.shape[1]
     handle = MoeHandle(group, impl.name, num_experts, x.shape[0], topk_idx.shape[1], h, capacity, topk_weights,
                        send_pairs, recv_dest, meta, verdict, tuple(recv_x.shape[:-1]) + (h,), fp8)
