@@ -68,12 +68,13 @@ def _weights(t, k, gen):
     return (torch.randint(1, 5, (t, k), generator=gen).float() / 4).to(DEV)  # exact in fp32 sums
 
 
-@pytest.mark.parametrize("t,e,k,cap", [(64, 8, 2, None), (300, 64, 8, None), (128, 64, 8, 128), (100, 8, 8, 130),
-                                       (0, 8, 2, None), (0, 8, 2, 16), (5, 1024, 8, None)])
+@pytest.mark.parametrize("t,e,k,cap,h", [(64, 8, 2, None, 256), (300, 64, 8, None, 256), (128, 64, 8, 128, 256),
+                                         (100, 8, 8, 130, 256), (0, 8, 2, None, 256), (0, 8, 2, 16, 256),
+                                         (5, 1024, 8, None, 256), (700, 16, 4, None, 100), (50, 4, 3, 64, 100)])
 @pytest.mark.parametrize("idx_dtype", [torch.int64, torch.int32])
-def test_round_trip_exact(group, t, e, k, cap, idx_dtype):
+def test_round_trip_exact(group, t, e, k, cap, h, idx_dtype):
+    # h = 100: rows of 200 bytes, the kernels' element-wise (unvectorised) paths
     gen = torch.Generator().manual_seed(t * 131 + e)
-    h = 256
     x, idx, w = _ints((t, h), gen), _routing(t, e, k, gen).to(idx_dtype), _weights(t, k, gen)
     if DEV == "cuda":
         torch.cuda.empty_cache()
@@ -155,9 +156,10 @@ def test_errors(group):
 
 @pytest.mark.parametrize("cap", [None, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gradients_match_all_to_all(group, cap, dtype, monkeypatch):
+@pytest.mark.parametrize("h", [128, 100])
+def test_gradients_match_all_to_all(group, cap, dtype, h, monkeypatch):
     gen = torch.Generator().manual_seed(11)
-    t, e, k, h = 48, 16, 4, 128
+    t, e, k = 48, 16, 4
     x0 = torch.randn((t, h), generator=gen).to(dtype).to(DEV)
     idx = _routing(t, e, k, gen)
     w0 = torch.rand((t, k), generator=gen).to(DEV)
