@@ -351,14 +351,19 @@ def layer_case(args, bench, layer, tokens, topk, dev, dtype, rank, tol):
             y.backward(g)
             return y
 
-        y = ref_step().detach()
-        got = [y, x.grad.clone()] + [p.grad.clone() for p in params]
-        res["grouped_rel_err"] = check_same(bench, "stock grouped layer", out["flux"], got, tol)
-        del got
-        res["grouped"] = timed(bench, ref_step, args, graph=False)
-        with torch.no_grad():
-            idx, _ = layer.route(x)
-        res["gemms"] = timed(bench, grouped_gemms_only(layer, x, idx), args, graph=False)
+        try:  # recorded, not raised: the flux layer's figures above stand whatever happens here
+            y = ref_step().detach()
+            got = [y, x.grad.clone()] + [p.grad.clone() for p in params]
+            err = bench.max_all(max(rel_err(a, b) for a, b in zip(out["flux"], got)))
+            res["grouped_rel_err"] = err
+            res["grouped_status"] = "ok" if err <= tol else f"differs from flux by {err:.3g} (tolerance {tol})"
+            del got
+            res["grouped"] = timed(bench, ref_step, args, graph=False)
+            with torch.no_grad():
+                idx, _ = layer.route(x)
+            res["gemms"] = timed(bench, grouped_gemms_only(layer, x, idx), args, graph=False)
+        except Exception as e:  # noqa: BLE001
+            res["grouped_status"] = f"error: {type(e).__name__}: {str(e)[:300]}"
     return res
 
 
