@@ -407,7 +407,8 @@ def layer_table(records):
     """World size 1: the layer's forward+backward (loop ms) against the stock grouped-GEMM layer and
     its GEMMs alone; the bounded dispatch and combine in graph replay and host us per call."""
     lines = [f"{'T':>5} {'H':>5} {'K':>2} {'E':>3} | {'flux':>7} {'stock':>7} {'gemms':>7} {'stock/flux':>10} "
-             f"{'flux/gemms':>10} | {'bnd disp graph us':>17} {'host us':>7} | {'bnd comb graph us':>17} {'host us':>7}"]
+             f"{'flux/gemms':>10} | {'bnd disp graph us':>17} {'host us':>7} | "
+             f"{'bnd comb graph us':>17} {'host us':>7}"]
     for r in records:
         if r.get("status") != "ok":
             continue
@@ -499,7 +500,8 @@ def cell(args, bench, rec, group, rank, world, dev, dtype, itemsize, tol, layers
             if r is not None:
                 nbytes = rec["remote_bytes"]
                 if world == 1:
-                    nbytes = rec["hbm_bytes_bounded"] if name == "flux_bounded" and op == "dispatch" else rec["hbm_bytes"]
+                    bounded_dispatch = name == "flux_bounded" and op == "dispatch"
+                    nbytes = rec["hbm_bytes_bounded"] if bounded_dispatch else rec["hbm_bytes"]
                 r["gbps_loop"] = gbps(nbytes, r["loop_ms"])
                 if r.get("graph_ms") is not None:
                     r["gbps_graph"] = gbps(nbytes, r["graph_ms"])

@@ -900,7 +900,8 @@ def _dispatch_local(impl, sig, x, topk_idx, topk_weights, num_experts, group, ca
     return _run_local(impl, x, topk_idx, topk_weights, num_experts, group, capacity, defer, fp8, zero_pad, host_code)
 
 
-# Keys (_local_plan_key) of local dispatches whose host-side checks passed: a call with the same key
+# Keys (_local_plan_key) of local dispatches whose host-side checks passed (the group object itself,
+# not its id, which a later group could reuse): a call with the same key
 # passes them too (it differs only in T, within the same bounds, and in the data, which the layout
 # kernels check every call), so it goes straight to the kernels.
 _LOCAL_PLANS = set()
@@ -915,7 +916,8 @@ def _local_plan_key(x, topk_idx, topk_weights, num_experts, group, capacity, def
     if x.dim() != 2 or topk_idx.dim() != 2 or topk_weights.dim() != 2:
         return None
     t = x.shape[0]
-    return (id(group), x.dtype, x.device, torch.cuda.current_device() if x.is_cuda else -1, x.shape[1], topk_idx.dtype, topk_idx.device,
+    return (group, x.dtype, x.device, torch.cuda.current_device() if x.is_cuda else -1, x.shape[1],
+            topk_idx.dtype, topk_idx.device,
             topk_idx.shape[1], topk_weights.dtype, topk_weights.device, topk_weights.shape == topk_idx.shape,
             topk_idx.shape[0] == t, num_experts, capacity, capacity is None or t <= capacity, defer, fp8,
             os.environ.get(STRATEGY_ENV, ""))
