@@ -23,8 +23,8 @@ gpu_only = pytest.mark.skipif(DEV != "cuda", reason="needs a CUDA device")
 
 @pytest.fixture(scope="module")
 def group():
-    patches = []
-    if not dist.is_initialized():
+    patches, created = [], not dist.is_initialized()
+    if created:
         store = dist.FileStore(tempfile.mktemp(prefix="flux-moe-local-"), 1)
         if DEV == "cuda":
             torch.cuda.set_device(0)
@@ -48,6 +48,9 @@ def group():
     yield dist.group.WORLD
     for p in patches:
         p.stop()
+    if created:  # leave the process as it was for the test files after this one
+        moe_ops._LOCAL_PLANS.clear()
+        dist.destroy_process_group()
 
 
 def _routing(t, e, k, gen, empty_slots=True, experts=None):
