@@ -30,11 +30,11 @@ TORCH_LIBRARY(flux, m) {
         "int timeout_ms, bool zero_pad=True, int tok_off=-1) -> ()");
   m.def("moe_recv_sum_(Tensor(a!) out, Tensor? weights, Tensor pair_pos, int n_send, Tensor(b!) done, int ws_base, "
         "int pads_dev, int world, int rank, int rows_off, int channel, int timeout_ms) -> ()");
-  // MoE at one rank, the `local` strategy (csrc/moe/moe_local.cu): layout + row gather of a dispatch
-  // (capacity -1: unbounded, recv empty until moe_local_gather), the weighted combine, and its backward.
+  // MoE at one rank, the `local` strategy (csrc/moe/moe_local.cu): layout + rows of a dispatch
+  // (capacity -1: unbounded, recv empty until moe_local_rows), the weighted combine, and its backward.
   m.def("moe_local_dispatch(Tensor x, Tensor topk_idx, int num_experts, int capacity, int host_code, "
         "bool zero_pad) -> Tensor[]");
-  m.def("moe_local_gather(Tensor x, Tensor send_pairs, int k, int rows) -> Tensor");
+  m.def("moe_local_rows(Tensor x, Tensor pair_row, Tensor send_pairs, int rows) -> Tensor");
   m.def("moe_local_combine(Tensor y, Tensor? weights, Tensor pair_row, int k) -> Tensor");
   m.def("moe_local_combine_backward(Tensor grad_out, Tensor? weights, Tensor send_pairs, Tensor? y, int k) "
         "-> Tensor[]");
@@ -69,7 +69,7 @@ TORCH_LIBRARY_IMPL(flux, CUDA, m) {
   m.impl("moe_recv_pack_", &flux::moe_recv_pack_);
   m.impl("moe_recv_sum_", &flux::moe_recv_sum_);
   m.impl("moe_local_dispatch", &flux::moe_local_dispatch);
-  m.impl("moe_local_gather", &flux::moe_local_gather);
+  m.impl("moe_local_rows", &flux::moe_local_rows);
   m.impl("moe_local_combine", &flux::moe_local_combine);
   m.impl("moe_local_combine_backward", &flux::moe_local_combine_backward);
   m.impl("moe_swiglu", &flux::moe_swiglu);

@@ -8,7 +8,7 @@ import torch
 _SCHEMAS = {
     "moe_local_dispatch": "moe_local_dispatch(Tensor x, Tensor topk_idx, int num_experts, int capacity, "
                           "int host_code, bool zero_pad) -> Tensor[]",
-    "moe_local_gather": "moe_local_gather(Tensor x, Tensor send_pairs, int k, int rows) -> Tensor",
+    "moe_local_rows": "moe_local_rows(Tensor x, Tensor pair_row, Tensor send_pairs, int rows) -> Tensor",
     "moe_local_combine": "moe_local_combine(Tensor y, Tensor? weights, Tensor pair_row, int k) -> Tensor",
     "moe_local_combine_backward": "moe_local_combine_backward(Tensor grad_out, Tensor? weights, Tensor send_pairs, "
                                   "Tensor? y, int k) -> Tensor[]",
@@ -56,8 +56,14 @@ def dispatch(x, topk_idx, num_experts, capacity, host_code, zero_pad):
     return [recv, info, pair_row, send_pairs]
 
 
-def gather(x, send_pairs, k, rows):
-    return _gather(x, send_pairs, k, rows)
+def rows(x, pair_row, send_pairs, n_rows):
+    """out[pair_row[p]] = x[p / K] for every pair with a row (the kernel goes token by token)."""
+    out = x.new_empty((n_rows, x.shape[1]))
+    k = pair_row.numel() // max(1, x.shape[0])
+    p = torch.arange(pair_row.numel())
+    has = pair_row >= 0
+    out[pair_row[has]] = x[torch.div(p[has], k, rounding_mode="floor")]
+    return out
 
 
 def combine(y, weights, pair_row, k):
@@ -100,7 +106,7 @@ def register() -> bool:
         for name, schema in _SCHEMAS.items():
             _LIB.define(schema)
         _LIB.impl("moe_local_dispatch", dispatch, "CPU")
-        _LIB.impl("moe_local_gather", gather, "CPU")
+        _LIB.impl("moe_local_rows", rows, "CPU")
         _LIB.impl("moe_local_combine", combine, "CPU")
         _LIB.impl("moe_local_combine_backward", combine_backward, "CPU")
     return True

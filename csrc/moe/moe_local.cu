@@ -8,7 +8,7 @@
 //                                                     experts (unbounded) -> counts, verdict
 //            place_kernel  (one block per 256 pairs)  pair_row[p] (its row, -1: none) and
 //                                                     send_pairs[row] = p
-//   move     gather_rows_kernel   recv_x[r] = x[send_pairs[r] / K]   (zeros for padding rows)
+//   move     scatter_rows_kernel  recv_x[pair_row[t, k]] = x[t], token-major (zeros for padding rows)
 //   combine  combine_kernel       out[t] = sum_k w[t, k] * y[pair_row[t, k]]  (fp32, k = 0 first)
 //   backward weighted_rows_kernel dy[r] = w[p] * dout[p / K], dw[p] = <dout[p / K], y[r]>
 //
@@ -174,36 +174,48 @@ __global__ void place_kernel(const Idx* __restrict__ idx, int64_t n, int k, int 
   send_pairs[row] = p;
 }
 
-// out[r] = src[send_pairs[r] / k] for a pair, zeros (zero_pad) for padding; rows as Vec units.
+// The rows of a dispatch, token-major so that each token's row is read once (x is read once, each
+// row of out written once: the HBM traffic of the permutation itself). Items, grid-stride, one
+// per block at a time:
+//   [0, tokens)                  token t: x[t] -> out[pair_row[t * k + j]] for each j with a row
+//   [tokens, tokens + pad_rows)  (bounded, zero_pad) row r = item - tokens: zeros where
+//                                send_pairs[r] is padding (not a pair of [0, tokens * k))
 template <typename Vec>
-__global__ void gather_rows_kernel(const Vec* __restrict__ src, const int64_t* __restrict__ send_pairs,
-                                   int64_t rows, int64_t vecs, int k, int64_t num_pairs, bool zero_pad,
-                                   Vec* __restrict__ out) {
+__global__ void scatter_rows_kernel(const Vec* __restrict__ src, const int64_t* __restrict__ pair_row,
+                                    const int64_t* __restrict__ send_pairs, int64_t tokens, int k, int64_t pad_rows,
+                                    int64_t vecs, Vec* __restrict__ out) {
   constexpr int kUnroll = 4;
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    const int64_t p = send_pairs[r];
-    const bool valid = p >= 0 && p < num_pairs;
-    if (!valid && !zero_pad) continue;
-    const Vec* from = src + (valid ? p / k : 0) * vecs;
-    Vec* to = out + r * vecs;
-    for (int64_t v0 = threadIdx.x; v0 < vecs; v0 += kUnroll * blockDim.x) {
-      Vec buf[kUnroll];
+  const int64_t num_pairs = tokens * k;
+  for (int64_t item = blockIdx.x; item < tokens + pad_rows; item += gridDim.x) {
+    if (item < tokens) {
+      const int64_t* rows = pair_row + item * k;
+      const Vec* from = src + item * vecs;
+      for (int64_t v0 = threadIdx.x; v0 < vecs; v0 += kUnroll * blockDim.x) {
+        Vec buf[kUnroll];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t v = v0 + u * blockDim.x;
-        if (v < vecs) {
-          if (valid) {
-            buf[u] = from[v];
-          } else {
-            memset(&buf[u], 0, sizeof(Vec));
+        for (int u = 0; u < kUnroll; ++u) {
+          const int64_t v = v0 + u * blockDim.x;
+          if (v < vecs) buf[u] = from[v];
+        }
+        for (int j = 0; j < k; ++j) {
+          const int64_t r = rows[j];  // the same for every thread: a broadcast load
+          if (r < 0) continue;
+          Vec* to = out + r * vecs;
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u) {
+            const int64_t v = v0 + u * blockDim.x;
+            if (v < vecs) to[v] = buf[u];
           }
         }
       }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t v = v0 + u * blockDim.x;
-        if (v < vecs) to[v] = buf[u];
-      }
+    } else {
+      const int64_t r = item - tokens;
+      const int64_t p = send_pairs[r];
+      if (p >= 0 && p < num_pairs) continue;  // a token's row, written above
+      Vec zero;
+      memset(&zero, 0, sizeof(Vec));
+      Vec* to = out + r * vecs;
+      for (int64_t v = threadIdx.x; v < vecs; v += blockDim.x) to[v] = zero;
     }
   }
 }
@@ -376,21 +388,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> local_layout(const at::Tensor& to
   return {info, pair_row, send_pairs};
 }
 
-void launch_gather(const at::Tensor& src, const at::Tensor& send_pairs, int64_t rows, int64_t k, int64_t num_pairs,
-                   bool zero_pad, at::Tensor& out, cudaStream_t stream) {
-  if (rows == 0) return;
+// out's rows from x (scatter_rows_kernel); pad_rows > 0: also zero out's padding rows.
+void launch_rows(const at::Tensor& src, const at::Tensor& pair_row, const at::Tensor& send_pairs, int64_t k,
+                 int64_t pad_rows, at::Tensor& out, cudaStream_t stream) {
+  const int64_t tokens = src.size(0);
   const int64_t row_bytes = src.size(1) * static_cast<int64_t>(src.element_size());
-  if (row_bytes == 0) return;
-  const int grid = grid_for(rows, 16);
+  if (tokens + pad_rows == 0 || row_bytes == 0) return;
+  const int grid = grid_for(tokens + pad_rows, 16);
+  const int64_t* pr = pair_row.data_ptr<int64_t>();
   const int64_t* sp = send_pairs.data_ptr<int64_t>();
   if (aligned16(src, row_bytes) && aligned16(out, row_bytes)) {
-    gather_rows_kernel<int4><<<grid, 128, 0, stream>>>(static_cast<const int4*>(src.data_ptr()), sp, rows,
-                                                       row_bytes / 16, static_cast<int>(k), num_pairs, zero_pad,
-                                                       static_cast<int4*>(out.data_ptr()));
+    scatter_rows_kernel<int4><<<grid, 128, 0, stream>>>(static_cast<const int4*>(src.data_ptr()), pr, sp, tokens,
+                                                        static_cast<int>(k), pad_rows, row_bytes / 16,
+                                                        static_cast<int4*>(out.data_ptr()));
   } else {
-    gather_rows_kernel<char><<<grid, 128, 0, stream>>>(static_cast<const char*>(src.data_ptr()), sp, rows, row_bytes,
-                                                       static_cast<int>(k), num_pairs, zero_pad,
-                                                       static_cast<char*>(out.data_ptr()));
+    scatter_rows_kernel<char><<<grid, 128, 0, stream>>>(static_cast<const char*>(src.data_ptr()), pr, sp, tokens,
+                                                        static_cast<int>(k), pad_rows, row_bytes,
+                                                        static_cast<char*>(out.data_ptr()));
   }
   FLUX_CHECK_LAUNCH();
 }
@@ -417,22 +431,27 @@ std::vector<at::Tensor> moe_local_dispatch(const at::Tensor& x, const at::Tensor
   if (capacity >= 0) {
     const int64_t rows = num_experts * capacity;
     recv = at::empty({rows, x.size(1)}, x.options());
-    launch_gather(x, send_pairs, rows, topk_idx.size(1), topk_idx.numel(), zero_pad, recv, stream);
+    launch_rows(x, pair_row, send_pairs, topk_idx.size(1), zero_pad ? rows : 0, recv, stream);
   } else {
     recv = at::empty({0, x.size(1)}, x.options());  // the unbounded caller sizes it after reading the counts
   }
   return {recv, info, pair_row, send_pairs};
 }
 
-at::Tensor moe_local_gather(const at::Tensor& x, const at::Tensor& send_pairs, int64_t k, int64_t rows) {
-  constexpr const char* op = "moe_local_gather";
+at::Tensor moe_local_rows(const at::Tensor& x, const at::Tensor& pair_row, const at::Tensor& send_pairs,
+                          int64_t rows) {
+  constexpr const char* op = "moe_local_rows";
   check_rows(x, "x", op);
-  FLUX_CHECK(send_pairs.is_cuda() && send_pairs.scalar_type() == at::kLong && send_pairs.is_contiguous() &&
-                 send_pairs.numel() >= rows && rows >= 0 && k >= 1,
-             op, "send_pairs must be a contiguous int64 CUDA tensor of at least ", rows, " entries");
+  auto idx_ok = [&](const at::Tensor& t) {
+    return t.is_cuda() && t.scalar_type() == at::kLong && t.is_contiguous() && t.device() == x.device();
+  };
+  const bool whole = x.size(0) == 0 || pair_row.numel() % x.size(0) == 0;
+  FLUX_CHECK(idx_ok(pair_row) && idx_ok(send_pairs) && rows >= 0 && whole,
+             op, "pair_row ([T * K]) and send_pairs must be contiguous int64 tensors on x's device");
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor out = at::empty({rows, x.size(1)}, x.options());
-  launch_gather(x, send_pairs, rows, k, x.size(0) * k, true, out, at::cuda::getCurrentCUDAStream());
+  const int64_t k = x.size(0) == 0 ? 1 : pair_row.numel() / x.size(0);
+  launch_rows(x, pair_row, send_pairs, k, 0, out, at::cuda::getCurrentCUDAStream());
   return out;
 }
 
@@ -460,7 +479,8 @@ at::Tensor moe_local_combine(const at::Tensor& y, const std::optional<at::Tensor
     constexpr int kVec = 16 / sizeof(scalar_t);
     const int64_t rb = h * static_cast<int64_t>(sizeof(scalar_t));
     if (aligned16(y, rb) && aligned16(out, rb)) {
-      const int threads = static_cast<int>(std::min<int64_t>(256, std::max<int64_t>(kMaxTopk, (h / kVec + 31) / 32 * 32)));
+      const int64_t warps_of_row = (h / kVec + 31) / 32 * 32;
+      const int threads = static_cast<int>(std::min<int64_t>(256, std::max<int64_t>(kMaxTopk, warps_of_row)));
       combine_kernel<scalar_t, kVec><<<grid, threads, 0, stream>>>(y.data_ptr<scalar_t>(), w,
                                                                    pair_row.data_ptr<int64_t>(), t, (int)k, h,
                                                                    out.data_ptr<scalar_t>());

@@ -1,8 +1,9 @@
 """The ``local`` strategy of flux.moe_dispatch / flux.moe_combine: a group of one rank on CUDA.
 
 Every expert is on this GPU, so a dispatch is a permutation: the layout kernels (per-expert
-counts, each (token, slot) pair's row, each row's pair; csrc/moe/moe_local.cu) and one kernel that
-copies the rows. The send order is the receive order (W = 1), so the handle's tensors are:
+counts, each (token, slot) pair's row, each row's pair; csrc/moe/moe_local.cu) and one kernel
+that copies each token once to its rows. The send order is the receive order (W = 1), so the
+handle's tensors are:
 
     send_pairs  int64 ``[R]`` (bounded ``[E * C]``): the pair ``t * K + k`` of each row of recv_x
                 viewed as ``[-1, H]``; padding rows hold ``T * K``
@@ -77,7 +78,7 @@ class LocalStrategy:
         counts_host = host[:num_experts]
         rows = sum(counts_host)
         send_pairs = send_pairs[:rows]
-        recv = torch.ops.flux.moe_local_gather(x.contiguous(), send_pairs, topk_idx.shape[1], rows)
+        recv = torch.ops.flux.moe_local_rows(x.contiguous(), pair_row, send_pairs, rows)
         return recv, counts, send_pairs, pair_row, counts_host, verdict, 0
 
     @staticmethod
