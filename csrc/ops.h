@@ -67,8 +67,8 @@ at::Tensor moe_local_rows(const at::Tensor& x, const at::Tensor& pair_row, const
 at::Tensor moe_local_combine(const at::Tensor& y, const std::optional<at::Tensor>& weights, const at::Tensor& pair_row,
                              int64_t k);
 std::vector<at::Tensor> moe_local_combine_backward(const at::Tensor& grad_out, const std::optional<at::Tensor>& weights,
-                                                   const at::Tensor& send_pairs, const std::optional<at::Tensor>& y,
-                                                   int64_t k);
+                                                   const at::Tensor& pair_row, const at::Tensor& send_pairs,
+                                                   const std::optional<at::Tensor>& y, int64_t k);
 
 // SwiGLU of [R, 2F] (gate, up) -> [R, F], and its backward -> [R, 2F] (csrc/moe/moe_swiglu.cu).
 at::Tensor moe_swiglu(const at::Tensor& h);

@@ -36,8 +36,8 @@ TORCH_LIBRARY(flux, m) {
         "bool zero_pad) -> Tensor[]");
   m.def("moe_local_rows(Tensor x, Tensor pair_row, Tensor send_pairs, int rows) -> Tensor");
   m.def("moe_local_combine(Tensor y, Tensor? weights, Tensor pair_row, int k) -> Tensor");
-  m.def("moe_local_combine_backward(Tensor grad_out, Tensor? weights, Tensor send_pairs, Tensor? y, int k) "
-        "-> Tensor[]");
+  m.def("moe_local_combine_backward(Tensor grad_out, Tensor? weights, Tensor pair_row, Tensor send_pairs, "
+        "Tensor? y, int k) -> Tensor[]");
   // SwiGLU of the experts' [R, 2F] GEMM output (csrc/moe/moe_swiglu.cu) and its backward.
   m.def("moe_swiglu(Tensor h) -> Tensor");
   m.def("moe_swiglu_backward(Tensor grad, Tensor h) -> Tensor");

@@ -10,8 +10,8 @@ _SCHEMAS = {
                           "int host_code, bool zero_pad) -> Tensor[]",
     "moe_local_rows": "moe_local_rows(Tensor x, Tensor pair_row, Tensor send_pairs, int rows) -> Tensor",
     "moe_local_combine": "moe_local_combine(Tensor y, Tensor? weights, Tensor pair_row, int k) -> Tensor",
-    "moe_local_combine_backward": "moe_local_combine_backward(Tensor grad_out, Tensor? weights, Tensor send_pairs, "
-                                  "Tensor? y, int k) -> Tensor[]",
+    "moe_local_combine_backward": "moe_local_combine_backward(Tensor grad_out, Tensor? weights, Tensor pair_row, "
+                                  "Tensor send_pairs, Tensor? y, int k) -> Tensor[]",
 }
 _LIB = None
 
@@ -80,7 +80,7 @@ def combine(y, weights, pair_row, k):
     return out.to(y.dtype)
 
 
-def combine_backward(grad_out, weights, send_pairs, y, k):
+def combine_backward(grad_out, weights, pair_row, send_pairs, y, k):
     t, n = grad_out.shape[0], grad_out.shape[0] * k
     valid = (send_pairs >= 0) & (send_pairs < n)
     tok = torch.where(valid, torch.div(send_pairs, k, rounding_mode="floor"), t)

@@ -10,7 +10,7 @@
 //                                                     send_pairs[row] = p
 //   move     scatter_rows_kernel  recv_x[pair_row[t, k]] = x[t], token-major (zeros for padding rows)
 //   combine  combine_kernel       out[t] = sum_k w[t, k] * y[pair_row[t, k]]  (fp32, k = 0 first)
-//   backward weighted_rows_kernel dy[r] = w[p] * dout[p / K], dw[p] = <dout[p / K], y[r]>
+//   backward combine_bwd_kernel   dy[pair_row[t, k]] = w[t, k] * dout[t], dw[t, k] = <dout[t], that row of y>
 //
 // Row order within an expert is pair order (token, then slot): a pair's rank among its block's
 // pairs of the same expert comes from __match_any_sync per warp and a scan over the block's warps;
@@ -288,51 +288,62 @@ __global__ void combine_kernel(const T* __restrict__ y, const float* __restrict_
   }
 }
 
-// Combine's backward over the rows r of y's layout: p = send_pairs[r]; dy[r] = w[p] * dout[p / k]
-// (zeros for padding rows), and with dw: dw[p] = <dout[p / k], y[r]> in fp32 (a fixed-order
-// block reduction).
+// Combine's backward, token-major so that dout[t] comes from HBM once (its later slots hit L1).
+// Items, one per block at a time:
+//   [0, tokens)               token t, slot by slot (j = 0 first), for each slot with a row r:
+//                             dy[r] = w[t, j] * dout[t]; with dw: dw[t, j] = <dout[t], y[r]> (fp32,
+//                             a fixed-order block reduction)
+//   [tokens, tokens + rows)   row r: zeros in dy where send_pairs[r] is padding (bounded layouts)
 template <typename T, int N>
-__global__ void weighted_rows_kernel(const T* __restrict__ dout, const float* __restrict__ w,
-                                     const int64_t* __restrict__ send_pairs, const T* __restrict__ y, int64_t rows,
-                                     int k, int64_t num_pairs, int64_t h, T* __restrict__ dy, float* __restrict__ dw) {
+__global__ void combine_bwd_kernel(const T* __restrict__ dout, const float* __restrict__ w,
+                                   const int64_t* __restrict__ pair_row, const int64_t* __restrict__ send_pairs,
+                                   const T* __restrict__ y, int64_t tokens, int k, int64_t rows, int64_t h,
+                                   T* __restrict__ dy, float* __restrict__ dw) {
   __shared__ float s_part[32];
-  const int64_t groups = h / N;
+  const int64_t groups = h / N, num_pairs = tokens * k;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    const int64_t p = send_pairs[r];
-    const bool valid = p >= 0 && p < num_pairs;
-    const float wp = valid ? (w != nullptr ? w[p] : 1.0f) : 0.0f;
-    const T* src = dout + (valid ? p / k : 0) * h;
-    float dot = 0.0f;
-    for (int64_t g = threadIdx.x; g < groups; g += blockDim.x) {
-      float d[N], o[N];
-      if (valid) {
-        load_f32<T, N>(src + g * N, d);
-      } else {
+  for (int64_t item = blockIdx.x; item < tokens + rows; item += gridDim.x) {
+    if (item >= tokens) {
+      const int64_t r = item - tokens;
+      const int64_t p = send_pairs[r];
+      if (p >= 0 && p < num_pairs) continue;  // a pair's row, written by its token
+      float zero[N];
 #pragma unroll
-        for (int i = 0; i < N; ++i) d[i] = 0.0f;
-      }
-#pragma unroll
-      for (int i = 0; i < N; ++i) o[i] = wp * d[i];
-      store_from_f32<T, N>(dy + r * h + g * N, o);
-      if (dw != nullptr && valid) {
-        float v[N];
-        load_f32<T, N>(y + r * h + g * N, v);
-#pragma unroll
-        for (int i = 0; i < N; ++i) dot = fmaf(d[i], v[i], dot);
-      }
+      for (int i = 0; i < N; ++i) zero[i] = 0.0f;
+      for (int64_t g = threadIdx.x; g < groups; g += blockDim.x) store_from_f32<T, N>(dy + r * h + g * N, zero);
+      continue;
     }
-    if (dw != nullptr) {  // uniform: every thread takes part in the reduction
+    const T* src = dout + item * h;
+    for (int j = 0; j < k; ++j) {
+      const int64_t r = pair_row[item * k + j];  // uniform over the block
+      if (r < 0) continue;
+      const float wj = w != nullptr ? w[item * k + j] : 1.0f;
+      float dot = 0.0f;
+      for (int64_t g = threadIdx.x; g < groups; g += blockDim.x) {
+        float d[N], o[N];
+        load_f32<T, N>(src + g * N, d);
 #pragma unroll
-      for (int d = 16; d > 0; d >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, d);
-      if (lane == 0) s_part[warp] = dot;
-      __syncthreads();
-      if (threadIdx.x == 0 && valid) {
-        float s = 0.0f;
-        for (int i = 0; i < (int)(blockDim.x / 32); ++i) s += s_part[i];
-        dw[p] = s;
+        for (int i = 0; i < N; ++i) o[i] = wj * d[i];
+        store_from_f32<T, N>(dy + r * h + g * N, o);
+        if (dw != nullptr) {
+          float v[N];
+          load_f32<T, N>(y + r * h + g * N, v);
+#pragma unroll
+          for (int i = 0; i < N; ++i) dot = fmaf(d[i], v[i], dot);
+        }
       }
-      __syncthreads();
+      if (dw != nullptr) {
+#pragma unroll
+        for (int d = 16; d > 0; d >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, d);
+        if (lane == 0) s_part[warp] = dot;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+          float sum = 0.0f;
+          for (int i = 0; i < static_cast<int>(blockDim.x / 32); ++i) sum += s_part[i];
+          dw[item * k + j] = sum;
+        }
+        __syncthreads();
+      }
     }
   }
 }
@@ -494,13 +505,17 @@ at::Tensor moe_local_combine(const at::Tensor& y, const std::optional<at::Tensor
 }
 
 std::vector<at::Tensor> moe_local_combine_backward(const at::Tensor& grad_out, const std::optional<at::Tensor>& weights,
-                                                   const at::Tensor& send_pairs, const std::optional<at::Tensor>& y,
-                                                   int64_t k) {
+                                                   const at::Tensor& pair_row, const at::Tensor& send_pairs,
+                                                   const std::optional<at::Tensor>& y, int64_t k) {
   constexpr const char* op = "moe_local_combine_backward";
   check_rows(grad_out, "grad_out", op);
-  FLUX_CHECK(k >= 1 && send_pairs.is_cuda() && send_pairs.scalar_type() == at::kLong && send_pairs.is_contiguous(),
-             op, "send_pairs must be a contiguous int64 CUDA tensor");
   const int64_t t = grad_out.size(0), h = grad_out.size(1), rows = send_pairs.numel();
+  auto idx_ok = [&](const at::Tensor& x) {
+    return x.is_cuda() && x.scalar_type() == at::kLong && x.is_contiguous() && x.device() == grad_out.device();
+  };
+  FLUX_CHECK(k >= 1 && k <= kMaxTopk && idx_ok(pair_row) && idx_ok(send_pairs) && pair_row.numel() == t * k, op,
+             "pair_row ([T * K], K in [1, ", kMaxTopk, "]) and send_pairs must be contiguous int64 tensors on "
+             "grad_out's device");
   const float* w = nullptr;
   if (weights.has_value()) {
     FLUX_CHECK(weights->is_cuda() && weights->scalar_type() == at::kFloat && weights->is_contiguous() &&
@@ -516,23 +531,23 @@ std::vector<at::Tensor> moe_local_combine_backward(const at::Tensor& grad_out, c
   const c10::cuda::CUDAGuard guard(grad_out.device());
   at::Tensor dy = at::empty({rows, h}, grad_out.options());
   at::Tensor dw = at::zeros({y.has_value() ? t * k : 0}, grad_out.options().dtype(at::kFloat));
-  if (rows == 0 || h == 0) return {dy, dw};
+  if (t + rows == 0 || h == 0) return {dy, dw};
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const int grid = grid_for(rows, 16);
+  const int grid = grid_for(t + rows, 16);
   float* dwp = y.has_value() ? dw.data_ptr<float>() : nullptr;
   FLUX_LOCAL_FLOAT_TYPES(grad_out.scalar_type(), "moe_local_combine_backward", [&] {
     constexpr int kVec = 16 / sizeof(scalar_t);
     const int64_t rb = h * static_cast<int64_t>(sizeof(scalar_t));
     const scalar_t* yp = y.has_value() ? y->data_ptr<scalar_t>() : nullptr;
     const bool vec = aligned16(grad_out, rb) && aligned16(dy, rb) && (!y.has_value() || aligned16(*y, rb));
+    const int64_t* pr = pair_row.data_ptr<int64_t>();
+    const int64_t* sp = send_pairs.data_ptr<int64_t>();
     if (vec) {
-      weighted_rows_kernel<scalar_t, kVec><<<grid, 256, 0, stream>>>(grad_out.data_ptr<scalar_t>(), w,
-                                                                     send_pairs.data_ptr<int64_t>(), yp, rows, (int)k,
-                                                                     t * k, h, dy.data_ptr<scalar_t>(), dwp);
+      combine_bwd_kernel<scalar_t, kVec><<<grid, 256, 0, stream>>>(grad_out.data_ptr<scalar_t>(), w, pr, sp, yp, t,
+                                                                   (int)k, rows, h, dy.data_ptr<scalar_t>(), dwp);
     } else {
-      weighted_rows_kernel<scalar_t, 1><<<grid, 256, 0, stream>>>(grad_out.data_ptr<scalar_t>(), w,
-                                                                  send_pairs.data_ptr<int64_t>(), yp, rows, (int)k,
-                                                                  t * k, h, dy.data_ptr<scalar_t>(), dwp);
+      combine_bwd_kernel<scalar_t, 1><<<grid, 256, 0, stream>>>(grad_out.data_ptr<scalar_t>(), w, pr, sp, yp, t,
+                                                                (int)k, rows, h, dy.data_ptr<scalar_t>(), dwp);
     }
     FLUX_CHECK_LAUNCH();
   });

@@ -122,6 +122,7 @@ class LocalStrategy:
         """(d y in recv_x's layout, d topk_weights ``[T, K]`` fp32 or None): one pass over the
         rows; y_rows ``[S, H]`` (the forward's rows) when need_w."""
         dy, dw = torch.ops.flux.moe_local_combine_backward(
-            grad_out.contiguous(), _weights32(weights), handle.send_pairs, y_rows if need_w else None, handle.topk)
+            grad_out.contiguous(), _weights32(weights), handle.recv_dest, handle.send_pairs, y_rows if need_w else None,
+            handle.topk)
         grad_w = dw.view(handle.num_tokens, handle.topk) if need_w else None
         return dy.view(*handle.recv_shape[:-1], dy.shape[-1]), grad_w
