@@ -59,11 +59,16 @@ correctness run, as their timings are those of one GPU time-sliced between proce
 """
 import argparse
 import os
+import subprocess
 import sys
 
 os.environ["NCCL_NVLS_ENABLE"] = "0"  # never NVLink multicast
 os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
 os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
+if "RANK" not in os.environ:  # plain `python bench/bench_moe.py`: a group of one rank
+    for _k, _v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"),
+                   ("MASTER_PORT", os.environ.get("FLUX_BENCH_PORT", "29531"))):
+        os.environ[_k] = _v
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -170,6 +175,59 @@ class AllToAllDispatcher:
 
 
 # --------------------------------------------------------------------------------------
+# World size 1 (--reference grouped): the MoE layer users write with stock PyTorch
+
+
+def grouped_reference_layer(layer):
+    """``fn(x) -> out``: the layer of ``layer`` (same router and weights, its routing function)
+    as written with stock PyTorch: sort the (token, slot) pairs by expert, gather the rows,
+    ``torch._grouped_mm`` for W13, SwiGLU, ``torch._grouped_mm`` for W2, scale each row by its
+    routing weight, ``index_add_`` back (in x's dtype). Autograd through torch's own formulas."""
+    import torch.nn.functional as F
+
+    def fn(x):
+        idx, w = layer.route(x)
+        k = idx.shape[1]
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=layer.num_experts)
+        offs = counts.cumsum(0).to(torch.int32)
+        tok = order // k
+        h = torch._grouped_mm(x[tok], layer.w13.transpose(-2, -1), offs=offs)
+        gate, up = h.chunk(2, dim=-1)
+        y = torch._grouped_mm(F.silu(gate) * up, layer.w2.transpose(-2, -1), offs=offs)
+        y = y * w.reshape(-1)[order].unsqueeze(-1).to(y.dtype)
+        return torch.zeros_like(x).index_add_(0, tok, y)
+
+    return fn
+
+
+def grouped_gemms_only(layer, x, idx):
+    """``step()`` of the layer's grouped GEMMs alone, forward and backward (the floor): W13 on the
+    dispatched rows, W2 on an [R, F] input, each backward (dx, dW) from a fixed gradient."""
+    flat = idx.reshape(-1)
+    flat = flat[flat >= 0]
+    counts = torch.bincount(flat, minlength=layer.num_experts)
+    offs = counts.cumsum(0).to(torch.int32)
+    r = flat.numel()
+    gen = torch.Generator(device=x.device).manual_seed(5)
+    xp = torch.randn(r, layer.hidden, generator=gen, device=x.device).to(x.dtype).requires_grad_()
+    a = torch.randn(r, layer.ffn, generator=gen, device=x.device).to(x.dtype).requires_grad_()
+    gh = torch.randn(r, 2 * layer.ffn, generator=gen, device=x.device).to(x.dtype)
+    gy = torch.randn(r, layer.hidden, generator=gen, device=x.device).to(x.dtype)
+
+    def step():
+        for p in (xp, a, layer.w13, layer.w2):
+            p.grad = None
+        h = torch._grouped_mm(xp, layer.w13.transpose(-2, -1), offs=offs)
+        y = torch._grouped_mm(a, layer.w2.transpose(-2, -1), offs=offs)
+        torch.autograd.backward([h, y], [gh, gy])
+        return y
+
+    return step
+
+
+# --------------------------------------------------------------------------------------
 # The benchmark
 
 
@@ -193,6 +251,10 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--cpu", action="store_true", help="gloo on the CPU, fp32 (a smoke run)")
+    p.add_argument("--reference", default="a2a", choices=("a2a", "grouped"),
+                   help="grouped: also time the layer users write with stock PyTorch (torch._grouped_mm, same "
+                        "weights) and its grouped GEMMs alone (the floor); world size 1")
+    p.add_argument("--no-host", action="store_true", help="skip the host-time measurements")
     p.add_argument("--out", default=None, help="JSON path (rank 0)")
     return p.parse_args(argv)
 
@@ -229,12 +291,16 @@ def gbps(nbytes, ms):
     return None if ms is None or ms <= 0 else nbytes / (ms * 1e-3) / 1e9
 
 
-def timed(bench, step, args, graph):
+def timed(bench, step, args, graph, host=False):
+    """loop ms; graph ms (graph); host us per call, enqueued behind a GPU spin (host: calls that
+    do not read the device on the host)."""
     for _ in range(args.warmup):
         step()
     res = {"loop_ms": bench.loop_ms(step)}
     if graph:
         res["graph_ms"], res["graph_status"] = bench.graph_ms(step)
+    if host and not args.no_host and bench.cuda:
+        res["host_us"] = bench.host_ms(step) * 1e3
     return res
 
 
@@ -274,6 +340,30 @@ def layer_case(args, bench, layer, tokens, topk, dev, dtype, rank, tol):
         layer.dispatcher = disp
         res[name] = timed(bench, step, args, graph=False)
     layer.dispatcher = FluxDispatcher()
+    if args.reference == "grouped" and dist.get_world_size() == 1 and bench.cuda:
+        ref = grouped_reference_layer(layer)
+
+        def ref_step():
+            for p in params:
+                p.grad = None
+            x.grad = None
+            y = ref(x)
+            y.backward(g)
+            return y
+
+        try:  # recorded, not raised: the flux layer's figures above stand whatever happens here
+            y = ref_step().detach()
+            got = [y, x.grad.clone()] + [p.grad.clone() for p in params]
+            err = bench.max_all(max(rel_err(a, b) for a, b in zip(out["flux"], got)))
+            res["grouped_rel_err"] = err
+            res["grouped_status"] = "ok" if err <= tol else f"differs from flux by {err:.3g} (tolerance {tol})"
+            del got
+            res["grouped"] = timed(bench, ref_step, args, graph=False)
+            with torch.no_grad():
+                idx, _ = layer.route(x)
+            res["gemms"] = timed(bench, grouped_gemms_only(layer, x, idx), args, graph=False)
+        except Exception as e:  # noqa: BLE001
+            res["grouped_status"] = f"error: {type(e).__name__}: {str(e)[:300]}"
     return res
 
 
@@ -297,8 +387,47 @@ def run(args):
                                                            itemsize, tol, layers))
                         if rank == 0 and status != "ok":
                             print(f"T={tokens} H={hidden} K={topk} E={experts} {kind}: {status}", flush=True)
-    return finish(args, dev, dtype, records, table(records) if rank == 0 else "", ffn=args.ffn, skew=args.skew,
-                  bytes="rows of remote (token, slot) pairs x H x itemsize, mean over ranks")
+    text = (table(records) + ("\n\n" + layer_table(records) if world == 1 else "")) if rank == 0 else ""
+    launcher = ["python"] if "TORCHELASTIC_RUN_ID" not in os.environ else ["torchrun", f"--nproc_per_node={world}"]
+    return finish(args, dev, dtype, records, text, ffn=args.ffn, skew=args.skew, commit=_commit(),
+                  command=" ".join(launcher + sys.argv),
+                  bytes=("HBM traffic: (valid pairs + T) x H x itemsize (bounded dispatch: (E x T + T) rows)"
+                         if world == 1 else "rows of remote (token, slot) pairs x H x itemsize, mean over ranks"))
+
+
+def _commit():
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)),
+                              capture_output=True, text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def layer_table(records):
+    """World size 1: the layer's forward+backward (loop ms) against the stock grouped-GEMM layer and
+    its GEMMs alone; the bounded dispatch and combine in graph replay and host us per call."""
+    lines = [f"{'T':>5} {'H':>5} {'K':>2} {'E':>3} | {'flux':>7} {'stock':>7} {'gemms':>7} {'stock/flux':>10} "
+             f"{'flux/gemms':>10} | {'bnd disp graph us':>17} {'host us':>7} | "
+             f"{'bnd comb graph us':>17} {'host us':>7}"]
+    for r in records:
+        if r.get("status") != "ok":
+            continue
+        lay = r.get("layer") or {}
+        f = (lay.get("flux") or {}).get("loop_ms")
+        s = (lay.get("grouped") or {}).get("loop_ms")
+        g = (lay.get("gemms") or {}).get("loop_ms")
+        b = r.get("flux_bounded", {})
+
+        def us(op, key):
+            v = (b.get(op) or {}).get(key)
+            return "-" if v is None else f"{v * (1e3 if key.endswith('_ms') else 1):.1f}"
+
+        lines.append(f"{r['tokens']:>5} {r['hidden']:>5} {r['topk']:>2} {r['experts']:>3} | {_f(f):>7} {_f(s):>7} "
+                     f"{_f(g):>7} {ratio(s, f):>10} {ratio(f, g):>10} | {us('dispatch', 'graph_ms'):>17} "
+                     f"{us('dispatch', 'host_us'):>7} | {us('combine', 'graph_ms'):>17} {us('combine', 'host_us'):>7}")
+    lines.append("layer: flux.nn.MoE forward+backward, loop ms; stock: the same layer in stock PyTorch "
+                 "(--reference grouped); gemms: its grouped GEMMs alone")
+    return "\n".join(lines)
 
 
 def cell(args, bench, rec, group, rank, world, dev, dtype, itemsize, tol, layers):
@@ -307,6 +436,10 @@ def cell(args, bench, rec, group, rank, world, dev, dtype, itemsize, tol, layers
     idx, w = routing(rec["routing"], tokens, experts, topk, args.skew, gen, dev)
     x = torch.randn(tokens, hidden, generator=gen, device=dev).to(dtype)
     rec["remote_bytes"], rec["remote_bytes_dedup"] = remote_bytes(idx, experts, rank, world, hidden, itemsize, dev)
+    if world == 1:  # a local permutation: count HBM traffic (each pair's row written, each token read once)
+        pairs = int((idx >= 0).sum())
+        rec["hbm_bytes"] = (pairs + tokens) * hidden * itemsize
+        rec["hbm_bytes_bounded"] = (experts * tokens + tokens) * hidden * itemsize  # zero padding written too
     base = AllToAllDispatcher()
 
     def fx_dispatch(cap=None, zero_pad=True):
@@ -330,7 +463,7 @@ def cell(args, bench, rec, group, rank, world, dev, dtype, itemsize, tol, layers
     if not args.flux_only:
         rec["rel_err_combine"] = check_same(bench, "combine", [flux.moe_combine(fr, fh)], [bcomb(br)], tol)
     rec["flux"] = {"dispatch": timed(bench, fx_dispatch(), args, graph=False),
-                   "combine": timed(bench, lambda: flux.moe_combine(fr, fh), args, graph=False)}
+                   "combine": timed(bench, lambda: flux.moe_combine(fr, fh), args, graph=False, host=True)}
     if not args.flux_only:
         rec["a2a"] = {"dispatch": timed(bench, a2a_dispatch, args, graph=False),
                       "combine": timed(bench, lambda: bcomb(br), args, graph=False)}
@@ -355,18 +488,23 @@ def cell(args, bench, rec, group, rank, world, dev, dtype, itemsize, tol, layers
         check_same(bench, "bounded dispatched rows, zero_pad=False", [torch.where(keep, nr, 0), nc.float()],
                    [fr, fc.float()], 0.0)
         del nr, nc, keep
-        rec["flux_bounded"] = {"dispatch": timed(bench, fx_dispatch(tokens), args, graph=True),
+        rec["flux_bounded"] = {"dispatch": timed(bench, fx_dispatch(tokens), args, graph=True, host=True),
                                "dispatch_nopad": timed(bench, fx_dispatch(tokens, zero_pad=False), args, graph=True),
-                               "combine": timed(bench, lambda: flux.moe_combine(fr, fbh), args, graph=True)}
+                               "combine": timed(bench, lambda: flux.moe_combine(fr, fbh), args, graph=True,
+                                                host=True)}
         rec["bounded_status"] = "ok"
         del fr, fc, fbh, br, bc
     for name in ("flux", "a2a", "flux_bounded"):
         for op in ("dispatch", "dispatch_nopad", "combine"):
             r = rec.get(name, {}).get(op)
             if r is not None:
-                r["gbps_loop"] = gbps(rec["remote_bytes"], r["loop_ms"])
+                nbytes = rec["remote_bytes"]
+                if world == 1:
+                    bounded_dispatch = name == "flux_bounded" and op == "dispatch"
+                    nbytes = rec["hbm_bytes_bounded"] if bounded_dispatch else rec["hbm_bytes"]
+                r["gbps_loop"] = gbps(nbytes, r["loop_ms"])
                 if r.get("graph_ms") is not None:
-                    r["gbps_graph"] = gbps(rec["remote_bytes"], r["graph_ms"])
+                    r["gbps_graph"] = gbps(nbytes, r["graph_ms"])
                 # symm's dispatch sends one row per (token, other rank): its link GB/s too
                 if name != "a2a" and op != "combine" and rec["flux_strategy"] == "symm":
                     r["gbps_link_loop"] = gbps(rec["remote_bytes_dedup"], r["loop_ms"])

@@ -30,6 +30,17 @@ TORCH_LIBRARY(flux, m) {
         "int timeout_ms, bool zero_pad=True, int tok_off=-1) -> ()");
   m.def("moe_recv_sum_(Tensor(a!) out, Tensor? weights, Tensor pair_pos, int n_send, Tensor(b!) done, int ws_base, "
         "int pads_dev, int world, int rank, int rows_off, int channel, int timeout_ms) -> ()");
+  // MoE at one rank, the `local` strategy (csrc/moe/moe_local.cu): layout + rows of a dispatch
+  // (capacity -1: unbounded, recv empty until moe_local_rows), the weighted combine, and its backward.
+  m.def("moe_local_dispatch(Tensor x, Tensor topk_idx, int num_experts, int capacity, int host_code, "
+        "bool zero_pad) -> Tensor[]");
+  m.def("moe_local_rows(Tensor x, Tensor pair_row, Tensor send_pairs, int rows) -> Tensor");
+  m.def("moe_local_combine(Tensor y, Tensor? weights, Tensor pair_row, int k) -> Tensor");
+  m.def("moe_local_combine_backward(Tensor grad_out, Tensor? weights, Tensor pair_row, Tensor send_pairs, "
+        "Tensor? y, int k) -> Tensor[]");
+  // SwiGLU of the experts' [R, 2F] GEMM output (csrc/moe/moe_swiglu.cu) and its backward.
+  m.def("moe_swiglu(Tensor h) -> Tensor");
+  m.def("moe_swiglu_backward(Tensor grad, Tensor h) -> Tensor");
   // Fused AllGather+GEMM (csrc/ag_gemm/ag_gemm_fused.cpp): out = a_full @ weight^T (+ bias), tiles of
   // remote rows waiting on flags[src]; a_full is a symmetric workspace written by peers;
   // error_record: host-mapped address of 2 uint32 (waiting rank + 1, missing rank), or 0.
@@ -61,6 +72,12 @@ TORCH_LIBRARY_IMPL(flux, CUDA, m) {
   m.impl("moe_send_", &flux::moe_send_);
   m.impl("moe_recv_pack_", &flux::moe_recv_pack_);
   m.impl("moe_recv_sum_", &flux::moe_recv_sum_);
+  m.impl("moe_local_dispatch", &flux::moe_local_dispatch);
+  m.impl("moe_local_rows", &flux::moe_local_rows);
+  m.impl("moe_local_combine", &flux::moe_local_combine);
+  m.impl("moe_local_combine_backward", &flux::moe_local_combine_backward);
+  m.impl("moe_swiglu", &flux::moe_swiglu);
+  m.impl("moe_swiglu_backward", &flux::moe_swiglu_backward);
   m.impl("ag_gemm_fused_", &flux::ag_gemm_fused_);
   m.impl("gemm_rs_fused_", &flux::gemm_rs_fused_);
 }

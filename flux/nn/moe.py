@@ -209,11 +209,9 @@ class MoE(nn.Module):
         they are not masked (a pass over the slabs saved; the results are the same)."""
         if recv_x.dim() == 3:
             h = grouped_mm_padded(recv_x, self.w13, None if zero_padded else counts)
-            gate, up = h.chunk(2, dim=-1)
-            return grouped_mm_padded(F.silu(gate) * up, self.w2)
+            return grouped_mm_padded(swiglu(h), self.w2)
         h = grouped_mm(recv_x, self.w13, counts, counts_host=counts_host)
-        gate, up = h.chunk(2, dim=-1)
-        return grouped_mm(F.silu(gate) * up, self.w2, counts, counts_host=counts_host)
+        return grouped_mm(swiglu(h), self.w2, counts, counts_host=counts_host)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.hidden:
@@ -283,6 +281,41 @@ class MoE(nn.Module):
         return (f"hidden={self.hidden}, ffn={self.ffn}, num_experts={self.num_experts} "
                 f"({self.local_experts} per rank, from {self.first_expert}), top_k={self.top_k}, "
                 f"renormalize={self.renormalize}, max_tokens_per_rank={self.max_tokens_per_rank}, chunks={self.chunks}")
+
+
+class _SwiGLUKernel(torch.autograd.Function):
+    """swiglu through flux's kernels (csrc/moe/moe_swiglu.cu): one pass forward, one backward."""
+
+    @staticmethod
+    def forward(ctx, h):
+        ctx.save_for_backward(h)
+        return torch.ops.flux.moe_swiglu(h)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        (h,) = ctx.saved_tensors
+        return torch.ops.flux.moe_swiglu_backward(grad.contiguous(), h)
+
+
+_SWIGLU_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def swiglu(h: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``h [..., 2F]`` (gate: the first F features, up: the last F) ->
+    ``[..., F]``. On CUDA with flux's kernels (bf16, fp16, fp32) one fused pass each way, computed
+    in fp32 and rounded once (torch's two ops round silu(gate) to h's dtype in between);
+    elsewhere those two ops."""
+    if (h.is_cuda and h.dtype in _SWIGLU_DTYPES and h.is_contiguous() and h.dim() >= 1 and h.shape[-1] % 2 == 0
+            and _has_swiglu_kernel()):
+        f = h.shape[-1] // 2
+        return _SwiGLUKernel.apply(h.reshape(-1, 2 * f)).view(*h.shape[:-1], f)
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _has_swiglu_kernel() -> bool:
+    return hasattr(torch.ops.flux, "moe_swiglu")
 
 
 def _block_sizes(tokens: int, chunks: int):
@@ -360,4 +393,4 @@ class _Streams:
             _record(tensors, self.main)
 
 
-__all__ = ["FluxDispatcher", "MoE"]
+__all__ = ["FluxDispatcher", "MoE", "swiglu"]

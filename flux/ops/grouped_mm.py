@@ -137,8 +137,11 @@ class _GroupedMMKernel(torch.autograd.Function):
     weight; gradients for x and w (not for the offsets)."""
 
     @staticmethod
-    def forward(ctx, x, w, offs, weight_layout):
-        ctx.weight_layout = weight_layout
+    def forward(ctx, x, w, offs, weight_layout, empty=None):
+        # empty: the experts without rows when the caller knows them on the host (a tuple), so the
+        # backward zeroes just those weight gradients; None: unknown, every empty one is masked (a
+        # pass over dW).
+        ctx.weight_layout, ctx.empty = weight_layout, empty
         ctx.save_for_backward(x, w, offs)
         return _gmm(x, w.transpose(-2, -1) if weight_layout == "nk" else w, offs)
 
@@ -153,9 +156,12 @@ class _GroupedMMKernel(torch.autograd.Function):
             dx = _gmm(dy, w if nk else w.transpose(-2, -1), offs)
         if ctx.needs_input_grad[1]:  # dW_e = dy_e^T x_e ([N, K]) or x_e^T dy_e ([K, N])
             dw = _gmm(dy.t(), x, offs) if nk else _gmm(x.t(), dy, offs)
-            sizes = torch.diff(offs, prepend=offs.new_zeros(1))
-            dw = dw.masked_fill((sizes == 0).view(-1, 1, 1), 0)
-        return dx, dw, None, None
+            if ctx.empty is None:
+                sizes = torch.diff(offs, prepend=offs.new_zeros(1))
+                dw = dw.masked_fill((sizes == 0).view(-1, 1, 1), 0)
+            elif ctx.empty:
+                dw[list(ctx.empty)] = 0
+        return dx, dw, None, None, None
 
 
 def _loop(x: torch.Tensor, w: torch.Tensor, counts: List[int], weight_layout: str) -> torch.Tensor:
@@ -195,8 +201,11 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: Counts, *, cumulative: 
         raise ValueError(f"{what}: impl='kernel' but torch._grouped_mm cannot run here: {why}")
     if impl != "loop" and use == "kernel":
         offs = _offsets(counts, cumulative, x.device, experts, what)
+        empty = None
+        if counts_host is not None and len(counts_host) == experts:
+            empty = tuple(e for e, c in enumerate(counts_host) if c == 0)
         try:
-            return _GroupedMMKernel.apply(x.contiguous(), w.contiguous(), offs, weight_layout)
+            return _GroupedMMKernel.apply(x.contiguous(), w.contiguous(), offs, weight_layout, empty)
         except (RuntimeError, TypeError, NotImplementedError) as e:
             if impl == "kernel":
                 raise

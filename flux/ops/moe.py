@@ -81,6 +81,14 @@ MoeHandle for what the tensors mean):
                variant no host read and no padding rows (positions come from the exchanged
                counts on the device). Chosen wherever it can run.
 
+  local        (flux/ops/_moe_local.py, csrc/moe/moe_local.cu) a group of one rank on CUDA: the
+               dispatch is a permutation within the GPU: layout kernels (counts, each pair's
+               row, each row's pair; the data verdict with them) and one row-gather kernel; combine
+               one kernel (fp32, slot 0 first), its backward one kernel. Unbounded: one host read
+               (counts and verdict together); bounded: none (CUDA-graph capturable). Chosen
+               automatically there; a call whose host-side checks passed before with the same key
+               (all but T and the data) skips them (``_local_plan_key``).
+
 The handle records the strategy (``meta[0]``), so combine and both backward passes use the same
 one. In the deferred-verdict case a strategy sends nothing when ``any_error``.
 
@@ -140,15 +148,16 @@ import torch.distributed as dist
 
 from flux.ops._checks import (FluxInputError, Signature, check_collectively, check_every_call, dtype_code,
                                skips_exchange_if_valid)
-from flux.ops import _moe_symm
+from flux.ops import _moe_local, _moe_symm
 from flux.ops._common import SUPPORTED_DTYPES, call_mode
+from flux.ops._moe_local import LocalStrategy
 from flux.ops._moe_symm import SymmStrategy
 from flux.runtime import all_gather_dim0, group_device, group_from_name, group_name, resolve_group
 from flux.runtime.groups import cuda_group
 
 OP = "flux.moe_dispatch"
 OP_COMBINE = "flux.moe_combine"
-STRATEGIES = ("all_to_all", "symm")
+STRATEGIES = ("all_to_all", "symm", "local")
 STRATEGY_ENV = "FLUX_STRATEGY_MOE"  # forces a strategy (the same on every rank, or the check fails)
 _log = logging.getLogger("flux")
 _INDEX_DTYPES = (torch.int64, torch.int32)
@@ -755,7 +764,7 @@ def _expert_totals(rch: List[int], world: int, el: int) -> List[int]:
     return [sum(rch[s * el + e] for s in range(world)) for e in range(el)]
 
 
-_STRATEGY_IMPLS = {"all_to_all": _AllToAll, "symm": SymmStrategy}
+_STRATEGY_IMPLS = {"all_to_all": _AllToAll, "symm": SymmStrategy, "local": LocalStrategy}
 
 
 def available_strategies(device: torch.device) -> List[str]:
@@ -763,7 +772,8 @@ def available_strategies(device: torch.device) -> List[str]:
     its group must also have a symmetric workspace, see ``_moe_symm.usable``)."""
     from flux.runtime import cuda_kernels_available
 
-    return ["all_to_all"] + (["symm"] if device.type == "cuda" and cuda_kernels_available() else [])
+    gpu = device.type == "cuda" and cuda_kernels_available()
+    return ["all_to_all"] + (["symm", "local"] if gpu else [])
 
 
 def run_strategy(name: str, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, *,
@@ -779,14 +789,26 @@ def run_strategy(name: str, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight
     return (_unpack_fp8(recv_x, handle.hidden) if fp8 else recv_x), counts, handle
 
 
-def _choose_strategy(x, group: dist.ProcessGroup, bounded: bool) -> str:
+def _choose_strategy(x, group: dist.ProcessGroup, bounded: bool, num_experts=None, topk_idx=None) -> str:
     """The strategy of one call: the same on every rank (it depends only on the group and its
     device, which the ranks share, never on ``x``, which is not checked yet): ``symm`` wherever it
     can run (a CUDA group with a symmetric workspace), else the reference ``all_to_all``. It is part
     of the checked signature, so ranks that would choose differently get an error, not a hang.
-    ``FLUX_STRATEGY_MOE=all_to_all|symm`` forces one (a forced ``symm`` that cannot run raises)."""
+    A group of one rank on CUDA takes ``local`` (flux/ops/_moe_local.py) where its kernels take
+    num_experts and K (at most 1024 experts, K <= 64).
+    ``FLUX_STRATEGY_MOE=all_to_all|symm|local`` forces one (a forced one that cannot run raises)."""
     forced = os.environ.get(STRATEGY_ENV, "")
-    why = _moe_symm.usable(group, group_device(group))
+    dev = group_device(group)
+    why_local = _moe_local.usable(group, dev)
+    if why_local is None and not _moe_local.fits(num_experts, topk_idx):
+        why_local = "more than 1024 experts or K > 64"
+    if forced == "local":
+        if why_local is not None:
+            raise FluxInputError(f"{OP}: {STRATEGY_ENV}=local, but it cannot run here: {why_local}")
+        return forced
+    if not forced and why_local is None:
+        return "local"
+    why = _moe_symm.usable(group, dev)
     if forced:
         if forced not in STRATEGIES:
             raise FluxInputError(f"{OP}: {STRATEGY_ENV}={forced!r} is not a strategy ({', '.join(STRATEGIES)})")
@@ -808,13 +830,21 @@ def _dispatch_impl(x, topk_idx, topk_weights, num_experts, group, capacity, *, d
     variant on CUDA groups). ``fp8``: x is quantised and moved as packed byte rows, and recv_x
     is the received byte rows (uint8 ``[..., _packed_width(H)]``; ``_unpack_fp8`` splits them).
     ``zero_pad=False``: the bounded variant may leave recv_x's rows past the counts unwritten."""
-    sig = _signature(x, topk_idx, topk_weights, num_experts, group, capacity, fp8)
     bounded = capacity is not None
     if defer_verdict is None:
         defer_verdict = bounded and cuda_group(group)
-    name = strategy or _choose_strategy(x, group, bounded)
+    if _LOCAL_PLANS and strategy in (None, "local"):
+        key = _local_plan_key(x, topk_idx, topk_weights, num_experts, group, capacity, defer_verdict, fp8)
+        if key is not None and key in _LOCAL_PLANS:
+            return _run_local(LocalStrategy, x, topk_idx, topk_weights, num_experts, group, capacity, defer_verdict,
+                              fp8, zero_pad, 0)
+    sig = _signature(x, topk_idx, topk_weights, num_experts, group, capacity, fp8)
+    name = strategy or _choose_strategy(x, group, bounded, num_experts, topk_idx)
     sig.add("strategy", STRATEGIES.index(name))
     impl = _STRATEGY_IMPLS[name]
+    if getattr(impl, "checks_data", False):
+        return _dispatch_local(impl, sig, x, topk_idx, topk_weights, num_experts, group, capacity, defer_verdict,
+                               fp8, zero_pad)
     # A strategy with dispatch_bounded exchanges the data verdict along with the rows.
     fused = bounded and hasattr(impl, "dispatch_bounded")
     host_code, local, any_error = 0, None, None
@@ -847,6 +877,74 @@ def _dispatch_impl(x, topk_idx, topk_weights, num_experts, group, capacity, *, d
     return recv_x, counts, handle
 
 
+def _dispatch_local(impl, sig, x, topk_idx, topk_weights, num_experts, group, capacity, defer, fp8, zero_pad):
+    """_dispatch_impl for a strategy whose kernels compute the data verdict (``local``: one rank):
+    the signature is checked alone (check_collectively: no peer, nothing to exchange once it was
+    seen), the ids and duplicates by the layout kernels: read with the counts (unbounded, which
+    raises before any row moves) or reported through ``handle.check()`` (bounded, deferred)."""
+    host_code, clean = 0, sig.error is None
+    if capacity is not None and defer:
+        host_code, local = _deferred_host_code(sig, x, group, capacity)
+        if local is not None:  # stand-ins of no tokens, as in _dispatch_impl
+            x = x.new_zeros((0, x.shape[-1]))
+            topk_idx = topk_idx.new_zeros((0, topk_idx.shape[-1]))
+            topk_weights = topk_weights.new_zeros((0, topk_idx.shape[-1]))
+    else:
+        if capacity is not None and sig.error is None and x.shape[0] > capacity:
+            sig.fail(f"x has T = {x.shape[0]} tokens, more than max_tokens_per_rank = {capacity}")
+        check_collectively(sig, group)
+    if clean and host_code == 0:  # the call's plan is valid: later calls like it skip the checks above
+        key = _local_plan_key(x, topk_idx, topk_weights, num_experts, group, capacity, defer, fp8)
+        if key is not None:
+            _LOCAL_PLANS.add(key)
+    return _run_local(impl, x, topk_idx, topk_weights, num_experts, group, capacity, defer, fp8, zero_pad, host_code)
+
+
+# Keys (_local_plan_key) of local dispatches whose host-side checks passed (the group object itself,
+# not its id, which a later group could reuse): a call with the same key
+# passes them too (it differs only in T, within the same bounds, and in the data, which the layout
+# kernels check every call), so it goes straight to the kernels.
+_LOCAL_PLANS = set()
+_LOCAL_META = {}  # bounded calls' meta tensor (the strategy index only), shared: nobody writes it
+
+
+def _local_plan_key(x, topk_idx, topk_weights, num_experts, group, capacity, defer, fp8):
+    """What the host-side checks of a local dispatch depend on (all but T and the data), or None
+    for arguments that always take the checked path."""
+    if type(x) is not torch.Tensor or type(topk_idx) is not torch.Tensor or type(topk_weights) is not torch.Tensor:
+        return None
+    if x.dim() != 2 or topk_idx.dim() != 2 or topk_weights.dim() != 2:
+        return None
+    t = x.shape[0]
+    return (group, x.dtype, x.device, torch.cuda.current_device() if x.is_cuda else -1, x.shape[1],
+            topk_idx.dtype, topk_idx.device,
+            topk_idx.shape[1], topk_weights.dtype, topk_weights.device, topk_weights.shape == topk_idx.shape,
+            topk_idx.shape[0] == t, num_experts, capacity, capacity is None or t <= capacity, defer, fp8,
+            os.environ.get(STRATEGY_ENV, ""))
+
+
+def _run_local(impl, x, topk_idx, topk_weights, num_experts, group, capacity, defer, fp8, zero_pad, host_code):
+    """The kernels of a checked local dispatch, the verdict, the handle."""
+    rows = _pack_fp8(x) if fp8 else x
+    recv_x, counts, send_pairs, recv_dest, counts_host, verdict, code = impl.dispatch_local(
+        rows, topk_idx, num_experts, capacity, host_code, zero_pad)
+    if capacity is not None and not defer:  # a verdict that is not deferred is read (a synchronisation)
+        code = int(verdict[0])
+    if code:
+        raise FluxInputError(f"{OP}: invalid arguments on rank {dist.get_rank(group)}: "
+                             + (_data_message(topk_idx, num_experts) or "invalid topk_idx"))
+    if counts_host is None:
+        meta = _LOCAL_META.get(impl.name)
+        if meta is None:
+            meta = _LOCAL_META[impl.name] = torch.tensor([STRATEGIES.index(impl.name)], dtype=torch.int64)
+    else:
+        meta = torch.tensor([STRATEGIES.index(impl.name)] + counts_host, dtype=torch.int64)
+    h = x.shape[1]
+    handle = MoeHandle(group, impl.name, num_experts, x.shape[0], topk_idx.shape[1], h, capacity, topk_weights,
+                       send_pairs, recv_dest, meta, verdict, tuple(recv_x.shape[:-1]) + (h,), fp8)
+    return recv_x, counts, handle
+
+
 def _check_combine(y, handle) -> None:
     """Local checks of combine's input (no communication happens before them)."""
     if not isinstance(handle, MoeHandle):
@@ -870,6 +968,8 @@ def _combine_impl(y, weights, handle, need_returned: bool = True) -> Tuple[torch
     """(out ``[T, H]`` in y's dtype, y's rows back on this rank ``[S, H]`` in send order, or None
     when not needed and the strategy sums as the rows arrive)."""
     impl = _STRATEGY_IMPLS[handle.strategy]
+    if hasattr(impl, "combine") and impl.kernel_dtype(y.dtype):
+        return impl.combine(y, weights, handle, need_returned)
     if handle.bounded and hasattr(impl, "combine_bounded") and y.dtype in _FUSED_SUM_DTYPES:
         return impl.combine_bounded(y, weights, handle, need_returned)
     returned = impl.to_sources(y.contiguous(), handle)
@@ -890,6 +990,12 @@ def _combine_backward(needs, grad_out, grad_returned, y_dtype, weights, returned
     rows through the dispatcher op flux::moe_to_experts (the registered autograd formula, which
     AOT autograd traces with fake tensors), not through the strategy's collectives directly."""
     grad_y = grad_w = None
+    impl = _STRATEGY_IMPLS[handle.strategy]
+    if (hasattr(impl, "combine_backward") and not traceable and grad_returned is None
+            and grad_out.dtype == y_dtype and impl.kernel_dtype(y_dtype)
+            and (not needs[1] or (returned is not None and returned.dtype == y_dtype))):
+        grad_y, grad_w = impl.combine_backward(grad_out, weights, returned, handle, needs[1])
+        return (grad_y if needs[0] else None), (grad_w.to(weights.dtype) if needs[1] else None)
     if needs[0]:
         rows = _rows_from_tokens(grad_out, handle, weights, dtype=_acc_dtype(y_dtype))
         if grad_returned is not None:
@@ -992,6 +1098,9 @@ def _moe_dispatch_op(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torc
     """fp8: recv_x is the received packed byte rows (uint8), which moe_dispatch splits."""
     recv_x, counts, h = _dispatch_impl(x, topk_idx, topk_weights, num_experts, group_from_name(group_name),
                                        max_tokens_per_rank, fp8=fp8, zero_pad=zero_pad)
+    if h.strategy == "local":  # counts and verdict are views of one tensor there: outputs must not alias
+        counts, verdict = counts.clone(), h.verdict.clone()
+        return recv_x, counts, h.send_pairs, h.recv_dest, h.meta, verdict
     return recv_x, counts, h.send_pairs, h.recv_dest, h.meta, h.verdict
 
 
@@ -1003,7 +1112,7 @@ def _moe_dispatch_fake(x, topk_idx, topk_weights, num_experts, group_name, max_t
             raise FluxInputError(f"{OP}: {name} is on {t.device} but x is on {x.device}")
     group = group_from_name(group_name)
     world = dist.get_world_size(group)
-    name = _choose_strategy(x, group, max_tokens_per_rank is not None)
+    name = _choose_strategy(x, group, max_tokens_per_rank is not None, num_experts, topk_idx)
     rows = x.new_empty((x.shape[0], _packed_width(x.shape[-1])), dtype=torch.uint8) if fp8 else x
     recv_x, counts, send_pairs, recv_dest, n_host = _STRATEGY_IMPLS[name].fake_dispatch(
         rows, topk_idx, num_experts, world, max_tokens_per_rank)
@@ -1039,7 +1148,10 @@ def _moe_combine_op(y: torch.Tensor, topk_weights: torch.Tensor, send_pairs: tor
     handle = _handle_from(group_from_name(group_name), num_experts, max_tokens_per_rank, topk_weights, send_pairs,
                           recv_dest, meta, torch.empty(0), y.shape, y.shape[-1])
     _check_combine(y, handle)
-    return _combine_impl(y, topk_weights, handle)
+    out, returned = _combine_impl(y, topk_weights, handle)
+    if returned is not None and returned.untyped_storage().data_ptr() == y.untyped_storage().data_ptr():
+        returned = returned.clone()  # a view of y (local strategy): op outputs must not alias inputs
+    return out, returned
 
 
 @_moe_combine_op.register_fake

@@ -1,0 +1,112 @@
+"""CPU stand-ins for the kernels of the MoE ``local`` strategy (csrc/moe/moe_local.cu), with the
+same schemas and semantics, written with torch ops: registered where flux._C is absent so that
+tests/test_moe_local.py runs the strategy's Python path (flux/ops/_moe_local.py, the checks,
+autograd, the dispatcher ops) on the CPU. They state what the kernels compute; the GPU run
+compares the kernels themselves with the references."""
+import torch
+
+_SCHEMAS = {
+    "moe_local_dispatch": "moe_local_dispatch(Tensor x, Tensor topk_idx, int num_experts, int capacity, "
+                          "int host_code, bool zero_pad) -> Tensor[]",
+    "moe_local_rows": "moe_local_rows(Tensor x, Tensor pair_row, Tensor send_pairs, int rows) -> Tensor",
+    "moe_local_combine": "moe_local_combine(Tensor y, Tensor? weights, Tensor pair_row, int k) -> Tensor",
+    "moe_local_combine_backward": "moe_local_combine_backward(Tensor grad_out, Tensor? weights, Tensor pair_row, "
+                                  "Tensor send_pairs, Tensor? y, int k) -> Tensor[]",
+}
+_LIB = None
+
+
+def _gather(x, send_pairs, k, rows, zero_pad=True):
+    n = x.shape[0] * k
+    sp = send_pairs[:rows]
+    valid = (sp >= 0) & (sp < n)
+    ext = torch.cat([x, x.new_zeros((1, x.shape[1]))])
+    return ext[torch.where(valid, torch.div(sp, k, rounding_mode="floor"), x.shape[0])]
+
+
+def dispatch(x, topk_idx, num_experts, capacity, host_code, zero_pad):
+    t, k = topk_idx.shape
+    n = t * k
+    flat = topk_idx.reshape(-1).to(torch.int64)
+    bad = (flat < -1) | (flat >= num_experts)
+    e = torch.where(bad, torch.full_like(flat, -1), flat)
+    srt = e.view(t, k).sort(dim=1).values
+    dup = bool(((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).any()) if t else False
+    code = int(host_code) | (2 if bool(bad.any()) else 0) | (4 if dup else 0)
+    counts = torch.bincount(e[e >= 0], minlength=num_experts)
+    if code:
+        counts = torch.zeros_like(counts)
+    info = torch.cat([counts, torch.tensor([code])])
+    pair_row = torch.full((n,), -1, dtype=torch.int64)
+    send_pairs = torch.full((num_experts * capacity if capacity >= 0 else n,), n, dtype=torch.int64)
+    if not code:
+        key = torch.where(e >= 0, e, num_experts)
+        order = torch.sort(key, stable=True).indices
+        se = key[order]
+        order, se = order[se < num_experts], se[se < num_experts]
+        start = counts.cumsum(0) - counts
+        rank = torch.arange(order.numel()) - start[se]
+        row = se * capacity + rank if capacity >= 0 else start[se] + rank
+        pair_row[order] = row
+        send_pairs[row] = order
+    if capacity >= 0:
+        recv = _gather(x, send_pairs, k, num_experts * capacity)
+    else:
+        recv = x.new_empty((0, x.shape[1]))
+    return [recv, info, pair_row, send_pairs]
+
+
+def rows(x, pair_row, send_pairs, n_rows):
+    """out[pair_row[p]] = x[p / K] for every pair with a row (the kernel goes token by token)."""
+    out = x.new_empty((n_rows, x.shape[1]))
+    k = pair_row.numel() // max(1, x.shape[0])
+    p = torch.arange(pair_row.numel())
+    has = pair_row >= 0
+    out[pair_row[has]] = x[torch.div(p[has], k, rounding_mode="floor")]
+    return out
+
+
+def combine(y, weights, pair_row, k):
+    t = pair_row.numel() // k
+    pos = pair_row.view(t, k)
+    out = torch.zeros((t, y.shape[1]), dtype=torch.float32)
+    ext = torch.cat([y, y.new_zeros((1, y.shape[1]))]).float()
+    for j in range(k):
+        r = pos[:, j]
+        valid = r >= 0
+        w = torch.ones(t) if weights is None else weights.view(t, k)[:, j].float()
+        w = torch.where(valid, w, torch.zeros(()))
+        out += w[:, None] * ext[torch.where(valid, r, y.shape[0])]
+    return out.to(y.dtype)
+
+
+def combine_backward(grad_out, weights, pair_row, send_pairs, y, k):
+    t, n = grad_out.shape[0], grad_out.shape[0] * k
+    valid = (send_pairs >= 0) & (send_pairs < n)
+    tok = torch.where(valid, torch.div(send_pairs, k, rounding_mode="floor"), t)
+    g = torch.cat([grad_out, grad_out.new_zeros((1, grad_out.shape[1]))]).float()[tok]
+    w = torch.ones(n) if weights is None else weights.float()
+    wr = torch.where(valid, torch.cat([w, torch.zeros(1)])[torch.where(valid, send_pairs, n)], torch.zeros(()))
+    dy = (g * wr[:, None]).to(grad_out.dtype)
+    if y is None:
+        return [dy, torch.zeros(0)]
+    dot = (g * y.float()).sum(-1)
+    dw = torch.zeros(n + 1)
+    dw[torch.where(valid, send_pairs, n)] = torch.where(valid, dot, torch.zeros(()))
+    return [dy, dw[:n].clone()]
+
+
+def register() -> bool:
+    """Register the stand-ins for the CPU; False where the real kernels exist (nothing done)."""
+    global _LIB
+    if hasattr(torch.ops.flux, "moe_local_dispatch"):
+        return False
+    if _LIB is None:
+        _LIB = torch.library.Library("flux", "FRAGMENT")
+        for name, schema in _SCHEMAS.items():
+            _LIB.define(schema)
+        _LIB.impl("moe_local_dispatch", dispatch, "CPU")
+        _LIB.impl("moe_local_rows", rows, "CPU")
+        _LIB.impl("moe_local_combine", combine, "CPU")
+        _LIB.impl("moe_local_combine_backward", combine_backward, "CPU")
+    return True

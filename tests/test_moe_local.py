@@ -1,0 +1,271 @@
+"""flux.moe_dispatch / moe_combine / flux.nn.MoE at world size 1: the ``local`` strategy
+(flux/ops/_moe_local.py) against the references and the ``all_to_all`` strategy, in-process (a
+one-rank group). On a GPU: NCCL and flux's kernels (skipped if flux._C lacks them). Without a
+GPU: gloo, with CPU stand-ins of the kernels (tests/_moe_local_emulation.py) and the group
+treated as a CUDA group (deferred verdicts), so that the strategy's Python path runs; the
+graph-capture and SwiGLU-kernel cases need the GPU."""
+import os
+import sys
+import tempfile
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import flux
+from flux.ops import moe as moe_ops
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+gpu_only = pytest.mark.skipif(DEV != "cuda", reason="needs a CUDA device")
+
+
+@pytest.fixture(scope="module")
+def group():
+    patches, created = [], not dist.is_initialized()
+    if created:
+        store = dist.FileStore(tempfile.mktemp(prefix="flux-moe-local-"), 1)
+        if DEV == "cuda":
+            torch.cuda.set_device(0)
+            dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda", 0))
+        else:
+            dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    if dist.get_world_size() != 1:
+        pytest.skip("needs a one-rank process group")
+    if DEV == "cpu":
+        import _moe_local_emulation
+
+        if not _moe_local_emulation.register():
+            pytest.skip("flux._C is built but there is no GPU")
+        patches = [mock.patch.object(moe_ops._moe_local, "usable", lambda g, d: None),
+                   mock.patch.object(moe_ops, "cuda_group", lambda g: True)]
+        for p in patches:
+            p.start()
+    why = moe_ops._moe_local.usable(dist.group.WORLD, torch.device(DEV))
+    if why is not None:
+        pytest.skip(why)
+    yield dist.group.WORLD
+    for p in patches:
+        p.stop()
+    if created:  # leave the process as it was for the test files after this one
+        moe_ops._LOCAL_PLANS.clear()
+        dist.destroy_process_group()
+
+
+def _routing(t, e, k, gen, empty_slots=True, experts=None):
+    """[T, K] int64: k distinct experts per token (from ``experts`` if given), some slots -1."""
+    pool = torch.arange(e) if experts is None else torch.tensor(experts)
+    idx = torch.stack([pool[torch.randperm(len(pool), generator=gen)[:k]] for _ in range(t)]) if t else \
+        torch.zeros((0, k), dtype=torch.int64)
+    if empty_slots and t:
+        idx[torch.rand(idx.shape, generator=gen) < 0.1] = -1
+    return idx.to(DEV)
+
+
+def _ints(shape, gen, dtype=torch.bfloat16):
+    return torch.randint(-4, 5, shape, generator=gen).to(dtype).to(DEV)
+
+
+def _weights(t, k, gen):
+    return (torch.randint(1, 5, (t, k), generator=gen).float() / 4).to(DEV)  # exact in fp32 sums
+
+
+@pytest.mark.parametrize("t,e,k,cap,h", [(64, 8, 2, None, 256), (300, 64, 8, None, 256), (128, 64, 8, 128, 256),
+                                         (100, 8, 8, 130, 256), (0, 8, 2, None, 256), (0, 8, 2, 16, 256),
+                                         (5, 1024, 8, None, 256), (700, 16, 4, None, 100), (50, 4, 3, 64, 100)])
+@pytest.mark.parametrize("idx_dtype", [torch.int64, torch.int32])
+def test_round_trip_exact(group, t, e, k, cap, h, idx_dtype):
+    # h = 100: rows of 200 bytes, the kernels' element-wise (unvectorised) paths
+    gen = torch.Generator().manual_seed(t * 131 + e)
+    x, idx, w = _ints((t, h), gen), _routing(t, e, k, gen).to(idx_dtype), _weights(t, k, gen)
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
+        poison = torch.full((max(1, e * (cap or t * k)) * h,), float("nan"), dtype=x.dtype, device=DEV)
+        del poison  # the dispatch's outputs may reuse that memory: every row must be written
+    recv, counts, handle = flux.moe_dispatch(x, idx, w, e, max_tokens_per_rank=cap)
+    assert handle.strategy == "local"
+    ref_recv, ref_counts = flux.moe_dispatch_ref(x, idx, w, e, max_tokens_per_rank=cap)
+    assert torch.equal(counts, ref_counts)
+    assert torch.equal(recv, ref_recv)  # zero padding included
+    y = recv * 3 - 1
+    out = flux.moe_combine(y, handle)
+    ref = flux.moe_combine_ref(y, idx, w, e, max_tokens_per_rank=cap)
+    assert torch.equal(out, ref)
+    # The same through the reference strategy (all_to_all), row for row.
+    a_recv, a_counts, a_handle = moe_ops.run_strategy("all_to_all", x, idx, w, e, max_tokens_per_rank=cap)
+    assert torch.equal(a_recv, recv) and torch.equal(a_counts, counts)
+    assert torch.equal(flux.moe_combine(y, a_handle), out)
+    if cap is None:
+        assert handle.counts_host == ref_counts.tolist()
+    else:
+        handle.check()
+
+
+def test_fp8_dispatch_exact(group):
+    gen = torch.Generator().manual_seed(3)
+    t, e, k, h = 200, 16, 4, 512
+    x = torch.randn((t, h), generator=gen).to(torch.bfloat16).to(DEV)
+    idx, w = _routing(t, e, k, gen), _weights(t, k, gen)
+    for cap in (None, 256):
+        (q, s), counts, _ = flux.moe_dispatch(x, idx, w, e, max_tokens_per_rank=cap, fp8=True)
+        (rq, rs), rc = flux.moe_dispatch_ref(x, idx, w, e, max_tokens_per_rank=cap, fp8=True)
+        assert torch.equal(counts, rc)
+        assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
+
+
+def test_empty_experts_and_no_valid_slot(group):
+    gen = torch.Generator().manual_seed(5)
+    t, e, k, h = 96, 64, 2, 128
+    idx = _routing(t, e, k, gen, experts=[3, 17, 40])
+    idx[:7] = -1  # tokens without any expert: combine gives zeros
+    x, w = _ints((t, h), gen), _weights(t, k, gen)
+    for cap in (None, t):
+        recv, counts, handle = flux.moe_dispatch(x, idx, w, e, max_tokens_per_rank=cap)
+        assert int((counts > 0).sum()) == 3
+        ref_recv, _ = flux.moe_dispatch_ref(x, idx, w, e, max_tokens_per_rank=cap)
+        assert torch.equal(recv, ref_recv)
+        out = flux.moe_combine(recv.float().to(recv.dtype), handle)
+        assert torch.equal(out[:7], torch.zeros_like(out[:7]))
+        assert torch.equal(out, flux.moe_combine_ref(recv, idx, w, e, max_tokens_per_rank=cap))
+
+
+def test_errors(group):
+    gen = torch.Generator().manual_seed(7)
+    t, e, k, h = 32, 8, 2, 64
+    x, idx, w = _ints((t, h), gen), _routing(t, e, k, gen, empty_slots=False), _weights(t, k, gen)
+    bad = idx.clone()
+    bad[3, 1] = e
+    dup = idx.clone()
+    dup[5, 1] = dup[5, 0]
+    for wrong, text in ((bad, "outside"), (dup, "twice")):
+        with pytest.raises(flux.FluxInputError, match=text):
+            flux.moe_dispatch(x, wrong, w, e)
+        recv, counts, handle = flux.moe_dispatch(x, wrong, w, e, max_tokens_per_rank=t)  # deferred
+        assert not counts.any() and not recv.any()
+        assert not flux.moe_combine(recv, handle).any()
+        with pytest.raises(flux.FluxInputError, match=text):
+            handle.check()
+    # Over capacity: deferred in the bounded variant (every row zero), raised by check().
+    recv, counts, handle = flux.moe_dispatch(x, idx, w, e, max_tokens_per_rank=t - 1)
+    assert not counts.any() and not recv.any()
+    with pytest.raises(flux.FluxInputError, match="exceeds max_tokens_per_rank"):
+        handle.check()
+    with pytest.raises(flux.FluxInputError, match="flux.moe_dispatch"):
+        flux.moe_dispatch(x, idx, w, 7)  # num_experts not matching? (7 experts: ids up to 7 are bad)
+    with pytest.raises(flux.FluxInputError, match="must be 2-D"):
+        flux.moe_dispatch(x[0], idx, w, e)
+
+
+@pytest.mark.parametrize("cap", [None, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("h", [128, 100])
+def test_gradients_match_all_to_all(group, cap, dtype, h, monkeypatch):
+    gen = torch.Generator().manual_seed(11)
+    t, e, k = 48, 16, 4
+    x0 = torch.randn((t, h), generator=gen).to(dtype).to(DEV)
+    idx = _routing(t, e, k, gen)
+    w0 = torch.rand((t, k), generator=gen).to(DEV)
+    scale = torch.randn((h,), generator=gen).to(dtype).to(DEV)
+    g = torch.randn((t, h), generator=gen).to(dtype).to(DEV)
+    results = {}
+    for name in ("local", "all_to_all"):
+        monkeypatch.setenv(moe_ops.STRATEGY_ENV, name)
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        recv, counts, handle = flux.moe_dispatch(x, idx, w, e, max_tokens_per_rank=cap)
+        assert handle.strategy == name
+        out = flux.moe_combine(torch.tanh(recv * scale), handle)
+        out.backward(g)
+        results[name] = (out.detach(), x.grad, w.grad)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    for a, b in zip(results["local"], results["all_to_all"]):
+        torch.testing.assert_close(a, b, **tol)
+
+
+@gpu_only
+@pytest.mark.parametrize("zero_pad", [True, False])
+def test_bounded_graph_capture(group, zero_pad):
+    gen = torch.Generator().manual_seed(13)
+    t, e, k, h, cap = 128, 64, 8, 512, 128
+    x, idx, w = _ints((t, h), gen), _routing(t, e, k, gen), _weights(t, k, gen)
+    flux.moe_dispatch(x, idx, w, e, max_tokens_per_rank=cap, zero_pad=zero_pad)  # warm-up: checks remembered
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            recv, counts, handle = flux.moe_dispatch(x, idx, w, e, max_tokens_per_rank=cap, zero_pad=zero_pad)
+            flux.moe_combine(recv, handle)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        recv, counts, handle = flux.moe_dispatch(x, idx, w, e, max_tokens_per_rank=cap, zero_pad=zero_pad)
+        out = flux.moe_combine(recv, handle)
+    for step in range(3):  # new inputs each replay
+        x.copy_(_ints((t, h), gen))
+        idx.copy_(_routing(t, e, k, gen))
+        w.copy_(_weights(t, k, gen))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_recv, ref_counts = flux.moe_dispatch_ref(x, idx, w, e, max_tokens_per_rank=cap)
+        assert torch.equal(counts, ref_counts)
+        for ex in range(e):
+            n = int(ref_counts[ex])
+            assert torch.equal(recv[ex, :n], ref_recv[ex, :n])
+            if zero_pad:
+                assert not recv[ex, n:].any()
+        assert torch.equal(out, flux.moe_combine_ref(ref_recv, idx, w, e, max_tokens_per_rank=cap))
+
+
+def test_layer_matches_all_to_all(group, monkeypatch):
+    torch.manual_seed(0)
+    t, h, f, e, k = 64, 256, 128, 8, 2
+    x0 = torch.randn(t, h, device=DEV, dtype=torch.bfloat16)
+    g = torch.randn(t, h, device=DEV, dtype=torch.bfloat16)
+    results = {}
+    for name in ("local", "all_to_all"):
+        monkeypatch.setenv(moe_ops.STRATEGY_ENV, name)
+        for cap in (None, t):
+            layer = flux.nn.MoE(h, f, e, k, seed=1, dtype=torch.bfloat16, device=DEV, max_tokens_per_rank=cap)
+            x = x0.clone().requires_grad_()
+            out = layer(x)
+            out.backward(g)
+            results[(name, cap)] = [out, x.grad, layer.router.weight.grad, layer.w13.grad, layer.w2.grad]
+    for cap in (None, t):
+        for a, b in zip(results[("local", cap)], results[("all_to_all", cap)]):
+            torch.testing.assert_close(a.float(), b.float(), atol=3e-2, rtol=3e-2)
+
+
+def test_opcheck_and_compile_path(group):
+    gen = torch.Generator().manual_seed(17)
+    t, e, k, h = 40, 8, 2, 128
+    x, idx, w = _ints((t, h), gen), _routing(t, e, k, gen), _weights(t, k, gen)
+    args = (x, idx, w, e, moe_ops.group_name(group), 64)
+    torch.library.opcheck(torch.ops.flux.moe_dispatch, args, test_utils=("test_schema", "test_faketensor"))
+    recv, counts, send_pairs, recv_dest, meta, verdict = torch.ops.flux.moe_dispatch(*args)
+    ref_recv, _ = flux.moe_dispatch_ref(x, idx, w, e, max_tokens_per_rank=64)
+    assert torch.equal(recv, ref_recv)
+    out, returned = torch.ops.flux.moe_combine(recv, w, send_pairs, recv_dest, meta, moe_ops.group_name(group), e, 64)
+    assert torch.equal(out, flux.moe_combine_ref(recv, idx, w, e, max_tokens_per_rank=64))
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("f", [256, 6])  # vectorised and element-wise paths
+def test_swiglu_kernel(dtype, f):
+    from flux.nn.moe import _has_swiglu_kernel, swiglu
+
+    if not _has_swiglu_kernel():
+        pytest.skip("flux._C without moe_swiglu")
+    torch.manual_seed(0)
+    h = (torch.randn(37, 2 * f, device=DEV) * 3).to(dtype).requires_grad_()
+    g = torch.randn(37, f, device=DEV).to(dtype)
+    a = swiglu(h)
+    a.backward(g)
+    h32 = h.detach().float().requires_grad_()
+    gate, up = h32.chunk(2, dim=-1)
+    a32 = torch.nn.functional.silu(gate) * up
+    a32.backward(g.float())
+    # The kernel rounds once from fp32; the tolerance: a few units of the dtype's last place.
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1.6e-2)
+    torch.testing.assert_close(a.float(), a32, **tol)
+    torch.testing.assert_close(h.grad.float(), h32.grad, **tol)
