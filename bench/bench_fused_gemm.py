@@ -238,6 +238,16 @@ def main(argv=None):
         print(f"[{i + 1}/{len(recs)}] {r['op']} {r['m']}x{r['k']}x{r['n']}: cuBLAS {_f(r['cublas']['ms']['loop'])} "
               f"own {r['own']['label']} {_f(r['own']['ms']['loop'])} best {r['best']['loop']['label']} "
               f"{_f(r['best']['loop']['ms'])} ms (loop)" + (f"  WRONG: {','.join(bad)}" if bad else ""), flush=True)
+        if args.out:
+            _document(args, ops, results, sm, dtype)
+    doc = _document(args, ops, results, sm, dtype)
+    print_table(results, doc["summary"])
+    return 0
+
+
+def _document(args, ops, results, sm, dtype):
+    """The JSON document of the shapes measured so far (written after each shape, so that a run
+    stopped early keeps what it measured)."""
     summ = summarize(results)
     doc = {"format": 1, "command": "python " + " ".join(shlex.quote(a) for a in sys.argv), "commit": commit(),
            "device": torch.cuda.get_device_name(), "sm_count": sm, "torch": torch.__version__,
@@ -251,8 +261,7 @@ def main(argv=None):
     if args.out:
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1)
-    print_table(results, summ)
-    return 0
+    return doc
 
 
 if __name__ == "__main__":
