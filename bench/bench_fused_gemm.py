@@ -248,6 +248,7 @@ def main(argv=None):
 def _document(args, ops, results, sm, dtype):
     """The JSON document of the shapes measured so far (written after each shape, so that a run
     stopped early keeps what it measured)."""
+    from flux.autotune import kernels as K
     summ = summarize(results)
     doc = {"format": 1, "command": "python " + " ".join(shlex.quote(a) for a in sys.argv), "commit": commit(),
            "device": torch.cuda.get_device_name(), "sm_count": sm, "torch": torch.__version__,
