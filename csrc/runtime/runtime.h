@@ -28,6 +28,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 
+#include "strategies.h"  // OpKind, StrategyKind, the plan parameters: generated from flux/strategies.py
+
 namespace c10d {
 class ProcessGroup;
 }
@@ -42,14 +44,10 @@ constexpr int kStartedChannel = 9;
 constexpr int kSegmentChannel = 10;
 constexpr int kMaxDataChannels = kFlagChannel - kDataChannel;
 
-enum class OpKind : int64_t { AgGemm = 0, GemmRs = 1 };
-// Mirrors the strategy names of flux/ops/ag_gemm.py and gemm_rs.py (flux/ops/_plans.py maps them).
-enum class StrategyKind : int64_t { Sequential = 0, Decomposed = 1, Oneshot = 2, Fused = 3, DecomposedP2P = 4 };
-
 struct Plan {
   OpKind op = OpKind::AgGemm;
   StrategyKind strategy = StrategyKind::Sequential;
-  // Strategy parameters (flux/autotune/space.py); 0 swizzle: the analytic choice.
+  // Strategy parameters (flux/strategies.py, kPlanParamNames); 0 swizzle: the analytic choice.
   int64_t first8 = 8, chunks = 1, segments = 8, config = 0, swizzle = 0;
   uint32_t token = 1;  // non-zero; see the file comment
   // The problem, fixed by the key.
@@ -141,7 +139,8 @@ class Runtime {
   int64_t comm_stream() const { return reinterpret_cast<int64_t>(comm_); }
 
  private:
-  // The strategies (csrc/ag_gemm/ag_gemm_plan.cpp, csrc/gemm_rs/gemm_rs_plan.cpp).
+  // The strategies (csrc/ag_gemm/ag_gemm_plan.cpp, csrc/gemm_rs/gemm_rs_plan.cpp), each run by
+  // Runtime::run through FLUX_PLAN_STRATEGIES (strategies.h): (plan, input, weight, bias, out).
   std::tuple<at::Tensor, at::Tensor> ag_sequential(const Plan&, const at::Tensor&, const at::Tensor&,
                                                    const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);
   std::tuple<at::Tensor, at::Tensor> ag_decomposed(const Plan&, const at::Tensor&, const at::Tensor&,
@@ -158,6 +157,14 @@ class Runtime {
                         const std::optional<at::Tensor>&);
   at::Tensor rs_fused(const Plan&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                       const std::optional<at::Tensor>&);
+  at::Tensor rs_decomposed_p2p(const Plan& p, const at::Tensor& a, const at::Tensor& w,
+                               const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& out) {
+    return rs_decomposed(p, a, w, bias, out, true);
+  }
+  at::Tensor rs_decomposed(const Plan& p, const at::Tensor& a, const at::Tensor& w,
+                           const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& out) {
+    return rs_decomposed(p, a, w, bias, out, false);
+  }
 
   // Building blocks, each enqueued on the given stream.
   cudaEvent_t event();  // the next pooled event of this call (begin_call resets the pool)
