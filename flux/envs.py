@@ -9,6 +9,10 @@ import os
 from typing import Callable, Dict, Optional
 
 
+def _one(text: str) -> bool:
+    return text == "1"
+
+
 def _flag(text: str) -> bool:
     return text.strip().lower() in ("1", "true", "yes", "on")
 
@@ -33,19 +37,19 @@ def _var(name: str, parse, default, meaning: str) -> Var:
     return VARS[name]
 
 
-AUTOTUNE = _var("FLUX_AUTOTUNE", _flag, False,
+AUTOTUNE = _var("FLUX_AUTOTUNE", _one, False,
                 "1: an op call whose problem has no cache entry tunes it on the spot (collectively)")
 CACHE_DIR = _var("FLUX_CACHE_DIR", str, None, "the tuning cache's folder (default ~/.cache/flux)")
-CHECK_EVERY_CALL = _var("FLUX_CHECK_EVERY_CALL", _flag, False,
+CHECK_EVERY_CALL = _var("FLUX_CHECK_EVERY_CALL", _one, False,
                         "1: every call runs the slow path (checks across ranks, no plans): debugging")
 CHECK_TIMEOUT_S = _var("FLUX_CHECK_TIMEOUT_S", float, 60.0, "seconds the cross-rank argument check waits for peers")
 TIMEOUT_MS = _var("FLUX_TIMEOUT_MS", int, 30000, "milliseconds a GPU wait for a peer's signal lasts before it fails")
-GLOO_CUDA = _var("FLUX_GLOO_CUDA", _flag, False,
+GLOO_CUDA = _var("FLUX_GLOO_CUDA", _one, False,
                  "tests only: gloo groups carry CUDA tensors, so that ranks may share a GPU (flux.testing)")
 VLLM = _var("FLUX_VLLM", _flag, False, "1: the vLLM plugin swaps in flux's layers (flux/integrations/vllm.py)")
 STRATEGY_PREFIX = "FLUX_STRATEGY_"  # FLUX_STRATEGY_<OP>: a forced strategy label, below
 for _op in ("AG_GEMM", "GEMM_RS", "MOE", "MOE_TP"):
-    _var(STRATEGY_PREFIX + _op, str, None, f"forces the strategy of {_op.lower()} (a label, e.g. decomposed(chunks=2))")
+    _var(STRATEGY_PREFIX + _op, str, None, f"forces the strategy of {_op.lower()} (a strategy label, the same on every rank)")
 
 
 def forced_strategy(op: str) -> Optional[str]:

@@ -29,6 +29,7 @@ from typing import Callable, Dict, Optional, Sequence
 
 import torch
 
+from flux import envs
 from flux.autotune.cache import GENERATION as cache_generation
 from flux.autotune.cache import TuneCache, problem_key
 from flux.autotune.space import Candidate, Problem, candidates, m_bucket, why_invalid
@@ -140,7 +141,7 @@ def _warn_once(op: str, what: str, why: str) -> None:
 
 def choose(p: Problem, device: Optional[torch.device] = None) -> Candidate:
     """The candidate for one call (see the module docstring)."""
-    label = _forced.get(p.op) or os.environ.get(f"FLUX_STRATEGY_{p.op.upper()}")
+    label = _forced.get(p.op) or envs.forced_strategy(p.op)
     key = (p, None if device is None else (device.type, device.index), label, _generation[0],
            cache_generation[0])
     c = _choices.get(key)
@@ -176,9 +177,9 @@ def candidate_code(c: Candidate) -> int:
 
 def tuning_requested(p: Problem, device: torch.device) -> bool:
     """FLUX_AUTOTUNE=1 and no cache entry (nor a forced strategy) for this problem."""
-    if os.environ.get("FLUX_AUTOTUNE", "0") != "1" or device.type != "cuda":
+    if not envs.AUTOTUNE.get() or device.type != "cuda":
         return False
-    if _forced.get(p.op) or os.environ.get(f"FLUX_STRATEGY_{p.op.upper()}"):
+    if _forced.get(p.op) or envs.forced_strategy(p.op):
         return False
     return cache_for(topology(p.world, device)).get(key_of(p)) is None
 

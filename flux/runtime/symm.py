@@ -43,7 +43,9 @@ MAX_DATA_CHANNELS = 7  # sub-block signals of one call: channels 1..7
 
 
 def timeout_ms() -> int:
-    return int(os.environ.get("FLUX_TIMEOUT_MS", "30000"))
+    from flux import envs
+
+    return envs.TIMEOUT_MS.get()
 
 
 _error_record = None
