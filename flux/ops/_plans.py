@@ -64,9 +64,10 @@ def _log_once(op: str, strategy: str, reason: str, to: str) -> None:
 
 
 def effective(op: str, cand: Candidate, input: torch.Tensor, weight: torch.Tensor, group, weight_layout: str,
-              out_dtype) -> Candidate:
+              out_dtype, no_symm: Optional[str] = None) -> Candidate:
     """The candidate that will actually run: the strategy table's rules (flux/strategies.py) on
-    this call, with the group's symmetric workspace; each fallback logs its reason once."""
+    this call, with ``no_symm`` (why the group has no symmetric workspace, None: it has one);
+    each fallback logs its reason once."""
     if cand.strategy == "sequential":
         return cand
     why = param_error(op, cand.strategy, cand.kwargs)
@@ -77,16 +78,17 @@ def effective(op: str, cand: Candidate, input: torch.Tensor, weight: torch.Tenso
     world = dist.get_world_size(group)
     rows = input.numel() // input.shape[-1]
     p = problem_of(op, input, weight, weight_layout, out_dtype, world, rows * world if op == "ag_gemm" else rows)
-    p = dataclasses.replace(p, no_symm=symm.why_unavailable(group) if input.device.type == "cuda" else None)
+    p = dataclasses.replace(p, no_symm=no_symm if input.device.type == "cuda" else None)
     name, kw = resolve(p, cand.strategy, cand.kwargs, lambda frm, why, to: _log_once(op, frm, why, to))
     return Candidate.of(name, **kw)
 
 
-def in_cxx(cand: Candidate, input: torch.Tensor, weight: torch.Tensor, group, out_dtype) -> bool:
+def in_cxx(cand: Candidate, input: torch.Tensor, weight: torch.Tensor, group, out_dtype,
+           no_symm: Optional[str] = None) -> bool:
     """Whether ``cand`` (already effective) runs in the C++ runtime (else the Python reference)."""
     if input.device.type != "cuda" or input.numel() == 0 or weight.numel() == 0:
         return False
-    if not wide_out_ok(input.dtype, out_dtype) or not symm.available(group):
+    if not wide_out_ok(input.dtype, out_dtype) or no_symm is not None:
         return False
     if cand.strategy == "sequential":
         return "nccl" in str(dist.get_backend(group)).lower() and dist.get_world_size(group) > 1
@@ -101,6 +103,20 @@ def token(op: str, cand: Candidate, input, weight, bias, weight_layout, out_dtyp
     return ((OP_CODES[op] + 1) << 30) | (zlib.crc32(text.encode()) & 0x3FFFFFFF)
 
 
+def _plan(op: str, cand: Candidate, input, weight, bias, group, weight_layout, out_dtype, gathered):
+    """(runtime, plan) that run this call with ``cand``, or None where the Python reference runs
+    it. Collective where it makes a plan (the workspace may grow)."""
+    no_symm = symm.why_unavailable(group) if input.device.type == "cuda" else "input is not on a CUDA device"
+    c = effective(op, cand, input, weight, group, weight_layout, out_dtype, no_symm)
+    if not in_cxx(c, input, weight, group, out_dtype, no_symm):
+        return None
+    kw = c.kwargs
+    params = [int(kw.get(name, PARAM_DEFAULTS[name])) for name in PARAM_ORDER]
+    tok = token(op, c, input, weight, bias, weight_layout, out_dtype, gathered, dist.get_world_size(group))
+    return runtime.make_plan(group, OP_CODES[op], STRATEGY_CODES[c.strategy], params, tok, input, weight, bias,
+                             weight_layout == "nk", DTYPE_CODES.get(out_dtype, -1), gathered)
+
+
 def prepare(op: str, cand: Candidate, input: torch.Tensor, weight: torch.Tensor, bias, group, weight_layout: str,
             out_dtype, gathered: bool, out: Optional[torch.Tensor], reference: Callable) -> Callable[[], object]:
     """A zero-argument callable that enqueues this call with ``cand``: through a plan of the
@@ -110,32 +126,21 @@ def prepare(op: str, cand: Candidate, input: torch.Tensor, weight: torch.Tensor,
     if not set(cand.kwargs) <= known:
         raise TypeError(f"flux.{op}: strategy {cand.strategy!r} takes the parameters {sorted(known)}, "
                         f"not {sorted(set(cand.kwargs) - known)}")
-    c = effective(op, cand, input, weight, group, weight_layout, out_dtype)
-    if not in_cxx(c, input, weight, group, out_dtype):
+    made = _plan(op, cand, input, weight, bias, group, weight_layout, out_dtype, gathered)
+    if made is None:
         return functools.partial(reference, out)
-    plan = make_plan(op, c, input, weight, bias, group, weight_layout, out_dtype, gathered)
-    rt = runtime.get(group, plan.workspace_bytes)
+    rt, plan = made
     return functools.partial(rt.run, plan, input, weight, bias, out)
-
-
-def make_plan(op, c: Candidate, input, weight, bias, group, weight_layout, out_dtype, gathered):
-    rt = runtime.get(group)
-    kw = c.kwargs
-    params = [int(kw.get(name, PARAM_DEFAULTS[name])) for name in PARAM_ORDER]
-    tok = token(op, c, input, weight, bias, weight_layout, out_dtype, gathered, dist.get_world_size(group))
-    return rt.make_plan(OP_CODES[op], STRATEGY_CODES[c.strategy], params, tok, input, weight, bias,
-                        weight_layout == "nk", DTYPE_CODES.get(out_dtype, -1), gathered)
 
 
 def run_and_remember(op: str, cand: Candidate, input, weight, bias, group, weight_layout, out_dtype, gathered,
                      out, reference: Callable):
     """The slow path's last step: run ``cand`` and, where it runs in C++, leave its plan for the
     hot path (unless FLUX_CHECK_EVERY_CALL=1, which keeps every call on the slow path)."""
-    c = effective(op, cand, input, weight, group, weight_layout, out_dtype)
-    if not in_cxx(c, input, weight, group, out_dtype):
+    made = _plan(op, cand, input, weight, bias, group, weight_layout, out_dtype, gathered)
+    if made is None:
         return reference(out)
-    plan = make_plan(op, c, input, weight, bias, group, weight_layout, out_dtype, gathered)
-    rt = runtime.get(group, plan.workspace_bytes)
+    rt, plan = made
     if not envs.CHECK_EVERY_CALL.get():
         rt.add_plan(plan, input, weight, bias, out, LAYOUT_CODES[weight_layout], DTYPE_CODES.get(out_dtype, -1),
                     gathered)
@@ -143,4 +148,5 @@ def run_and_remember(op: str, cand: Candidate, input, weight, bias, group, weigh
     return rt.run(plan, input, weight, bias, out)
 
 
-__all__ = ["DTYPE_CODES", "LAYOUT_CODES", "OP_CODES", "STRATEGY_CODES", "forget", "hot_runtime", "prepare", "run_and_remember"]
+__all__ = ["DTYPE_CODES", "LAYOUT_CODES", "OP_CODES", "STRATEGY_CODES", "forget", "hot_runtime", "prepare",
+           "run_and_remember"]

@@ -39,6 +39,13 @@ def get(group: dist.ProcessGroup, nbytes: int = 0):
     return rt
 
 
+def make_plan(group: dist.ProcessGroup, *args) -> Tuple[object, object]:
+    """(runtime, plan): ``Runtime.make_plan(*args)`` of ``group``'s runtime, whose workspace then
+    grows to what the plan needs (collective, as ``get``)."""
+    plan = get(group).make_plan(*args)
+    return get(group, plan.workspace_bytes), plan
+
+
 def existing(group: dist.ProcessGroup) -> Optional[object]:
     """The runtime of ``group`` on the current device if one was made, else None."""
     return _runtimes.get((group.group_name, torch.cuda.current_device()))
