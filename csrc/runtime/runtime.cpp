@@ -279,6 +279,16 @@ std::tuple<at::Tensor, at::Tensor> Runtime::run(const Plan& plan, const at::Tens
   FLUX_CHECK(false, kOp, "no strategy ", (int64_t)plan.strategy, " for op ", (int64_t)plan.op);
 }
 
+at::Tensor Runtime::rs_decomposed(const Plan& p, const at::Tensor& input, const at::Tensor& weight,
+                                  const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& out) {
+  return rs_decomposed(p, input, weight, bias, out, false);
+}
+
+at::Tensor Runtime::rs_decomposed_p2p(const Plan& p, const at::Tensor& input, const at::Tensor& weight,
+                                      const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& out) {
+  return rs_decomposed(p, input, weight, bias, out, true);
+}
+
 // ---- building blocks ------------------------------------------------------------------------
 
 void Runtime::begin_call() { next_event_ = 0; }

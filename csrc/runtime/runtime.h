@@ -139,32 +139,19 @@ class Runtime {
   int64_t comm_stream() const { return reinterpret_cast<int64_t>(comm_); }
 
  private:
-  // The strategies (csrc/ag_gemm/ag_gemm_plan.cpp, csrc/gemm_rs/gemm_rs_plan.cpp), each run by
-  // Runtime::run through FLUX_PLAN_STRATEGIES (strategies.h): (plan, input, weight, bias, out).
-  std::tuple<at::Tensor, at::Tensor> ag_sequential(const Plan&, const at::Tensor&, const at::Tensor&,
-                                                   const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);
-  std::tuple<at::Tensor, at::Tensor> ag_decomposed(const Plan&, const at::Tensor&, const at::Tensor&,
-                                                   const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);
-  std::tuple<at::Tensor, at::Tensor> ag_oneshot(const Plan&, const at::Tensor&, const at::Tensor&,
-                                                const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);
-  std::tuple<at::Tensor, at::Tensor> ag_fused(const Plan&, const at::Tensor&, const at::Tensor&,
-                                              const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);
-  at::Tensor rs_sequential(const Plan&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                           const std::optional<at::Tensor>&);
+  // The strategies, one member per row of FLUX_PLAN_STRATEGIES (strategies.h, generated from
+  // flux/strategies.py), written in csrc/ag_gemm/ag_gemm_plan.cpp and csrc/gemm_rs/gemm_rs_plan.cpp
+  // and run by Runtime::run: ag_gemm's return (out, gathered), gemm_rs's the output.
+  using AgGemmResult = std::tuple<at::Tensor, at::Tensor>;
+  using GemmRsResult = at::Tensor;
+#define FLUX_DECLARE_STRATEGY(OP, STRATEGY, MEMBER)                                                   \
+  OP##Result MEMBER(const Plan&, const at::Tensor& input, const at::Tensor& weight,                   \
+                    const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& out);
+  FLUX_PLAN_STRATEGIES(FLUX_DECLARE_STRATEGY)
+#undef FLUX_DECLARE_STRATEGY
+  // gemm_rs decomposed and decomposed_p2p (``p2p``: the GEMMs write the peers' slots directly).
   at::Tensor rs_decomposed(const Plan&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                            const std::optional<at::Tensor>&, bool p2p);
-  at::Tensor rs_oneshot(const Plan&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                        const std::optional<at::Tensor>&);
-  at::Tensor rs_fused(const Plan&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                      const std::optional<at::Tensor>&);
-  at::Tensor rs_decomposed_p2p(const Plan& p, const at::Tensor& a, const at::Tensor& w,
-                               const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& out) {
-    return rs_decomposed(p, a, w, bias, out, true);
-  }
-  at::Tensor rs_decomposed(const Plan& p, const at::Tensor& a, const at::Tensor& w,
-                           const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& out) {
-    return rs_decomposed(p, a, w, bias, out, false);
-  }
 
   // Building blocks, each enqueued on the given stream.
   cudaEvent_t event();  // the next pooled event of this call (begin_call resets the pool)
