@@ -16,14 +16,19 @@ Adding a strategy: one entry here (its ``cxx`` names the Runtime member that run
 the regenerated header, and that member's implementation (see docs/strategies.md).
 """
 import dataclasses
+import logging
 import sys
 from typing import Callable, Dict, Mapping, Optional, Tuple
 
 import torch
 
 OP_CODES = {"ag_gemm": 0, "gemm_rs": 1}  # OpKind in C++; the top bits of a plan's token
+# The channels of a rank's signal pad (one word per peer each), as the C++ side numbers them
+# (k<Name>Channel in the generated header): the entry barrier, the data signals of chunks
+# 1..7, the fused kernels' flags, the barrier's "started" word, the fused RS segment flags.
+SIGNAL_CHANNELS = {"barrier": 0, "data": 1, "flag": 8, "started": 9, "segment": 10}
+MAX_CHUNKS = SIGNAL_CHANNELS["flag"] - SIGNAL_CHANNELS["data"]  # one data channel per chunk
 TILE_M = 128  # rows of one tile: the decomposed sub-blocks' minimum
-MAX_CHUNKS = 7  # signal channels for sub-blocks (kMaxDataChannels, csrc/runtime/runtime.h)
 # Rows of one tile and CTAs of one cluster along M of each fused kernel configuration
 # (csrc/ag_gemm/ag_gemm_fused_cfg*.cu, csrc/gemm_rs/rs_fused_cfg*.cu). Along N, the kernels serve
 # M tiles in bands of cluster_m * swizzle tiles.
@@ -258,6 +263,17 @@ def why_invalid(p: Problem, name: str, kw: Mapping[str, int]) -> Optional[str]:
     return None
 
 
+_log = logging.getLogger("flux")
+_warned = set()
+
+
+def warn_once(message: str) -> None:
+    """Log a fallback's reason once per process (the choice's and the plan's alike)."""
+    if message not in _warned:
+        _warned.add(message)
+        _log.warning(message)
+
+
 def _camel(name: str) -> str:
     return "".join(w.upper() if any(c.isdigit() for c in w) else w.capitalize() for w in name.split("_"))
 
@@ -287,6 +303,9 @@ def cxx_header() -> str:
         "constexpr const char* kPlanParamNames[] = {" + ", ".join(f'"{q}"' for q in PARAM_ORDER) + "};",
         "constexpr int64_t kPlanParamDefaults[] = {" + ", ".join(str(PARAM_DEFAULTS[q]) for q in PARAM_ORDER)
         + "};",
+        "// Signal pad channels (flux/runtime/symm.py sizes the pads from the last one).",
+    ] + [f"constexpr int k{_camel(c)}Channel = {v};" for c, v in SIGNAL_CHANNELS.items()] + [
+        "constexpr int kMaxDataChannels = kFlagChannel - kDataChannel;",
         "",
         "}  // namespace flux",
         "",

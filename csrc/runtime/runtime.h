@@ -28,7 +28,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 
-#include "strategies.h"  // OpKind, StrategyKind, the plan parameters: generated from flux/strategies.py
+#include "strategies.h"  // OpKind, StrategyKind, plan parameters, signal channels: from flux/strategies.py
 
 namespace c10d {
 class ProcessGroup;
@@ -36,13 +36,8 @@ class ProcessGroup;
 
 namespace flux {
 
-// Signal pad channels; flux/runtime/symm.py documents them.
-constexpr int kBarrierChannel = 0;
-constexpr int kDataChannel = 1;
-constexpr int kFlagChannel = 8;
-constexpr int kStartedChannel = 9;
-constexpr int kSegmentChannel = 10;
-constexpr int kMaxDataChannels = kFlagChannel - kDataChannel;
+// Signal pad channels (kBarrierChannel ... kSegmentChannel): strategies.h; flux/runtime/symm.py
+// documents them.
 
 struct Plan {
   OpKind op = OpKind::AgGemm;

@@ -15,6 +15,13 @@ constexpr const char* kStrategyNames[] = {"sequential", "decomposed", "oneshot",
 constexpr int64_t kNumPlanParams = 5;
 constexpr const char* kPlanParamNames[] = {"first8", "chunks", "segments", "config", "swizzle"};
 constexpr int64_t kPlanParamDefaults[] = {8, 1, 8, 0, 0};
+// Signal pad channels (flux/runtime/symm.py sizes the pads from the last one).
+constexpr int kBarrierChannel = 0;
+constexpr int kDataChannel = 1;
+constexpr int kFlagChannel = 8;
+constexpr int kStartedChannel = 9;
+constexpr int kSegmentChannel = 10;
+constexpr int kMaxDataChannels = kFlagChannel - kDataChannel;
 
 }  // namespace flux
 

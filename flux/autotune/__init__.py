@@ -30,6 +30,7 @@ from typing import Callable, Dict, Optional, Sequence
 import torch
 
 from flux import envs
+from flux.strategies import warn_once
 from flux.autotune.cache import GENERATION as cache_generation
 from flux.autotune.cache import TuneCache, problem_key
 from flux.autotune.space import Candidate, Problem, candidates, m_bucket, why_invalid
@@ -39,7 +40,6 @@ log = logging.getLogger("flux")
 
 OPS = ("ag_gemm", "gemm_rs")
 _forced: Dict[str, Optional[str]] = {}
-_logged = set()
 # choose() is on every call's path: its answers are remembered per problem, device, forced
 # label and generations; a generation moves whenever something they depend on changes
 # (force, reset; any cache entry: flux.autotune.cache.GENERATION).
@@ -134,9 +134,7 @@ def key_of(p: Problem) -> str:
 
 
 def _warn_once(op: str, what: str, why: str) -> None:
-    if (op, what, why) not in _logged:  # a fallback logs its reason once
-        _logged.add((op, what, why))
-        log.warning("flux.%s: %s cannot run here (%s); using the default", op, what, why)
+    warn_once(f"flux.{op}: {what} cannot run here ({why}); using the default")
 
 
 def choose(p: Problem, device: Optional[torch.device] = None) -> Candidate:

@@ -8,8 +8,6 @@ before any timing (device, dtype, layout, alignment, sizes).
 import dataclasses
 from typing import Dict, List, Optional, Tuple
 
-import torch
-
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:

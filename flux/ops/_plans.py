@@ -17,7 +17,6 @@ flux._C) it runs in Python through the op's reference, and no plan is made.
 """
 import dataclasses
 import functools
-import logging
 import zlib
 from typing import Callable, Dict, Optional
 
@@ -28,7 +27,7 @@ from flux import autotune, envs
 from flux.autotune.space import Candidate, strategy_params
 from flux.ops._common import problem_of
 from flux.runtime import runtime, symm
-from flux.strategies import OP_CODES, PARAM_DEFAULTS, PARAM_ORDER, STRATEGY_CODES, param_error, resolve, wide_out_ok
+from flux.strategies import OP_CODES, PARAM_DEFAULTS, PARAM_ORDER, STRATEGY_CODES, param_error, resolve, warn_once, wide_out_ok
 
 LAYOUT_CODES = {"nk": 0, "kn": 1}
 # c10::ScalarType values (the key of a call in C++); -1: no out_dtype given.
@@ -36,8 +35,6 @@ DTYPE_CODES = {None: -1, torch.float16: 5, torch.float32: 6, torch.float64: 7, t
 
 # group -> the runtime whose plans serve the hot path of calls on that group.
 _hot: Dict[object, object] = {}
-_log = logging.getLogger("flux")
-_logged = set()
 
 
 def hot_runtime(group):
@@ -58,9 +55,7 @@ autotune.on_change(forget)  # a forced strategy, a reset or a new tuned entry ch
 
 
 def _log_once(op: str, strategy: str, reason: str, to: str) -> None:
-    if (op, strategy, reason, to) not in _logged:
-        _logged.add((op, strategy, reason, to))
-        _log.warning("flux.%s: strategy %r falls back to %r: %s", op, strategy, to, reason)
+    warn_once(f"flux.{op}: strategy {strategy!r} falls back to {to!r}: {reason}")
 
 
 def effective(op: str, cand: Candidate, input: torch.Tensor, weight: torch.Tensor, group, weight_layout: str,
