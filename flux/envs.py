@@ -49,7 +49,8 @@ GLOO_CUDA = _var("FLUX_GLOO_CUDA", _one, False,
 VLLM = _var("FLUX_VLLM", _flag, False, "1: the vLLM plugin swaps in flux's layers (flux/integrations/vllm.py)")
 STRATEGY_PREFIX = "FLUX_STRATEGY_"  # FLUX_STRATEGY_<OP>: a forced strategy label, below
 for _op in ("AG_GEMM", "GEMM_RS", "MOE", "MOE_TP"):
-    _var(STRATEGY_PREFIX + _op, str, None, f"forces the strategy of {_op.lower()} (a strategy label, the same on every rank)")
+    _var(STRATEGY_PREFIX + _op, str, None,
+         f"forces the strategy of {_op.lower()} (a strategy label, the same on every rank)")
 
 
 def forced_strategy(op: str) -> Optional[str]:

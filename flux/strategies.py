@@ -85,7 +85,8 @@ def _overlap_why_not(p: Problem) -> Optional[str]:
         return "world size 1"
     if p.no_symm is not None:
         return p.no_symm
-    if p.out_dtype_differs and not (p.out_dtype in (None, torch.float32) and p.dtype in (torch.bfloat16, torch.float16)):
+    wide_ok = p.out_dtype in (None, torch.float32) and p.dtype in (torch.bfloat16, torch.float16)
+    if p.out_dtype_differs and not wide_ok:
         return f"out_dtype {p.out_dtype} from {p.dtype} (the overlapped strategies write the input dtype or fp32)"
     if p.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return f"dtype {p.dtype} is not supported by this strategy"
@@ -158,8 +159,8 @@ def _swizzle_prune(p: Problem, kw: Mapping[str, int]) -> Optional[str]:
 
 _CHUNKS = Param("chunks", 1, domain=lambda op, v: None if 1 <= v <= MAX_CHUNKS else
                 f"chunks must be 1..{MAX_CHUNKS} (one signal channel each)",
-                prune=lambda p, kw: "sub-blocks smaller than a tile" if kw["chunks"] > 1 and p.rows < kw["chunks"] * TILE_M
-                else None)
+                prune=lambda p, kw: "sub-blocks smaller than a tile"
+                if kw["chunks"] > 1 and p.rows < kw["chunks"] * TILE_M else None)
 _FIRST8 = Param("first8", 8, domain=lambda op, v: None if 1 <= v <= 8 else "first8 must be 1..8",
                 why_not=_first8_why_not,
                 prune=lambda p, kw: f"first8: under {FIRST8_MIN_ROWS} rows per rank the split only adds a launch"

@@ -27,7 +27,8 @@ from flux import autotune, envs
 from flux.autotune.space import Candidate, strategy_params
 from flux.ops._common import problem_of
 from flux.runtime import runtime, symm
-from flux.strategies import OP_CODES, PARAM_DEFAULTS, PARAM_ORDER, STRATEGY_CODES, param_error, resolve, warn_once, wide_out_ok
+from flux.strategies import (OP_CODES, PARAM_DEFAULTS, PARAM_ORDER, STRATEGY_CODES, param_error, resolve, warn_once,
+                             wide_out_ok)
 
 LAYOUT_CODES = {"nk": 0, "kn": 1}
 # c10::ScalarType values (the key of a call in C++); -1: no out_dtype given.

@@ -4,9 +4,10 @@ Meaning (the unfused reference, ``ag_gemm_ref``)::
 
     out = torch.cat(all_gather(input), dim=0) @ W (+ bias)
 
-The op is ``torch.ops.flux.ag_gemm``, with a fake implementation for torch.compile and
-an autograd formula (backward is a GEMM+ReduceScatter for the input's gradient and a
-local GEMM for the weight's, over the gathered input saved by the forward). The first call
+The op is ``torch.ops.flux.ag_gemm`` (made by flux/ops/_gemm_op.py, as gemm_rs), with a fake
+implementation for torch.compile and an autograd formula (backward is a GEMM+ReduceScatter for
+the input's gradient and a local GEMM for the weight's, over the gathered input saved by the
+forward). The first call
 of a problem checks, chooses and plans (the slow path); later calls of the same problem run
 its plan from C++ (flux/ops/_plans.py, csrc/ag_gemm/ag_gemm_plan.cpp). Strategies, chosen
 per problem by flux.autotune:

@@ -5,8 +5,8 @@ Meaning (the unfused reference, ``gemm_rs_ref``)::
     out = reduce_scatter(input @ W, dim=0) (+ bias)
 
 The bias is added once, after the reduction, as Megatron's RowParallelLinear does. The
-op is ``torch.ops.flux.gemm_rs``, with a fake implementation for torch.compile and an
-autograd formula (backward is an AllGather+GEMM for the input's gradient and a local
+op is ``torch.ops.flux.gemm_rs`` (made by flux/ops/_gemm_op.py), with a fake implementation
+for torch.compile and an autograd formula (backward is an AllGather+GEMM for the input's gradient and a local
 GEMM for the weight's). The first call of a problem checks, chooses and plans (the slow
 path); later calls of the same problem run its plan from C++ (flux/ops/_plans.py,
 csrc/gemm_rs/gemm_rs_plan.cpp). Strategies, chosen per problem by flux.autotune:
