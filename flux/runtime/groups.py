@@ -30,10 +30,10 @@ def group_from_name(name: str) -> dist.ProcessGroup:
 
 
 def gloo_carries_cuda() -> bool:
-    """Ranks sharing a GPU (tests only): flux.testing.ranks_share_gpu."""
-    from flux import testing
+    """Ranks sharing a GPU (``FLUX_GLOO_CUDA=1``, tests only; see flux.testing)."""
+    from flux import envs
 
-    return testing.ranks_share_gpu()
+    return envs.GLOO_CUDA.get()
 
 
 def cuda_group(group: dist.ProcessGroup) -> bool:

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from flux.runtime import symm
-from flux import testing
+from flux import envs
 
 _runtimes: Dict[Tuple[str, int], object] = {}
 _workspace_of: Dict[int, object] = {}  # id(runtime) -> the Workspace it was last given
@@ -29,7 +29,9 @@ def get(group: dist.ProcessGroup, nbytes: int = 0):
         backend = str(dist.get_backend(group)).lower()
         rt = _C.Runtime(group.group_name, dist.get_rank(group), dist.get_world_size(group), device,
                         "nccl" in backend, symm.timeout_ms(), symm.error_record_ptr())
-        testing.configure_runtime(rt)  # test-only modes (ranks sharing a GPU)
+        # Ranks sharing one GPU (tests only, flux.testing): a same-GPU copy needs SMs, which the
+        # fused AG and RS kernels would hold while they wait for the other rank on that GPU.
+        rt.set_push_before_fused(envs.GLOO_CUDA.get())
         _runtimes[key] = rt
     ws = symm.get_workspace(group, max(nbytes, 1))
     if _workspace_of.get(id(rt)) is not ws:
@@ -59,5 +61,5 @@ def comm_stream(group: dist.ProcessGroup) -> torch.cuda.ExternalStream:
 
 
 def drop_transfers(group: dist.ProcessGroup, on: bool = True) -> None:
-    """Test hook, kept here by name: flux.testing.drop_transfers."""
-    testing.drop_transfers(group, on)
+    """Test hook, kept by name: flux.testing.drop_transfers."""
+    get(group).set_drop_transfers(on)
