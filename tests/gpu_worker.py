@@ -53,6 +53,7 @@ from _ref import rand, rel_err, w_nk  # noqa: E402,F401
 from flux.ops import ag_gemm as ag_mod  # noqa: E402
 from flux.ops import gemm_rs as rs_mod  # noqa: E402
 from flux.autotune.space import Candidate  # noqa: E402
+import flux.testing  # noqa: E402
 from flux.runtime import runtime, symm  # noqa: E402
 
 F64, F32, F16, BF16 = torch.float64, torch.float32, torch.float16, torch.bfloat16
@@ -827,7 +828,7 @@ def timeout_case(rank, world, dev, strategy="decomposed", op="ag", mode="skip"):
     torch.cuda.synchronize()
     dist.barrier()
     if rank == 1 and mode == "drop":
-        runtime.drop_transfers(dist.group.WORLD)
+        flux.testing.drop_transfers(dist.group.WORLD)
         call()  # the peers' data reach this rank: it finishes
         torch.cuda.synchronize()
         time.sleep(20)

@@ -21,7 +21,7 @@ py::object call(Runtime& rt, int64_t op, const at::Tensor& input, const at::Tens
   auto plan = rt.lookup(op, input, weight, bias, out, layout, out_dtype, gathered);
   if (!plan) return py::none();
   auto [res, g] = rt.run(*plan, input, weight, bias, out);
-  if (op == 0) return py::make_tuple(res, g);
+  if (op == (int64_t)flux::OpKind::AgGemm) return py::make_tuple(res, g);
   return py::cast(res);
 }
 

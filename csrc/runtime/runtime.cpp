@@ -166,9 +166,10 @@ std::shared_ptr<Plan> Runtime::make_plan(int64_t op, int64_t strategy, const std
                                          int64_t token, const at::Tensor& input, const at::Tensor& weight,
                                          const std::optional<at::Tensor>& bias, bool nk, int64_t out_dtype,
                                          bool gathered) {
-  FLUX_CHECK(op == 0 || op == 1, kOp, "unknown op ", op);
-  FLUX_CHECK(strategy >= 0 && strategy <= 4, kOp, "unknown strategy ", strategy);
-  FLUX_CHECK(params.size() == 5, kOp, "5 parameters expected (first8, chunks, segments, config, swizzle)");
+  FLUX_CHECK(op >= 0 && op < kNumOps, kOp, "unknown op ", op);
+  FLUX_CHECK(strategy >= 0 && strategy < kNumStrategies, kOp, "unknown strategy ", strategy);
+  FLUX_CHECK((int64_t)params.size() == kNumPlanParams, kOp, kNumPlanParams,
+             " parameters expected (kPlanParamNames, csrc/runtime/strategies.h)");
   auto p = std::make_shared<Plan>();
   p->op = static_cast<OpKind>(op);
   p->strategy = static_cast<StrategyKind>(strategy);
@@ -247,6 +248,17 @@ std::shared_ptr<Plan> Runtime::lookup(int64_t op, const at::Tensor& input, const
   return it == plans_.end() ? nullptr : it->second;
 }
 
+namespace {
+constexpr bool same_name(const char* a, const char* b) { return *a == *b && (*a == 0 || same_name(a + 1, b + 1)); }
+// make_plan reads the parameter vector by position: the generated order must be this one.
+static_assert(same_name(kPlanParamNames[0], "first8") && same_name(kPlanParamNames[1], "chunks") &&
+                  same_name(kPlanParamNames[2], "segments") && same_name(kPlanParamNames[3], "config") &&
+                  same_name(kPlanParamNames[4], "swizzle"),
+              "flux/strategies.py PARAM_ORDER changed: update Runtime::make_plan");
+std::tuple<at::Tensor, at::Tensor> as_result(std::tuple<at::Tensor, at::Tensor> r) { return r; }
+std::tuple<at::Tensor, at::Tensor> as_result(at::Tensor out) { return {std::move(out), at::Tensor()}; }
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor> Runtime::run(const Plan& plan, const at::Tensor& input, const at::Tensor& weight,
                                                 const std::optional<at::Tensor>& bias,
                                                 const std::optional<at::Tensor>& out) {
@@ -259,25 +271,24 @@ std::tuple<at::Tensor, at::Tensor> Runtime::run(const Plan& plan, const at::Tens
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   FLUX_CUDA(cudaStreamIsCapturing(at::cuda::getCurrentCUDAStream(device_.index()).stream(), &capture));
   capturing_ = capture != cudaStreamCaptureStatusNone;
-  if (plan.op == OpKind::AgGemm) {
-    switch (plan.strategy) {
-      case StrategyKind::Sequential: return ag_sequential(plan, input, weight, bias, out);
-      case StrategyKind::Decomposed: return ag_decomposed(plan, input, weight, bias, out);
-      case StrategyKind::Oneshot: return ag_oneshot(plan, input, weight, bias, out);
-      case StrategyKind::Fused: return ag_fused(plan, input, weight, bias, out);
-      default: break;
-    }
-  } else {
-    switch (plan.strategy) {
-      case StrategyKind::Sequential: return {rs_sequential(plan, input, weight, bias, out), at::Tensor()};
-      case StrategyKind::Decomposed: return {rs_decomposed(plan, input, weight, bias, out, false), at::Tensor()};
-      case StrategyKind::DecomposedP2P: return {rs_decomposed(plan, input, weight, bias, out, true), at::Tensor()};
-      case StrategyKind::Oneshot: return {rs_oneshot(plan, input, weight, bias, out), at::Tensor()};
-      case StrategyKind::Fused: return {rs_fused(plan, input, weight, bias, out), at::Tensor()};
-      default: break;
-    }
+  // One case per table entry of flux/strategies.py; AG returns (out, gathered), RS its output.
+#define FLUX_RUN_STRATEGY(OP, STRATEGY, MEMBER)                                  \
+  if (plan.op == OpKind::OP && plan.strategy == StrategyKind::STRATEGY) {        \
+    return as_result(MEMBER(plan, input, weight, bias, out));                    \
   }
+  FLUX_PLAN_STRATEGIES(FLUX_RUN_STRATEGY)
+#undef FLUX_RUN_STRATEGY
   FLUX_CHECK(false, kOp, "no strategy ", (int64_t)plan.strategy, " for op ", (int64_t)plan.op);
+}
+
+at::Tensor Runtime::rs_decomposed(const Plan& p, const at::Tensor& input, const at::Tensor& weight,
+                                  const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& out) {
+  return rs_decomposed(p, input, weight, bias, out, false);
+}
+
+at::Tensor Runtime::rs_decomposed_p2p(const Plan& p, const at::Tensor& input, const at::Tensor& weight,
+                                      const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& out) {
+  return rs_decomposed(p, input, weight, bias, out, true);
 }
 
 // ---- building blocks ------------------------------------------------------------------------

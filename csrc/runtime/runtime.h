@@ -28,6 +28,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 
+#include "strategies.h"  // OpKind, StrategyKind, plan parameters, signal channels: from flux/strategies.py
+
 namespace c10d {
 class ProcessGroup;
 }
@@ -54,22 +56,13 @@ auto pg_reduce_scatter(PG& pg, at::Tensor& out, at::Tensor& in) {
   }
 }
 
-// Signal pad channels; flux/runtime/symm.py documents them.
-constexpr int kBarrierChannel = 0;
-constexpr int kDataChannel = 1;
-constexpr int kFlagChannel = 8;
-constexpr int kStartedChannel = 9;
-constexpr int kSegmentChannel = 10;
-constexpr int kMaxDataChannels = kFlagChannel - kDataChannel;
-
-enum class OpKind : int64_t { AgGemm = 0, GemmRs = 1 };
-// Mirrors the strategy names of flux/ops/ag_gemm.py and gemm_rs.py (flux/ops/_plans.py maps them).
-enum class StrategyKind : int64_t { Sequential = 0, Decomposed = 1, Oneshot = 2, Fused = 3, DecomposedP2P = 4 };
+// Signal pad channels (kBarrierChannel ... kSegmentChannel): strategies.h; flux/runtime/symm.py
+// documents them.
 
 struct Plan {
   OpKind op = OpKind::AgGemm;
   StrategyKind strategy = StrategyKind::Sequential;
-  // Strategy parameters (flux/autotune/space.py); 0 swizzle: the analytic choice.
+  // Strategy parameters (flux/strategies.py, kPlanParamNames); 0 swizzle: the analytic choice.
   int64_t first8 = 8, chunks = 1, segments = 8, config = 0, swizzle = 0;
   uint32_t token = 1;  // non-zero; see the file comment
   // The problem, fixed by the key.
@@ -161,23 +154,19 @@ class Runtime {
   int64_t comm_stream() const { return reinterpret_cast<int64_t>(comm_); }
 
  private:
-  // The strategies (csrc/ag_gemm/ag_gemm_plan.cpp, csrc/gemm_rs/gemm_rs_plan.cpp).
-  std::tuple<at::Tensor, at::Tensor> ag_sequential(const Plan&, const at::Tensor&, const at::Tensor&,
-                                                   const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);
-  std::tuple<at::Tensor, at::Tensor> ag_decomposed(const Plan&, const at::Tensor&, const at::Tensor&,
-                                                   const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);
-  std::tuple<at::Tensor, at::Tensor> ag_oneshot(const Plan&, const at::Tensor&, const at::Tensor&,
-                                                const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);
-  std::tuple<at::Tensor, at::Tensor> ag_fused(const Plan&, const at::Tensor&, const at::Tensor&,
-                                              const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);
-  at::Tensor rs_sequential(const Plan&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                           const std::optional<at::Tensor>&);
+  // The strategies, one member per row of FLUX_PLAN_STRATEGIES (strategies.h, generated from
+  // flux/strategies.py), written in csrc/ag_gemm/ag_gemm_plan.cpp and csrc/gemm_rs/gemm_rs_plan.cpp
+  // and run by Runtime::run: ag_gemm's return (out, gathered), gemm_rs's the output.
+  using AgGemmResult = std::tuple<at::Tensor, at::Tensor>;
+  using GemmRsResult = at::Tensor;
+#define FLUX_DECLARE_STRATEGY(OP, STRATEGY, MEMBER)                                                   \
+  OP##Result MEMBER(const Plan&, const at::Tensor& input, const at::Tensor& weight,                   \
+                    const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& out);
+  FLUX_PLAN_STRATEGIES(FLUX_DECLARE_STRATEGY)
+#undef FLUX_DECLARE_STRATEGY
+  // gemm_rs decomposed and decomposed_p2p (``p2p``: the GEMMs write the peers' slots directly).
   at::Tensor rs_decomposed(const Plan&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                            const std::optional<at::Tensor>&, bool p2p);
-  at::Tensor rs_oneshot(const Plan&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                        const std::optional<at::Tensor>&);
-  at::Tensor rs_fused(const Plan&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                      const std::optional<at::Tensor>&);
 
   // Building blocks, each enqueued on the given stream.
   cudaEvent_t event();  // the next pooled event of this call (begin_call resets the pool)

@@ -29,6 +29,8 @@ from typing import Callable, Dict, Optional, Sequence
 
 import torch
 
+from flux import envs
+from flux.strategies import warn_once
 from flux.autotune.cache import GENERATION as cache_generation
 from flux.autotune.cache import TuneCache, problem_key
 from flux.autotune.space import Candidate, Problem, candidates, m_bucket, why_invalid
@@ -38,7 +40,6 @@ log = logging.getLogger("flux")
 
 OPS = ("ag_gemm", "gemm_rs")
 _forced: Dict[str, Optional[str]] = {}
-_logged = set()
 # choose() is on every call's path: its answers are remembered per problem, device, forced
 # label and generations; a generation moves whenever something they depend on changes
 # (force, reset; any cache entry: flux.autotune.cache.GENERATION).
@@ -133,14 +134,12 @@ def key_of(p: Problem) -> str:
 
 
 def _warn_once(op: str, what: str, why: str) -> None:
-    if (op, what, why) not in _logged:  # a fallback logs its reason once
-        _logged.add((op, what, why))
-        log.warning("flux.%s: %s cannot run here (%s); using the default", op, what, why)
+    warn_once(f"flux.{op}: {what} cannot run here ({why}); using the default")
 
 
 def choose(p: Problem, device: Optional[torch.device] = None) -> Candidate:
     """The candidate for one call (see the module docstring)."""
-    label = _forced.get(p.op) or os.environ.get(f"FLUX_STRATEGY_{p.op.upper()}")
+    label = _forced.get(p.op) or envs.forced_strategy(p.op)
     key = (p, None if device is None else (device.type, device.index), label, _generation[0],
            cache_generation[0])
     c = _choices.get(key)
@@ -176,9 +175,9 @@ def candidate_code(c: Candidate) -> int:
 
 def tuning_requested(p: Problem, device: torch.device) -> bool:
     """FLUX_AUTOTUNE=1 and no cache entry (nor a forced strategy) for this problem."""
-    if os.environ.get("FLUX_AUTOTUNE", "0") != "1" or device.type != "cuda":
+    if not envs.AUTOTUNE.get() or device.type != "cuda":
         return False
-    if _forced.get(p.op) or os.environ.get(f"FLUX_STRATEGY_{p.op.upper()}"):
+    if _forced.get(p.op) or envs.forced_strategy(p.op):
         return False
     return cache_for(topology(p.world, device)).get(key_of(p)) is None
 

@@ -16,6 +16,7 @@ import os
 import tempfile
 from typing import Dict, Optional
 
+from flux import envs
 from flux._version import __version__
 
 FORMAT = 1
@@ -25,7 +26,7 @@ SHIPPED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shipped"
 
 
 def cache_dir() -> str:
-    return os.environ.get("FLUX_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "flux")
+    return envs.CACHE_DIR.get() or os.path.join(os.path.expanduser("~"), ".cache", "flux")
 
 
 def file_name(topology_key: str) -> str:

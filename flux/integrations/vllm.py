@@ -72,7 +72,6 @@ import hashlib
 import importlib
 import importlib.util
 import logging
-import os
 import sys
 import zlib
 from typing import Any, Callable, List, Optional, Tuple
@@ -104,7 +103,9 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 def _env_enabled() -> bool:
-    return os.environ.get(ENV, "0").strip().lower() in ("1", "true", "yes", "on")
+    from flux import envs
+
+    return envs.VLLM.get()
 
 
 def _import_first(*names: str):

@@ -136,44 +136,6 @@ def deliver(result: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
     return out.view(result.shape)
 
 
-def overlap_ineligible(op: str, strategy: str, input: torch.Tensor, group, out_dtype) -> Optional[str]:
-    """Why an overlapped strategy cannot run this call (None when it can). A strategy
-    that cannot run falls back to 'sequential' and logs the reason once."""
-    from flux.runtime import symm
-
-    if input.device.type != "cuda":
-        return "input is not on a CUDA device"
-    why = symm.why_unavailable(group)
-    if why is not None:
-        return why
-    if not (out_dtype is None or out_dtype == input.dtype or
-            (out_dtype == torch.float32 and input.dtype in (torch.bfloat16, torch.float16))):
-        return f"out_dtype {out_dtype} from {input.dtype} (the overlapped strategies write the input dtype or fp32)"
-    if input.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        return f"dtype {input.dtype} is not supported by this strategy"
-    return None
-
-
-def fused_ineligible(op: str, input: torch.Tensor, weight: torch.Tensor, group, weight_layout: str,
-                     out_dtype) -> Optional[str]:
-    """Why a fused CUTLASS strategy (csrc/ag_gemm/, csrc/gemm_rs/) cannot run this call, or None."""
-    reason = overlap_ineligible(op, "fused", input, group, out_dtype)
-    if reason:
-        return reason
-    if not _fused_kernels_built():
-        return "flux._C was built without the sm_90a kernels"
-    if torch.cuda.get_device_capability(input.device) != (9, 0):
-        return "the fused kernels are built for sm_90a (Hopper)"
-    if input.dtype != torch.bfloat16 or (out_dtype is not None and out_dtype != input.dtype):
-        return f"the fused kernels are bf16 in and out only (got {input.dtype} -> {out_dtype or input.dtype})"
-    if weight_layout != "nk":
-        return "the fused kernels take weight_layout 'nk' only"
-    n, k = weight_nk_shape(weight, weight_layout)
-    if k % 8 or n % 8:
-        return f"K={k} and N={n} must be multiples of 8 (16-byte rows for TMA)"
-    return None
-
-
 def refuse_capture(op: str) -> None:
     """The slow path (checks through the store, the choice, workspace growth) cannot run inside a
     CUDA graph capture: raise a clear error there instead of breaking the capture."""

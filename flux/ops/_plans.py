@@ -15,32 +15,27 @@ Strategies run in C++ on CUDA groups with symmetric memory (NCCL; gloo only unde
 FLUX_GLOO_CUDA=1, tests). 'sequential' runs in C++ on NCCL groups; elsewhere (CPU, gloo, no
 flux._C) it runs in Python through the op's reference, and no plan is made.
 """
+import dataclasses
 import functools
-import logging
-import os
 import zlib
 from typing import Callable, Dict, Optional
 
 import torch
 import torch.distributed as dist
 
-from flux import autotune
+from flux import autotune, envs
 from flux.autotune.space import Candidate, strategy_params
-from flux.ops._common import fused_ineligible, overlap_ineligible
+from flux.ops._common import problem_of
 from flux.runtime import runtime, symm
+from flux.strategies import (OP_CODES, PARAM_DEFAULTS, PARAM_ORDER, STRATEGY_CODES, param_error, resolve, warn_once,
+                             wide_out_ok)
 
-OP_CODES = {"ag_gemm": 0, "gemm_rs": 1}
-STRATEGY_CODES = {"sequential": 0, "decomposed": 1, "oneshot": 2, "fused": 3, "decomposed_p2p": 4}
 LAYOUT_CODES = {"nk": 0, "kn": 1}
 # c10::ScalarType values (the key of a call in C++); -1: no out_dtype given.
 DTYPE_CODES = {None: -1, torch.float16: 5, torch.float32: 6, torch.float64: 7, torch.bfloat16: 15}
-_PARAM_ORDER = ("first8", "chunks", "segments", "config", "swizzle")
-_PARAM_DEFAULTS = {"first8": 8, "chunks": 1, "segments": 8, "config": 0, "swizzle": 0}
 
 # group -> the runtime whose plans serve the hot path of calls on that group.
 _hot: Dict[object, object] = {}
-_log = logging.getLogger("flux")
-_logged = set()
 
 
 def hot_runtime(group):
@@ -61,53 +56,35 @@ autotune.on_change(forget)  # a forced strategy, a reset or a new tuned entry ch
 
 
 def _log_once(op: str, strategy: str, reason: str, to: str) -> None:
-    if (op, strategy, reason, to) not in _logged:
-        _logged.add((op, strategy, reason, to))
-        _log.warning("flux.%s: strategy %r falls back to %r: %s", op, strategy, to, reason)
-
-
-def wide_out_ok(dtype: torch.dtype, out_dtype: Optional[torch.dtype]) -> bool:
-    """Whether the overlapped strategies serve this out_dtype: the input's own, or fp32 from
-    bf16/fp16 (tensor-core GEMMs with an fp32 output; gemm_rs sums in fp32)."""
-    return out_dtype is None or out_dtype == dtype or (
-        out_dtype == torch.float32 and dtype in (torch.bfloat16, torch.float16))
+    warn_once(f"flux.{op}: strategy {strategy!r} falls back to {to!r}: {reason}")
 
 
 def effective(op: str, cand: Candidate, input: torch.Tensor, weight: torch.Tensor, group, weight_layout: str,
-              out_dtype) -> Candidate:
-    """The candidate that will actually run: a strategy that cannot run this call falls back
-    (fused -> decomposed -> sequential), logging its reason once."""
-    world = dist.get_world_size(group)
-    name, kw = cand.strategy, cand.kwargs
-    if name == "sequential":
+              out_dtype, no_symm: Optional[str] = None) -> Candidate:
+    """The candidate that will actually run: the strategy table's rules (flux/strategies.py) on
+    this call, with ``no_symm`` (why the group has no symmetric workspace, None: it has one);
+    each fallback logs its reason once."""
+    if cand.strategy == "sequential":
         return cand
-    if name == "fused":
-        reason = ("world size 1" if world == 1 else "no rows" if input.numel() == 0 else
-                  fused_ineligible(op, input, weight, group, weight_layout, out_dtype))
-        if reason:
-            _log_once(op, "fused", reason, "decomposed")
-            name, kw = "decomposed", {}
-    reason = "world size 1" if world == 1 else overlap_ineligible(op, name, input, group, out_dtype)
-    if reason:
-        _log_once(op, name, reason, "sequential")
-        return Candidate("sequential")
-    if op == "ag_gemm" and kw.get("first8", 8) != 8:
-        rows = input.numel() // max(1, input.shape[-1])
-        lead = rows * kw["first8"] // 8
-        if world != 2 or not 0 < lead < rows:
-            _log_once(op, f"decomposed(first8={kw['first8']})",
-                      f"needs world size 2 and 0 < {kw['first8']}/8 of {rows} rows < {rows}", "decomposed")
-            kw = {k: v for k, v in kw.items() if k != "first8"}
-    if op == "gemm_rs" and not 1 <= kw.get("chunks", 1) <= symm.MAX_DATA_CHANNELS:
-        raise ValueError(f"flux.{op}: {name} takes 1..{symm.MAX_DATA_CHANNELS} chunks, got {kw['chunks']}")
+    why = param_error(op, cand.strategy, cand.kwargs)
+    if why is not None:
+        raise ValueError(f"flux.{op}: {why}")
+    if input.numel() == 0 or weight.numel() == 0:
+        return Candidate("sequential")  # nothing to overlap: the reference serves empty problems
+    world = dist.get_world_size(group)
+    rows = input.numel() // input.shape[-1]
+    p = problem_of(op, input, weight, weight_layout, out_dtype, world, rows * world if op == "ag_gemm" else rows)
+    p = dataclasses.replace(p, no_symm=no_symm if input.device.type == "cuda" else None)
+    name, kw = resolve(p, cand.strategy, cand.kwargs, lambda frm, why, to: _log_once(op, frm, why, to))
     return Candidate.of(name, **kw)
 
 
-def in_cxx(cand: Candidate, input: torch.Tensor, weight: torch.Tensor, group, out_dtype) -> bool:
+def in_cxx(cand: Candidate, input: torch.Tensor, weight: torch.Tensor, group, out_dtype,
+           no_symm: Optional[str] = None) -> bool:
     """Whether ``cand`` (already effective) runs in the C++ runtime (else the Python reference)."""
     if input.device.type != "cuda" or input.numel() == 0 or weight.numel() == 0:
         return False
-    if not wide_out_ok(input.dtype, out_dtype) or not symm.available(group):
+    if not wide_out_ok(input.dtype, out_dtype) or no_symm is not None:
         return False
     if cand.strategy == "sequential":
         return "nccl" in str(dist.get_backend(group)).lower() and dist.get_world_size(group) > 1
@@ -122,6 +99,20 @@ def token(op: str, cand: Candidate, input, weight, bias, weight_layout, out_dtyp
     return ((OP_CODES[op] + 1) << 30) | (zlib.crc32(text.encode()) & 0x3FFFFFFF)
 
 
+def _plan(op: str, cand: Candidate, input, weight, bias, group, weight_layout, out_dtype, gathered):
+    """(runtime, plan) that run this call with ``cand``, or None where the Python reference runs
+    it. Collective where it makes a plan (the workspace may grow)."""
+    no_symm = symm.why_unavailable(group) if input.device.type == "cuda" else "input is not on a CUDA device"
+    c = effective(op, cand, input, weight, group, weight_layout, out_dtype, no_symm)
+    if not in_cxx(c, input, weight, group, out_dtype, no_symm):
+        return None
+    kw = c.kwargs
+    params = [int(kw.get(name, PARAM_DEFAULTS[name])) for name in PARAM_ORDER]
+    tok = token(op, c, input, weight, bias, weight_layout, out_dtype, gathered, dist.get_world_size(group))
+    return runtime.make_plan(group, OP_CODES[op], STRATEGY_CODES[c.strategy], params, tok, input, weight, bias,
+                             weight_layout == "nk", DTYPE_CODES.get(out_dtype, -1), gathered)
+
+
 def prepare(op: str, cand: Candidate, input: torch.Tensor, weight: torch.Tensor, bias, group, weight_layout: str,
             out_dtype, gathered: bool, out: Optional[torch.Tensor], reference: Callable) -> Callable[[], object]:
     """A zero-argument callable that enqueues this call with ``cand``: through a plan of the
@@ -131,37 +122,27 @@ def prepare(op: str, cand: Candidate, input: torch.Tensor, weight: torch.Tensor,
     if not set(cand.kwargs) <= known:
         raise TypeError(f"flux.{op}: strategy {cand.strategy!r} takes the parameters {sorted(known)}, "
                         f"not {sorted(set(cand.kwargs) - known)}")
-    c = effective(op, cand, input, weight, group, weight_layout, out_dtype)
-    if not in_cxx(c, input, weight, group, out_dtype):
+    made = _plan(op, cand, input, weight, bias, group, weight_layout, out_dtype, gathered)
+    if made is None:
         return functools.partial(reference, out)
-    plan = make_plan(op, c, input, weight, bias, group, weight_layout, out_dtype, gathered)
-    rt = runtime.get(group, plan.workspace_bytes)
+    rt, plan = made
     return functools.partial(rt.run, plan, input, weight, bias, out)
-
-
-def make_plan(op, c: Candidate, input, weight, bias, group, weight_layout, out_dtype, gathered):
-    rt = runtime.get(group)
-    kw = c.kwargs
-    params = [int(kw.get(name, _PARAM_DEFAULTS[name])) for name in _PARAM_ORDER]
-    tok = token(op, c, input, weight, bias, weight_layout, out_dtype, gathered, dist.get_world_size(group))
-    return rt.make_plan(OP_CODES[op], STRATEGY_CODES[c.strategy], params, tok, input, weight, bias,
-                        weight_layout == "nk", DTYPE_CODES.get(out_dtype, -1), gathered)
 
 
 def run_and_remember(op: str, cand: Candidate, input, weight, bias, group, weight_layout, out_dtype, gathered,
                      out, reference: Callable):
     """The slow path's last step: run ``cand`` and, where it runs in C++, leave its plan for the
     hot path (unless FLUX_CHECK_EVERY_CALL=1, which keeps every call on the slow path)."""
-    c = effective(op, cand, input, weight, group, weight_layout, out_dtype)
-    if not in_cxx(c, input, weight, group, out_dtype):
+    made = _plan(op, cand, input, weight, bias, group, weight_layout, out_dtype, gathered)
+    if made is None:
         return reference(out)
-    plan = make_plan(op, c, input, weight, bias, group, weight_layout, out_dtype, gathered)
-    rt = runtime.get(group, plan.workspace_bytes)
-    if os.environ.get("FLUX_CHECK_EVERY_CALL", "0") != "1":
+    rt, plan = made
+    if not envs.CHECK_EVERY_CALL.get():
         rt.add_plan(plan, input, weight, bias, out, LAYOUT_CODES[weight_layout], DTYPE_CODES.get(out_dtype, -1),
                     gathered)
         _hot[group] = rt
     return rt.run(plan, input, weight, bias, out)
 
 
-__all__ = ["DTYPE_CODES", "LAYOUT_CODES", "OP_CODES", "forget", "hot_runtime", "prepare", "run_and_remember"]
+__all__ = ["DTYPE_CODES", "LAYOUT_CODES", "OP_CODES", "STRATEGY_CODES", "forget", "hot_runtime", "prepare",
+           "run_and_remember"]

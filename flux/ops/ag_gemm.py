@@ -4,9 +4,10 @@ Meaning (the unfused reference, ``ag_gemm_ref``)::
 
     out = torch.cat(all_gather(input), dim=0) @ W (+ bias)
 
-The op is ``torch.ops.flux.ag_gemm``, with a fake implementation for torch.compile and
-an autograd formula (backward is a GEMM+ReduceScatter for the input's gradient and a
-local GEMM for the weight's, over the gathered input saved by the forward). The first call
+The op is ``torch.ops.flux.ag_gemm`` (made by flux/ops/_gemm_op.py, as gemm_rs), with a fake
+implementation for torch.compile and an autograd formula (backward is a GEMM+ReduceScatter for
+the input's gradient and a local GEMM for the weight's, over the gathered input saved by the
+forward). The first call
 of a problem checks, chooses and plans (the slow path); later calls of the same problem run
 its plan from C++ (flux/ops/_plans.py, csrc/ag_gemm/ag_gemm_plan.cpp). Strategies, chosen
 per problem by flux.autotune:
@@ -56,25 +57,19 @@ per problem by flux.autotune:
                finished its previous GEMM on its workspace. bf16, weight_layout "nk", K and N
                multiples of 8; otherwise the call runs 'decomposed'.
 """
-import functools
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from flux import autotune
-from flux.autotune.space import Candidate
 from flux.ops import _plans
-from flux.ops._checks import FluxInputError, Signature, check_collectively
-from flux.ops._common import (call_mode, check_gemm_args, check_out_arg, check_same_device, choose_and_check,
-                              deliver, local_gemm, refuse_capture, weight_nk_shape)
-from flux.runtime import (all_gather_dim0, group_device, group_from_name, group_name, reduce_scatter_dim0,
-                          resolve_group, traceable_all_gather_dim0, traceable_reduce_scatter_dim0)
+from flux.ops._common import call_mode, deliver, local_gemm, weight_nk_shape
+from flux.ops._gemm_op import GEMM_OPS, GemmOp
+from flux.runtime import (all_gather_dim0, reduce_scatter_dim0, resolve_group, traceable_all_gather_dim0,
+                          traceable_reduce_scatter_dim0)
 
 OP = "flux.ag_gemm"
 NAME = "ag_gemm"
-STRATEGIES = ("sequential", "decomposed", "oneshot", "fused")
-_LAYOUT, _DTYPE = _plans.LAYOUT_CODES, _plans.DTYPE_CODES
 
 
 def _sequential(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -87,14 +82,6 @@ def _sequential(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     return deliver(res.reshape(*gathered.shape[:-1], n), out), gathered
 
 
-def available_strategies(device: torch.device):
-    """Names of the strategies that can run on ``device`` (always 'sequential' first)."""
-    from flux.runtime import cuda_kernels_available
-
-    overlapped = device.type == "cuda" and cuda_kernels_available()
-    return [name for name in STRATEGIES if name == "sequential" or overlapped]
-
-
 def ag_gemm_ref(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                 group: Optional[dist.ProcessGroup] = None, weight_layout: str = "nk",
                 out_dtype: Optional[torch.dtype] = None, return_gathered: bool = False):
@@ -104,14 +91,35 @@ def ag_gemm_ref(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     return (out, gathered) if return_gathered else out
 
 
-def _signature(input, weight, bias, group, weight_layout, out_dtype) -> Signature:
-    sig = Signature(OP)
-    check_gemm_args(sig, input, weight, bias, weight_layout, out_dtype, group_device(group).type)
-    return sig
+def _grads(needs, grad_out, grad_gathered, input, weight, gathered, group, layout, has_bias, eager):
+    """(d input, d weight, d bias) of ``out = all_gather(input) @ W (+ bias)``: d input is a
+    GEMM+ReduceScatter (flux.gemm_rs), d weight a local GEMM over the gathered input (gathered
+    again where the forward did not keep it)."""
+    n, k = weight_nk_shape(weight, layout)
+    grad_bias = grad_out.reshape(-1, n).sum(0) if has_bias and needs[2] else None
+    grad_out = grad_out.to(input.dtype).contiguous()
+    grad_input = grad_weight = None
+    if needs[0]:
+        # d input = reduce_scatter(grad_out @ W): W [N, K] read as [K_in=N, N_out=K] is the other layout.
+        grad_input = GEMM_OPS["gemm_rs"].public(grad_out, weight, group=group,
+                                                weight_layout="kn" if layout == "nk" else "nk")
+        if grad_gathered is not None and grad_gathered.numel() > 0:
+            rs = reduce_scatter_dim0 if eager else traceable_reduce_scatter_dim0
+            grad_input = grad_input + rs(grad_gathered.to(input.dtype), group)
+    if needs[1]:
+        if gathered is None or gathered.numel() == 0:
+            gathered = (all_gather_dim0 if eager else traceable_all_gather_dim0)(input, group)
+        g2d, a2d = grad_out.reshape(-1, n), gathered.reshape(-1, k)
+        grad_weight = g2d.t() @ a2d if layout == "nk" else a2d.t() @ g2d
+    return grad_input, grad_weight, grad_bias
 
 
-def _check(input, weight, bias, group, weight_layout, out_dtype) -> None:
-    check_collectively(_signature(input, weight, bias, group, weight_layout, out_dtype), group)
+_AG = GemmOp(NAME, reference=_sequential, gathers=True, grads=_grads,
+             out_shape=lambda input, n, world: (input.shape[0] * world, *input.shape[1:-1], n),
+             check=lambda sig, input, group: None, rows=lambda local_rows, world: local_rows * world)
+_CODE, _LAYOUT, _DTYPE = _AG.code, _plans.LAYOUT_CODES, _plans.DTYPE_CODES
+STRATEGIES = _AG.strategies
+available_strategies = _AG.available_strategies
 
 
 def prepare_strategy(name: str, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
@@ -121,14 +129,8 @@ def prepare_strategy(name: str, input: torch.Tensor, weight: torch.Tensor, bias:
     """A zero-argument callable that enqueues one call of strategy ``name`` (with its
     parameters) on these very tensors and returns ``(out, gathered or None)``: the plan is made
     once, here (benchmarks, tests, the autotuner). Collective, like the op."""
-    group = resolve_group(group, OP)
-    if name not in STRATEGIES:
-        raise ValueError(f"{OP}: unknown strategy {name!r}; known: {list(STRATEGIES)}")
-    if check:
-        _check(input, weight, bias, group, weight_layout, out_dtype)
-    reference = functools.partial(_sequential, input, weight, bias, group, weight_layout, out_dtype, return_gathered)
-    return _plans.prepare(NAME, Candidate.of(name, **params), input, weight, bias, group, weight_layout, out_dtype,
-                          return_gathered, out, reference)
+    return _AG.prepare_strategy(name, input, weight, bias, group, weight_layout, out_dtype, return_gathered, out,
+                                check, params)
 
 
 def run_strategy(name: str, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
@@ -140,150 +142,6 @@ def run_strategy(name: str, input: torch.Tensor, weight: torch.Tensor, bias: Opt
     out, gathered = prepare_strategy(name, input, weight, bias, group=group, weight_layout=weight_layout,
                                      out_dtype=out_dtype, return_gathered=return_gathered, check=check, **params)()
     return (out, gathered) if return_gathered else out
-
-
-def _ag_gemm_impl(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group: dist.ProcessGroup,
-                  weight_layout: str, out_dtype: Optional[torch.dtype], return_gathered: bool,
-                  out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """The slow path: check, exchange, choose (or tune), run, and leave a plan for the hot path."""
-    refuse_capture(OP)
-    world = dist.get_world_size(group)
-    sig = _signature(input, weight, bias, group, weight_layout, out_dtype)
-    if sig.error is None:
-        n, _ = weight_nk_shape(weight, weight_layout)
-        check_out_arg(sig, out, (input.shape[0] * world, *input.shape[1:-1], n), out_dtype or input.dtype, input,
-                      (input, weight, bias))
-        if out is not None and return_gathered:
-            sig.fail("out= cannot be combined with return_gathered=True")
-    else:
-        sig.add("out is given", out is not None)
-    rows = input.numel() // input.shape[-1] if input.dim() >= 1 and input.shape[-1] else 0
-    problem, cand, tune_now = choose_and_check(sig, NAME, input, weight, weight_layout, out_dtype, group,
-                                               rows * world)
-    reference = functools.partial(_sequential, input, weight, bias, group, weight_layout, out_dtype, return_gathered)
-    if tune_now:  # tuned on scratch outputs: the caller's out is written once, below
-        def run(c, dest=None):
-            return _plans.prepare(NAME, c, input, weight, bias, group, weight_layout, out_dtype, return_gathered,
-                                  dest, reference)()
-        def prepare(c):
-            return _plans.prepare(NAME, c, input, weight, bias, group, weight_layout, out_dtype, return_gathered, None,
-                                  reference)
-        cand = Candidate.parse(autotune.tune(problem, run, group, input.device, prepare=prepare)["choice"])
-    return _plans.run_and_remember(NAME, cand, input, weight, bias, group, weight_layout, out_dtype,
-                                   return_gathered, out, reference)
-
-
-def _forward(input, weight, bias, group, weight_layout, out_dtype, return_gathered, out=None):
-    """(out, gathered or None): the plan of this problem if there is one, else the slow path."""
-    rt = _plans.hot_runtime(group)
-    if rt is not None:
-        r = rt.call(0, input, weight, bias, out, _LAYOUT.get(weight_layout, -1), _DTYPE.get(out_dtype, -2),
-                    return_gathered)
-        if r is not None:
-            return r
-    return _ag_gemm_impl(input, weight, bias, group, weight_layout, out_dtype, return_gathered, out)
-
-
-def _grads(needs, grad_out, grad_gathered, input, weight, gathered, group, layout, has_bias, traceable):
-    """(d input, d weight, d bias) of ``out = all_gather(input) @ W (+ bias)``: d input is a
-    GEMM+ReduceScatter (flux.gemm_rs), d weight a local GEMM over the gathered input (gathered
-    again where the forward did not keep it)."""
-    from flux.ops.gemm_rs import gemm_rs  # the two op families are each other's backward
-
-    n, k = weight_nk_shape(weight, layout)
-    grad_bias = grad_out.reshape(-1, n).sum(0) if has_bias and needs[2] else None
-    grad_out = grad_out.to(input.dtype).contiguous()
-    grad_input = grad_weight = None
-    if needs[0]:
-        # d input = reduce_scatter(grad_out @ W): W [N, K] read as [K_in=N, N_out=K] is the other layout.
-        grad_input = gemm_rs(grad_out, weight, group=group, weight_layout="kn" if layout == "nk" else "nk")
-        if grad_gathered is not None and grad_gathered.numel() > 0:
-            rs = traceable_reduce_scatter_dim0 if traceable else reduce_scatter_dim0
-            grad_input = grad_input + rs(grad_gathered.to(input.dtype), group)
-    if needs[1]:
-        if gathered is None or gathered.numel() == 0:
-            gathered = (traceable_all_gather_dim0 if traceable else all_gather_dim0)(input, group)
-        g2d, a2d = grad_out.reshape(-1, n), gathered.reshape(-1, k)
-        grad_weight = g2d.t() @ a2d if layout == "nk" else a2d.t() @ g2d
-    return grad_input, grad_weight, grad_bias
-
-
-class _AgGemmFunction(torch.autograd.Function):
-    """Eager autograd without the dispatcher's custom-op layer (its Python costs ~0.1 ms a call):
-    the forward is the op's own path (plan or slow path), keeping the gathered input for the
-    weight's gradient."""
-
-    @staticmethod
-    def forward(ctx, input, weight, bias, group, weight_layout, out_dtype, return_gathered):
-        keep = bool(ctx.needs_input_grad[1])
-        out, gathered = _forward(input, weight, bias, group, weight_layout, out_dtype, return_gathered or keep)
-        ctx.group, ctx.layout, ctx.has_bias, ctx.return_gathered = group, weight_layout, bias is not None, return_gathered
-        ctx.save_for_backward(input, weight, gathered if keep else None)
-        if return_gathered:
-            return out, gathered
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out, *grad_rest):
-        input, weight, gathered = ctx.saved_tensors
-        grad_gathered = grad_rest[0] if ctx.return_gathered else None
-        grads = _grads(ctx.needs_input_grad, grad_out, grad_gathered, input, weight, gathered, ctx.group, ctx.layout,
-                       ctx.has_bias, traceable=False)
-        return (*grads, None, None, None, None)
-
-
-# The dispatcher-visible op (torch.compile, fake tensors, tensor subclasses): schema, fake
-# implementation and autograd formula. The group travels as its name.
-def _ag_gemm_op_impl(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group_name: str,
-                     weight_layout: str, out_dtype: Optional[torch.dtype],
-                     return_gathered: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    out, gathered = _forward(input, weight, bias, group_from_name(group_name), weight_layout, out_dtype,
-                             return_gathered)
-    return out, gathered if return_gathered and gathered is not None else input.new_empty((0,))
-
-
-def _ag_gemm_out_impl(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group_name: str,
-                      weight_layout: str, out_dtype: Optional[torch.dtype], out: torch.Tensor) -> None:
-    _forward(input, weight, bias, group_from_name(group_name), weight_layout, out_dtype, False, out)
-
-
-_ag_gemm_op = torch.library.custom_op("flux::ag_gemm", mutates_args=())(_ag_gemm_op_impl)
-# The out= variant: writes the result into the caller's contiguous tensor (no autograd).
-_ag_gemm_out_op = torch.library.custom_op("flux::ag_gemm_out", mutates_args=("out",))(_ag_gemm_out_impl)
-
-
-@_ag_gemm_out_op.register_fake
-def _ag_gemm_out_fake(input, weight, bias, group_name, weight_layout, out_dtype, out):
-    check_same_device(OP, input, weight, bias)
-    return None
-
-
-@_ag_gemm_op.register_fake
-def _ag_gemm_fake(input, weight, bias, group_name, weight_layout, out_dtype, return_gathered):
-    check_same_device(OP, input, weight, bias)
-    world = dist.get_world_size(group_from_name(group_name))
-    n, _ = weight_nk_shape(weight, weight_layout)
-    rows = input.shape[0] * world
-    out = input.new_empty((rows, *input.shape[1:-1], n), dtype=out_dtype or input.dtype)
-    gathered = input.new_empty((rows, *input.shape[1:])) if return_gathered else input.new_empty((0,))
-    return out, gathered
-
-
-def _setup_context(ctx, inputs, output):
-    input, weight, bias, gname, weight_layout, out_dtype, return_gathered = inputs
-    _, gathered = output
-    ctx.gname, ctx.weight_layout, ctx.has_bias = gname, weight_layout, bias is not None
-    ctx.save_for_backward(input, weight, gathered if return_gathered else None)
-
-
-def _backward(ctx, grad_out, grad_gathered):
-    input, weight, gathered = ctx.saved_tensors
-    grads = _grads(ctx.needs_input_grad, grad_out, grad_gathered, input, weight, gathered,
-                   group_from_name(ctx.gname), ctx.weight_layout, ctx.has_bias, traceable=True)
-    return (*grads, None, None, None, None)
-
-
-torch.library.register_autograd("flux::ag_gemm", _backward, setup_context=_setup_context)
 
 
 def ag_gemm(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
@@ -322,24 +180,11 @@ def ag_gemm(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     rt = _plans.hot_runtime(group)
     mode = call_mode(input, weight, bias, out)
     if rt is not None and mode == 0:
-        r = rt.call(0, input, weight, bias, out, _LAYOUT.get(weight_layout, -1), _DTYPE.get(out_dtype, -2),
+        r = rt.call(_CODE, input, weight, bias, out, _LAYOUT.get(weight_layout, -1), _DTYPE.get(out_dtype, -2),
                     return_gathered)
         if r is not None:
             return out if out is not None else (r if return_gathered else r[0])
-    group = resolve_group(group, OP)
-    if out is not None:
-        if return_gathered:
-            raise FluxInputError(f"{OP}: out= cannot be combined with return_gathered=True")
-        if mode == 2:
-            torch.ops.flux.ag_gemm_out(input, weight, bias, group_name(group), weight_layout, out_dtype, out)
-        else:  # the slow path refuses out= with tensors that need gradients, on every rank alike
-            _ag_gemm_impl(input, weight, bias, group, weight_layout, out_dtype, False, out)
-        return out
-    if mode == 0:
-        res, gathered = _ag_gemm_impl(input, weight, bias, group, weight_layout, out_dtype, return_gathered)
-        return (res, gathered) if return_gathered else res
-    if mode == 1:
-        return _AgGemmFunction.apply(input, weight, bias, group, weight_layout, out_dtype, return_gathered)
-    res, gathered = torch.ops.flux.ag_gemm(input, weight, bias, group_name(group), weight_layout, out_dtype,
-                                           return_gathered)
-    return (res, gathered) if return_gathered else res
+    return _AG.call(mode, input, weight, bias, group, weight_layout, out_dtype, return_gathered, out)
+
+
+_AG.public = ag_gemm

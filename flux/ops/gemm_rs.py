@@ -5,8 +5,8 @@ Meaning (the unfused reference, ``gemm_rs_ref``)::
     out = reduce_scatter(input @ W, dim=0) (+ bias)
 
 The bias is added once, after the reduction, as Megatron's RowParallelLinear does. The
-op is ``torch.ops.flux.gemm_rs``, with a fake implementation for torch.compile and an
-autograd formula (backward is an AllGather+GEMM for the input's gradient and a local
+op is ``torch.ops.flux.gemm_rs`` (made by flux/ops/_gemm_op.py), with a fake implementation
+for torch.compile and an autograd formula (backward is an AllGather+GEMM for the input's gradient and a local
 GEMM for the weight's). The first call of a problem checks, chooses and plans (the slow
 path); later calls of the same problem run its plan from C++ (flux/ops/_plans.py,
 csrc/gemm_rs/gemm_rs_plan.cpp). Strategies, chosen per problem by flux.autotune:
@@ -60,24 +60,19 @@ csrc/gemm_rs/gemm_rs_plan.cpp). Strategies, chosen per problem by flux.autotune:
                The entry barrier keeps a rank from overwriting its partial while a peer may
                still be reading the previous call's.
 """
-import functools
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from flux import autotune
-from flux.autotune.space import Candidate
 from flux.ops import _plans
-from flux.ops._checks import FluxInputError, Signature, check_collectively  # noqa: F401
-from flux.ops._common import (call_mode, check_gemm_args, check_out_arg, check_same_device, choose_and_check,
-                              deliver, local_gemm, refuse_capture, weight_nk_shape)
-from flux.runtime import group_device, group_from_name, group_name, reduce_scatter_dim0, resolve_group
+from flux.ops._checks import FluxInputError  # noqa: F401
+from flux.ops._common import call_mode, deliver, local_gemm, weight_nk_shape
+from flux.ops._gemm_op import GEMM_OPS, GemmOp
+from flux.runtime import reduce_scatter_dim0, resolve_group
 
 OP = "flux.gemm_rs"
 NAME = "gemm_rs"
-STRATEGIES = ("sequential", "oneshot", "decomposed", "decomposed_p2p", "fused")
-_LAYOUT, _DTYPE = _plans.LAYOUT_CODES, _plans.DTYPE_CODES
 
 
 def _sequential(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -103,14 +98,6 @@ def ring_steps(rank: int, world: int):
             for s in range(world)]
 
 
-def available_strategies(device: torch.device):
-    """Names of the strategies that can run on ``device`` (always 'sequential' first)."""
-    from flux.runtime import cuda_kernels_available
-
-    overlapped = device.type == "cuda" and cuda_kernels_available()
-    return [name for name in STRATEGIES if name == "sequential" or overlapped]
-
-
 def gemm_rs_ref(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                 group: Optional[dist.ProcessGroup] = None, weight_layout: str = "nk",
                 out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
@@ -118,17 +105,38 @@ def gemm_rs_ref(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     return _sequential(input, weight, bias, resolve_group(group, OP), weight_layout, out_dtype)
 
 
-def _signature(input, weight, bias, group, weight_layout, out_dtype) -> Signature:
-    sig = Signature(OP)
-    check_gemm_args(sig, input, weight, bias, weight_layout, out_dtype, group_device(group).type)
+def _check(sig, input, group) -> None:
     world = dist.get_world_size(group)
     if input.dim() >= 1 and input.shape[0] % world != 0:
         sig.fail(f"input.shape[0] = {input.shape[0]} (M) is not divisible by the group size {world}")
-    return sig
 
 
-def _check(input, weight, bias, group, weight_layout, out_dtype) -> None:
-    check_collectively(_signature(input, weight, bias, group, weight_layout, out_dtype), group)
+def _grads(needs, grad_out, grad_gathered, input, weight, gathered, group, layout, has_bias, eager):
+    """(d input, d weight, d bias) of ``out = reduce_scatter(input @ W) (+ bias)``: d input is an
+    AllGather+GEMM (flux.ag_gemm) whose gathered grad_out also serves d weight's local GEMM."""
+    n, k = weight_nk_shape(weight, layout)
+    grad_bias = grad_out.reshape(-1, n).sum(0) if has_bias and needs[2] else None
+    grad_out = grad_out.to(input.dtype).contiguous()
+    grad_input = grad_weight = None
+    if needs[0] or needs[1]:
+        # d input = all_gather(grad_out) @ W: W [N, K] read as [K_in=N, N_out=K] is the other layout.
+        grad_input, gathered = GEMM_OPS["ag_gemm"].public(grad_out, weight, group=group,
+                                                          weight_layout="kn" if layout == "nk" else "nk",
+                                                          return_gathered=True)
+        if needs[1]:
+            g2d, a2d = gathered.reshape(-1, n), input.reshape(-1, k)
+            grad_weight = g2d.t() @ a2d if layout == "nk" else a2d.t() @ g2d
+        if not needs[0]:
+            grad_input = None
+    return grad_input, grad_weight, grad_bias
+
+
+_RS = GemmOp(NAME, reference=_sequential, gathers=False, grads=_grads, check=_check,
+             out_shape=lambda input, n, world: (input.shape[0] // world, *input.shape[1:-1], n),
+             rows=lambda local_rows, world: local_rows)
+_CODE, _LAYOUT, _DTYPE = _RS.code, _plans.LAYOUT_CODES, _plans.DTYPE_CODES
+STRATEGIES = _RS.strategies
+available_strategies = _RS.available_strategies
 
 
 def prepare_strategy(name: str, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
@@ -138,14 +146,7 @@ def prepare_strategy(name: str, input: torch.Tensor, weight: torch.Tensor, bias:
     """A zero-argument callable that enqueues one call of strategy ``name`` (with its
     parameters) on these very tensors and returns the result: the plan is made once, here
     (benchmarks, tests, the autotuner). Collective, like the op."""
-    group = resolve_group(group, OP)
-    if name not in STRATEGIES:
-        raise ValueError(f"{OP}: unknown strategy {name!r}; known: {list(STRATEGIES)}")
-    if check:
-        _check(input, weight, bias, group, weight_layout, out_dtype)
-    reference = functools.partial(_sequential, input, weight, bias, group, weight_layout, out_dtype)
-    return _plans.prepare(NAME, Candidate.of(name, **params), input, weight, bias, group, weight_layout, out_dtype,
-                          False, out, reference)
+    return _RS.prepare_strategy(name, input, weight, bias, group, weight_layout, out_dtype, False, out, check, params)
 
 
 def run_strategy(name: str, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
@@ -155,126 +156,6 @@ def run_strategy(name: str, input: torch.Tensor, weight: torch.Tensor, bias: Opt
     same arguments and result as ``flux.gemm_rs``, bypassing the choice."""
     return prepare_strategy(name, input, weight, bias, group=group, weight_layout=weight_layout,
                             out_dtype=out_dtype, check=check, **params)()
-
-
-def _gemm_rs_impl(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group: dist.ProcessGroup,
-                  weight_layout: str, out_dtype: Optional[torch.dtype],
-                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The slow path: check, exchange, choose (or tune), run, and leave a plan for the hot path."""
-    refuse_capture(OP)
-    sig = _signature(input, weight, bias, group, weight_layout, out_dtype)
-    if sig.error is None:
-        n, _ = weight_nk_shape(weight, weight_layout)
-        world = dist.get_world_size(group)
-        check_out_arg(sig, out, (input.shape[0] // world, *input.shape[1:-1], n), out_dtype or input.dtype, input,
-                      (input, weight, bias))
-    else:
-        sig.add("out is given", out is not None)
-    rows = input.numel() // input.shape[-1] if input.dim() >= 1 and input.shape[-1] else 0
-    problem, cand, tune_now = choose_and_check(sig, NAME, input, weight, weight_layout, out_dtype, group, rows)
-    reference = functools.partial(_sequential, input, weight, bias, group, weight_layout, out_dtype)
-    if tune_now:  # tuned on scratch outputs: the caller's out is written once, below
-        def run(c, dest=None):
-            return _plans.prepare(NAME, c, input, weight, bias, group, weight_layout, out_dtype, False, dest,
-                                  reference)()
-        def prepare(c):
-            return _plans.prepare(NAME, c, input, weight, bias, group, weight_layout, out_dtype, False, None,
-                                  reference)
-        cand = Candidate.parse(autotune.tune(problem, run, group, input.device, prepare=prepare)["choice"])
-    return _plans.run_and_remember(NAME, cand, input, weight, bias, group, weight_layout, out_dtype, False, out,
-                                   reference)
-
-
-def _forward(input, weight, bias, group, weight_layout, out_dtype, out=None) -> torch.Tensor:
-    """The plan of this problem if there is one, else the slow path."""
-    rt = _plans.hot_runtime(group)
-    if rt is not None:
-        r = rt.call(1, input, weight, bias, out, _LAYOUT.get(weight_layout, -1), _DTYPE.get(out_dtype, -2), False)
-        if r is not None:
-            return r
-    return _gemm_rs_impl(input, weight, bias, group, weight_layout, out_dtype, out)
-
-
-def _grads(needs, grad_out, input, weight, group, layout, has_bias):
-    """(d input, d weight, d bias) of ``out = reduce_scatter(input @ W) (+ bias)``: d input is an
-    AllGather+GEMM (flux.ag_gemm) whose gathered grad_out also serves d weight's local GEMM."""
-    from flux.ops.ag_gemm import ag_gemm  # the two op families are each other's backward
-
-    n, k = weight_nk_shape(weight, layout)
-    grad_bias = grad_out.reshape(-1, n).sum(0) if has_bias and needs[2] else None
-    grad_out = grad_out.to(input.dtype).contiguous()
-    grad_input = grad_weight = None
-    if needs[0] or needs[1]:
-        # d input = all_gather(grad_out) @ W: W [N, K] read as [K_in=N, N_out=K] is the other layout.
-        grad_input, gathered = ag_gemm(grad_out, weight, group=group, weight_layout="kn" if layout == "nk" else "nk",
-                                       return_gathered=True)
-        if needs[1]:
-            g2d, a2d = gathered.reshape(-1, n), input.reshape(-1, k)
-            grad_weight = g2d.t() @ a2d if layout == "nk" else a2d.t() @ g2d
-        if not needs[0]:
-            grad_input = None
-    return grad_input, grad_weight, grad_bias
-
-
-class _GemmRsFunction(torch.autograd.Function):
-    """Eager autograd without the dispatcher's custom-op layer (see ag_gemm's)."""
-
-    @staticmethod
-    def forward(ctx, input, weight, bias, group, weight_layout, out_dtype):
-        ctx.group, ctx.layout, ctx.has_bias = group, weight_layout, bias is not None
-        ctx.save_for_backward(input, weight)
-        return _forward(input, weight, bias, group, weight_layout, out_dtype)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        input, weight = ctx.saved_tensors
-        return (*_grads(ctx.needs_input_grad, grad_out, input, weight, ctx.group, ctx.layout, ctx.has_bias),
-                None, None, None)
-
-
-# The dispatcher-visible op (torch.compile, fake tensors, tensor subclasses).
-def _gemm_rs_op_impl(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group_name: str,
-                     weight_layout: str, out_dtype: Optional[torch.dtype]) -> torch.Tensor:
-    return _forward(input, weight, bias, group_from_name(group_name), weight_layout, out_dtype)
-
-
-def _gemm_rs_out_impl(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group_name: str,
-                      weight_layout: str, out_dtype: Optional[torch.dtype], out: torch.Tensor) -> None:
-    _forward(input, weight, bias, group_from_name(group_name), weight_layout, out_dtype, out)
-
-
-_gemm_rs_op = torch.library.custom_op("flux::gemm_rs", mutates_args=())(_gemm_rs_op_impl)
-# The out= variant: writes the result into the caller's contiguous tensor (no autograd).
-_gemm_rs_out_op = torch.library.custom_op("flux::gemm_rs_out", mutates_args=("out",))(_gemm_rs_out_impl)
-
-
-@_gemm_rs_out_op.register_fake
-def _gemm_rs_out_fake(input, weight, bias, group_name, weight_layout, out_dtype, out):
-    check_same_device(OP, input, weight, bias)
-    return None
-
-
-@_gemm_rs_op.register_fake
-def _gemm_rs_fake(input, weight, bias, group_name, weight_layout, out_dtype):
-    check_same_device(OP, input, weight, bias)
-    world = dist.get_world_size(group_from_name(group_name))
-    n, _ = weight_nk_shape(weight, weight_layout)
-    return input.new_empty((input.shape[0] // world, *input.shape[1:-1], n), dtype=out_dtype or input.dtype)
-
-
-def _setup_context(ctx, inputs, output):
-    input, weight, bias, gname, weight_layout, out_dtype = inputs
-    ctx.gname, ctx.weight_layout, ctx.has_bias = gname, weight_layout, bias is not None
-    ctx.save_for_backward(input, weight)
-
-
-def _backward(ctx, grad_out):
-    input, weight = ctx.saved_tensors
-    return (*_grads(ctx.needs_input_grad, grad_out, input, weight, group_from_name(ctx.gname), ctx.weight_layout,
-                    ctx.has_bias), None, None, None)
-
-
-torch.library.register_autograd("flux::gemm_rs", _backward, setup_context=_setup_context)
 
 
 def gemm_rs(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
@@ -308,18 +189,10 @@ def gemm_rs(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     rt = _plans.hot_runtime(group)
     mode = call_mode(input, weight, bias, out)
     if rt is not None and mode == 0:
-        r = rt.call(1, input, weight, bias, out, _LAYOUT.get(weight_layout, -1), _DTYPE.get(out_dtype, -2), False)
+        r = rt.call(_CODE, input, weight, bias, out, _LAYOUT.get(weight_layout, -1), _DTYPE.get(out_dtype, -2), False)
         if r is not None:
             return out if out is not None else r
-    group = resolve_group(group, OP)
-    if out is not None:
-        if mode == 2:
-            torch.ops.flux.gemm_rs_out(input, weight, bias, group_name(group), weight_layout, out_dtype, out)
-        else:  # the slow path refuses out= with tensors that need gradients, on every rank alike
-            _gemm_rs_impl(input, weight, bias, group, weight_layout, out_dtype, out)
-        return out
-    if mode == 0:
-        return _gemm_rs_impl(input, weight, bias, group, weight_layout, out_dtype)
-    if mode == 1:
-        return _GemmRsFunction.apply(input, weight, bias, group, weight_layout, out_dtype)
-    return torch.ops.flux.gemm_rs(input, weight, bias, group_name(group), weight_layout, out_dtype)
+    return _RS.call(mode, input, weight, bias, group, weight_layout, out_dtype, False, out)
+
+
+_RS.public = gemm_rs

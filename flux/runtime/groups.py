@@ -3,7 +3,6 @@
 Ops take a ``torch.distributed`` process group; the dispatcher-visible schemas take its
 name (a string), as PyTorch's own symmetric-memory and functional-collective ops do.
 """
-import os
 from typing import Optional
 
 import torch
@@ -31,12 +30,10 @@ def group_from_name(name: str) -> dist.ProcessGroup:
 
 
 def gloo_carries_cuda() -> bool:
-    """``FLUX_GLOO_CUDA=1``, for tests only: gloo groups take CUDA tensors and may use
-    symmetric memory (with PyTorch's ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``). This
-    lets several ranks share one GPU, which NCCL refuses, so that a world size larger than
-    the machine's GPU count runs every kernel and signal path for correctness
-    (``bench/run_gpu.sh --shared W``). Ranks on one GPU take turns on it: timings mean nothing."""
-    return os.environ.get("FLUX_GLOO_CUDA", "0") == "1"
+    """Ranks sharing a GPU (``FLUX_GLOO_CUDA=1``, tests only; see flux.testing)."""
+    from flux import envs
+
+    return envs.GLOO_CUDA.get()
 
 
 def cuda_group(group: dist.ProcessGroup) -> bool:

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from flux.runtime import symm
-from flux.runtime.groups import gloo_carries_cuda
+from flux import envs
 
 _runtimes: Dict[Tuple[str, int], object] = {}
 _workspace_of: Dict[int, object] = {}  # id(runtime) -> the Workspace it was last given
@@ -29,9 +29,9 @@ def get(group: dist.ProcessGroup, nbytes: int = 0):
         backend = str(dist.get_backend(group)).lower()
         rt = _C.Runtime(group.group_name, dist.get_rank(group), dist.get_world_size(group), device,
                         "nccl" in backend, symm.timeout_ms(), symm.error_record_ptr())
-        # Ranks sharing one GPU (tests only): a same-GPU copy needs SMs, which the fused AG and
-        # RS kernels would hold while they wait for the other rank on that GPU.
-        rt.set_push_before_fused(gloo_carries_cuda())
+        # Ranks sharing one GPU (tests only, flux.testing): a same-GPU copy needs SMs, which the
+        # fused AG and RS kernels would hold while they wait for the other rank on that GPU.
+        rt.set_push_before_fused(envs.GLOO_CUDA.get())
         _runtimes[key] = rt
     ws = symm.get_workspace(group, max(nbytes, 1))
     if _workspace_of.get(id(rt)) is not ws:
@@ -39,6 +39,13 @@ def get(group: dist.ProcessGroup, nbytes: int = 0):
                          ws.base_offset, ws.pad_words)
         _workspace_of[id(rt)] = ws
     return rt
+
+
+def make_plan(group: dist.ProcessGroup, *args) -> Tuple[object, object]:
+    """(runtime, plan): ``Runtime.make_plan(*args)`` of ``group``'s runtime, whose workspace then
+    grows to what the plan needs (collective, as ``get``)."""
+    plan = get(group).make_plan(*args)
+    return get(group, plan.workspace_bytes), plan
 
 
 def existing(group: dist.ProcessGroup) -> Optional[object]:
@@ -54,6 +61,5 @@ def comm_stream(group: dist.ProcessGroup) -> torch.cuda.ExternalStream:
 
 
 def drop_transfers(group: dist.ProcessGroup, on: bool = True) -> None:
-    """Test hook: while on, this rank passes the entry barriers of ``group`` but sends its peers
-    neither data nor the flags announcing it, so that their in-kernel waits expire."""
+    """Test hook, kept by name: flux.testing.drop_transfers."""
     get(group).set_drop_transfers(on)

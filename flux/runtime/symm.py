@@ -36,14 +36,17 @@ import torch
 import torch.distributed as dist
 
 from flux.runtime.groups import cuda_group
+from flux.strategies import MAX_CHUNKS as MAX_DATA_CHANNELS  # noqa: F401  sub-block signals: channels 1..7
+from flux.strategies import SIGNAL_CHANNELS  # the C++ side's k<Name>Channel (generated header)
 
-FLAG_CHANNEL = 8
-SEGMENT_CHANNEL = 10  # = kSegmentChannel in csrc/runtime/runtime.h
-MAX_DATA_CHANNELS = 7  # sub-block signals of one call: channels 1..7
+FLAG_CHANNEL = SIGNAL_CHANNELS["flag"]
+SEGMENT_CHANNEL = SIGNAL_CHANNELS["segment"]
 
 
 def timeout_ms() -> int:
-    return int(os.environ.get("FLUX_TIMEOUT_MS", "30000"))
+    from flux import envs
+
+    return envs.TIMEOUT_MS.get()
 
 
 _error_record = None
