@@ -11,55 +11,15 @@ graph gathers before a GEMM or reduce-scatters after one.
 Inductor reads the pass when it compiles a graph: the forward at the first call of the compiled
 function, the backward at the first backward. Keep the pass enabled across both.
 
-What is rewritten, in every forward and backward graph Inductor compiles while the pass is
-enabled (the functional-collective form that ``torch.distributed._functional_collectives`` and
-DTensor's sequence parallelism, ``SequenceParallel`` / ``ColwiseParallel(input_layouts=Shard(0))``
-/ ``RowwiseParallel(output_layouts=Shard(0))``, trace to)::
-
-    g = wait_tensor(all_gather_into_tensor(x, W, group))    x [m, ..., K] -> g [W*m, ..., K]
-    y = mm(g, B)  or  mm(reshape(g, [W*m*..., K]), B)       (addmm(bias, ., B): bias [N])
-      =>  y = reshape(flux.ag_gemm(x, weight, bias, group, layout, None, return_gathered)[0])
-
-    p = mm(A, B)                                             A [M, K], p [M, N]
-    r = wait_tensor(reduce_scatter_tensor(p or reshape(p, [M0, ..., N]), "sum", W, group))
-      =>  r = reshape(flux.gemm_rs(A, weight, None, group, layout, None))
-
-``B`` is the GEMM's [K, N] operand: ``permute(Wt, [1, 0])`` (or ``t``/``transpose``) of an
-[N, K] tensor, as ``F.linear`` decomposes, becomes ``weight=Wt, weight_layout="nk"``; a plain
-contiguous [K, N] operand becomes ``weight=B, weight_layout="kn"`` (the backward's data-gradient
-GEMMs). When several GEMMs read one gathered tensor (separate Q, K, V projections), the one
-with the largest N is fused; the others, and any other reader of the gathered tensor (the
-backward's weight gradient reads it transposed), read the gathered tensor that ``ag_gemm``
-returns (``return_gathered=True``). A bias added after the reduce-scatter
-(``reduce_scatter(x @ W^T) + b``) stays outside, as an add that Inductor fuses with its
-neighbours. A dynamic M (e.g. the sequence length, ``mark_dynamic``) is fine: the reshapes
-around the fused ops take their sizes from the graph's symbols.
-
-Left untouched, with the reason logged once per process on the ``flux`` logger (counted in
-``stats()["skipped"]``):
-  - a bias inside the GEMM before a reduce-scatter (``addmm(b, A, B)``; DTensor's
-    ``RowwiseParallel`` makes ``addmm(b / W, A, B)`` of a layer's bias): the reduction sums it
-    over the ranks, so it is not gemm_rs's bias, added once;
-  - reductions other than a sum; ``addmm`` with ``beta``/``alpha`` other than 1;
-  - dtypes flux does not take (bf16, fp16, fp32, fp64 only) or that differ between operands;
-  - a group that cannot be resolved, of one rank, or whose device is not the tensors' (NCCL
-    groups take CUDA tensors, gloo groups CPU ones);
-  - operands contiguous in neither layout, a GEMM result also used elsewhere before the
-    reduce-scatter, a weight computed from the gathered tensor, a dynamic K or N.
-Gathers and scatters along another dimension (traced as split/cat around the collective: no
-GEMM reads the gather or feeds the scatter directly) are not candidates at all (debug log).
-
-The rewritten graph computes the same sums as the GEMMs and collectives it replaced (in flux's
-order of summation, as its overlapped strategies do). The pass decides from the graph alone,
-so every rank must compile the same graph, as torch.compile of DTensor and functional-collective
-code (SPMD) does: a graph that differs between ranks (say, a bias that only rank 0 adds before
-the reduction) could be rewritten on some ranks and not on others, whose collectives would then
-not match.
-
-Inductor API: ``torch._inductor.config.post_grad_custom_post_pass``, with the pass a
-``torch._inductor.custom_graph_pass.CustomGraphPass`` (whose ``uuid`` lets Inductor's graph cache
-key on it) where that class exists; new nodes carry ``meta["eager_input_vals"]`` so that
-Inductor hands the flux ops contiguous inputs, as flux requires.
+``wait(all_gather_into_tensor(x)) -> mm / addmm`` becomes ``flux.ag_gemm`` and ``mm ->
+wait(reduce_scatter_tensor(sum))`` becomes ``flux.gemm_rs`` (the functional-collective form that
+DTensor's sequence parallelism traces to), directly or through a reshape. What is rewritten and
+what is left alone (each reason logged once on the ``flux`` logger, counted in
+``stats()["skipped"]``): docs/integrations.md. The pass decides from the graph alone, so every
+rank must compile the same graph (SPMD code does). It is installed as
+``torch._inductor.config.post_grad_custom_post_pass`` (a ``CustomGraphPass`` where that class
+exists, so that Inductor's graph cache keys on it); new nodes carry ``meta["eager_input_vals"]``
+so that Inductor hands the flux ops contiguous inputs.
 """
 import contextlib
 import functools

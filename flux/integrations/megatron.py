@@ -1,41 +1,23 @@
 """Megatron-core's tensor-parallel linear layers on flux's overlapped ops.
 
     FluxColumnParallelLinear     megatron's ColumnParallelLinear; under sequence parallelism its
-                                 forward is flux.ag_gemm (all-gather of the [s/W, b, h] input
-                                 fused with the GEMM), its input gradient flux.gemm_rs
+                                 forward is flux.ag_gemm, its input gradient flux.gemm_rs
     FluxRowParallelLinear        megatron's RowParallelLinear; under sequence parallelism its
-                                 forward is flux.gemm_rs (GEMM fused with the reduce-scatter to
-                                 [s/W, b, h]), its input gradient flux.ag_gemm
+                                 forward is flux.gemm_rs, its input gradient flux.ag_gemm
     SequenceParallelTorchNorm    torch LayerNorm / RMSNorm for sequence-parallel layers, its
                                  parameters tagged as megatron's fused norm tags them
-    get_gpt_layer_flux_spec(...) megatron-core's local GPT layer spec (get_gpt_layer_local_spec,
-                                 same arguments) with linear_qkv, linear_proj, linear_fc1 and
-                                 linear_fc2 on the flux layers
+    get_gpt_layer_flux_spec(...) megatron-core's local GPT layer spec (same arguments) with
+                                 linear_qkv, linear_proj, linear_fc1 and linear_fc2 on the flux layers
     gpt_layer_flux_spec          that spec with the default arguments, a ModuleSpec, for
                                  Megatron-LM's ``--spec flux.integrations.megatron gpt_layer_flux_spec``
-                                 (Megatron-LM imports the attribute and uses it as the layer spec)
 
 The layers keep megatron's constructors, parameters, state dicts, checkpoint sharding and the
 ``(output, output_bias)`` convention, and honour ``skip_bias_add``, ``gather_output`` /
 ``runtime_gather_output``, ``tp_group``, frozen weights and
-``config.gradient_accumulation_fusion`` (the weight gradient added to ``weight.main_grad``).
-Whatever flux's path does not cover runs the parent's forward, and the reason is logged once
-per layer class and reason on the ``flux`` logger: sequence parallelism off (or a TP size of
-1), expert layers with explicit expert communication, GTP weight rematerialisation, deferred
-embedding wgrad, CPU activation offloading, autocast, Megatron-FSDP parameters under
-gradient accumulation fusion, an input of another dtype than the weight, of fewer than 2
-dimensions or (row) with a first dimension not divisible by the TP size.
-
-Megatron-core behaviours this module answers to:
-
-- its parent constructors refuse ``gradient_accumulation_fusion`` unless apex's
-  ``fused_weight_gradient_mlp_cuda`` is installed. Flux's path accumulates into ``main_grad``
-  itself, so the flux layers accept the option without apex wherever flux's path is sure to run
-  (and refuse it, as megatron does, where the layer would always fall back; a forward that
-  falls back at run time with the option on and no apex raises instead of failing in backward);
-- its local spec builds norms with ``WrappedTorchNorm`` when apex is absent, which refuses
-  ``sequence_parallel``; the flux spec puts ``SequenceParallelTorchNorm`` there instead (apex's
-  FusedLayerNorm, when installed, is kept).
+``config.gradient_accumulation_fusion`` (without apex: flux's path accumulates into
+``weight.main_grad`` itself). Whatever flux's path does not cover runs the parent's forward,
+the reason logged once per layer class and reason on the ``flux`` logger; the list of those
+cases, and the megatron-core behaviours this module answers to: docs/integrations.md.
 
 This module imports megatron.core when imported; ``import flux`` does not import it.
 """

@@ -6,65 +6,21 @@ vLLM's sequence-parallelism pass turns the ``all_reduce`` after a row-parallel G
     r = vllm.reduce_scatter(mm(x, B), dim=0, W, tp)      after o_proj / down_proj
     y = mm(vllm.all_gather(h, dim=0, W, tp), B)           before qkv_proj / gate_up_proj
 
-where ``B`` is the [K, N] operand of the GEMM, ``permute(weight, [1, 0])`` of the layer's
-[N, K] weight as ``F.linear`` decomposes. ``FluxTPPass`` (a vLLM pattern-matcher pass, built
-as vLLM's own ``AsyncTPPass`` is) replaces them with::
+``FluxTPPass`` (a vLLM pattern-matcher pass, built as vLLM's own ``AsyncTPPass`` is) replaces
+them with ``flux.gemm_rs(x, weight, None, group, "nk", None)`` and ``flux.ag_gemm(h, weight,
+bias, group, "nk", None, False)[0]``, ``group`` being vLLM's tensor-parallel device group.
 
-    r = flux.gemm_rs(x, weight, None, group, "nk", None)
-    y = flux.ag_gemm(h, weight, bias, group, "nk", None, False)[0]
-
-(``weight_layout="kn"`` with ``B`` itself where ``B`` is a contiguous [K, N] tensor; a bias
-of the gathered GEMM, ``addmm(b, all_gather(h), B)``, goes into ``ag_gemm``). ``group`` is the
-torch process-group name of vLLM's tensor-parallel device group (NCCL on GPUs).
-
-A bias before the reduce-scatter, ``reduce_scatter(addmm(b, x, B))``, cannot be fused: it is
-vLLM's ``RowParallelLinear`` bias, which only TP rank 0 adds, so the reduced rows of every rank
-hold it while only rank 0's graph has it. Rank 0 would then keep vLLM's reduce-scatter while its
-peers, whose graphs have a plain ``mm``, call flux's ``gemm_rs``: the ranks would wait on
-different collectives forever (vLLM's own AsyncTPPass has the same hazard). The pass therefore
-leaves such a graph alone and, after rewriting, the TP ranks compare (an all-gather of a hash
-over vLLM's TP CPU group, at compile time: the ranks compile the same sequence of graphs) the
-collectives their graphs will call; a rank with such a bias, or graphs that would call different
-collectives, make every rank raise at compile time, naming the cause: do not set ``FLUX_VLLM=1``
-for models with a bias on ``o_proj``/``down_proj``-like row-parallel layers.
-
-Left as they are (vLLM's ``AsyncTPPass``, when enabled, still sees them): FP8/FP4 scaled GEMMs,
-gathers or scatters along another dimension, a gathered tensor with other users than the GEMM,
-GEMM operands contiguous in neither layout, dtypes other than bf16/fp16/fp32/fp64.
-
-Turning it on
--------------
 The plugin is inert unless ``FLUX_VLLM=1`` is set in the environment of the vLLM processes
-(vLLM loads every installed general plugin in every process; an installed flux must not change
-vLLM's compilation by itself)::
+(vLLM loads every installed general plugin in every process)::
 
     FLUX_VLLM=1 vllm serve MODEL --tensor-parallel-size 4 -O '{"pass_config": {"enable_sp": true}}'
 
-With ``FLUX_VLLM=1``, ``register()`` (the ``vllm.general_plugins`` entry point) wraps vLLM's
-``PostGradPassManager.configure`` so that every pass manager vLLM configures for a compilation
-gets a ``FluxTPPass``: right before ``AsyncTPPass`` when async TP is on
-(``pass_config.fuse_gemm_comms``), so that flux takes the bf16/fp16/fp32 GEMMs and AsyncTPPass
-only what flux leaves (FP8), otherwise right after ``SequenceParallelismPass``. The pass is
-added only for a tensor-parallel size above 1 and, on vLLM releases whose ``PassConfig`` has
-sequence parallelism (``enable_sp``), only when it is on (without it the graph has no
-reduce-scatter or all-gather to fuse). ``install()`` / ``uninstall()`` do the same from Python
-in one process regardless of the variable (vLLM's worker processes load the plugin
-themselves, so use the variable there).
-
-vLLM's custom post-grad slot (``inductor_compile_config["post_grad_custom_post_pass"]``) is not
-used: it runs after all of vLLM's passes, after AsyncTPPass has taken the same patterns, and
-holds one pass that a user may already use.
-
-flux makes a plan for each problem at its first call, which must not happen inside a CUDA graph
-capture: vLLM (0.31) runs each captured size once before capturing it whenever CUDA graphs are
-on (``compilation_config.cudagraph_num_of_warmups`` = 1); the plugin warns if it finds 0 there
-with CUDA graphs on. vLLM compiles the whole model as one graph under sequence parallelism
-(it empties ``splitting_ops`` and uses full CUDA graphs); the flux pass itself would also work on
-piecewise graphs, since each of its patterns lies between two attention layers.
-
-Written against and tested with vLLM 0.31.0 (torch 2.13), the last release with vLLM's
-sequence-parallelism and async-TP passes; 0.20 to 0.30 have the same modules and names. The
-module paths of older releases (``vllm.compilation.pass_manager`` etc.) are looked for too.
+``register()`` (the ``vllm.general_plugins`` entry point) then adds a ``FluxTPPass`` to every
+post-grad pass manager vLLM configures; ``install()`` / ``uninstall()`` do the same from Python
+in one process. A bias before the reduce-scatter (vLLM adds it on TP rank 0 only) cannot be
+fused: the ranks compare, at compile time, the collectives their graphs will call and raise
+alike where they differ. Where the pass goes, what it leaves alone, the CUDA-graph warm-up it
+needs and the vLLM versions it was written against: docs/integrations.md.
 Importing this module needs vLLM installed; ``import flux`` never imports it.
 """
 import functools

@@ -7,55 +7,18 @@ Meaning (the unfused reference, ``ag_gemm_ref``)::
 The op is ``torch.ops.flux.ag_gemm`` (made by flux/ops/_gemm_op.py, as gemm_rs), with a fake
 implementation for torch.compile and an autograd formula (backward is a GEMM+ReduceScatter for
 the input's gradient and a local GEMM for the weight's, over the gathered input saved by the
-forward). The first call
-of a problem checks, chooses and plans (the slow path); later calls of the same problem run
-its plan from C++ (flux/ops/_plans.py, csrc/ag_gemm/ag_gemm_plan.cpp). Strategies, chosen
-per problem by flux.autotune:
+forward). The first call of a problem checks, chooses and plans (the slow path); later calls of
+the same problem run its plan from C++ (flux/ops/_plans.py, csrc/ag_gemm/ag_gemm_plan.cpp).
+Strategies, chosen per problem by flux.autotune (timelines and ordering: docs/design.md §5):
 
-  sequential   NCCL/gloo all-gather, then one GEMM. The reference, the CPU path and the
-               fallback.
-  decomposed   the GEMM in one row block per rank (cuBLAS); the local block first, straight
-               from the input, while the copy engine pushes this rank's shard into every
-               peer's symmetric workspace, each transfer followed by a signal. Stream timeline
-               on rank r of W (blocks named by the rank whose rows they are)::
-
-                 comm:     [barrier] [copy shard -> r+1][put r+1] [copy -> r+2][put r+2] ...
-                 signal:                              [wait r-1] [wait r-2] ...
-                 current:  [wait barrier started][GEMM r (from input)] [GEMM r-1] [GEMM r-2] ...
-
-               The barrier proves that every peer's earlier GEMMs on its workspace are done
-               before this rank overwrites it; each put follows its copy in stream order, and
-               each wait (on a third stream, from the end of the first push; the current stream
-               passes an event; with one peer, W = 2, on the comm stream after the push)
-               precedes the GEMM that reads that block. The first GEMM reads only the
-               input, so it need not wait for the barrier to pass, only for the barrier kernel
-               to hold an SM (the default): otherwise, where the GEMM gets the SMs
-               first, the barrier kernel, and with it every push of this rank, waits for the
-               whole GEMM.
-               ``first8=f`` (world size 2): the first GEMM takes f eighths of the local rows, the
-               second every other row, the rest of the local rows copied into the own slot next
-               to the peer's (a split of the rows that cuBLAS may tile better than one block per
-               rank; the autotuner tries f = 4, 6, 7).
-  oneshot      for small M, where splitting the GEMM would read the weight W times: the
-               copy engine pushes the shard to every peer, then one GEMM over the gathered
-               workspace once every peer's shard is in::
-
-                 comm:     [barrier] [copy -> r+1][put r+1] [copy -> r+2][put r+2] ...
-                 current:  [wait barrier][copy own shard] [wait all peers] [one GEMM over all rows]
-
-  fused        one persistent CUTLASS GEMM over all gathered rows (csrc/ag_gemm/), its
-               tile scheduler serving this rank's rows first and making every tile of a peer's
-               rows wait (bounded) for that peer's flag; the copy engine pushes the shard to
-               every peer, each transfer followed by a flag write that needs no SM (the GEMM
-               holds them all)::
-
-                 current:  [zero own flags] [wait barrier][copy own shard] [fused GEMM .....]
-                 comm:     [barrier] [copy -> r+1][flag r+1] [copy -> r+2][flag r+2] ...
-
-               The GEMM starts after the barrier (a barrier kernel could not get an SM once the
-               persistent GEMM runs); the barrier also proves every peer zeroed its flags and
-               finished its previous GEMM on its workspace. bf16, weight_layout "nk", K and N
-               multiples of 8; otherwise the call runs 'decomposed'.
+  sequential   NCCL/gloo all-gather, then one GEMM: the reference, the CPU path, the fallback.
+  decomposed   one cuBLAS GEMM per rank's row block, the local block first (from the input)
+               while the copy engine pushes this rank's shard to every peer, each GEMM after
+               the signal of the block it reads; ``first8=f`` (W = 2) splits the local rows.
+  oneshot      small M: push the shard to every peer, then one GEMM over the gathered rows.
+  fused        one persistent CUTLASS GEMM over all gathered rows whose tile scheduler serves
+               this rank's rows first and waits (bounded) on each peer's flag before its rows;
+               bf16, weight_layout "nk", K and N multiples of 8, else 'decomposed'.
 """
 from typing import Optional
 

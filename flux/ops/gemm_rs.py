@@ -4,61 +4,23 @@ Meaning (the unfused reference, ``gemm_rs_ref``)::
 
     out = reduce_scatter(input @ W, dim=0) (+ bias)
 
-The bias is added once, after the reduction, as Megatron's RowParallelLinear does. The
-op is ``torch.ops.flux.gemm_rs`` (made by flux/ops/_gemm_op.py), with a fake implementation
-for torch.compile and an autograd formula (backward is an AllGather+GEMM for the input's gradient and a local
-GEMM for the weight's). The first call of a problem checks, chooses and plans (the slow
-path); later calls of the same problem run its plan from C++ (flux/ops/_plans.py,
-csrc/gemm_rs/gemm_rs_plan.cpp). Strategies, chosen per problem by flux.autotune:
+The bias is added once, after the reduction, as Megatron's RowParallelLinear does. The op is
+``torch.ops.flux.gemm_rs`` (made by flux/ops/_gemm_op.py), with a fake implementation for
+torch.compile and an autograd formula (backward is an AllGather+GEMM for the input's gradient
+and a local GEMM for the weight's). The first call of a problem checks, chooses and plans (the
+slow path); later calls run its plan from C++ (flux/ops/_plans.py, csrc/gemm_rs/gemm_rs_plan.cpp).
+Strategies, chosen per problem by flux.autotune (timelines and ordering: docs/design.md §5):
 
-  sequential   one GEMM, then NCCL reduce-scatter (gloo: all-reduce and slice), then the
-               bias. The reference, the CPU path and the fallback.
-  decomposed   the GEMM in one row block per rank (cuBLAS): the blocks of peers first, in a
-               rotated order, each pushed by the copy engine into its owner's symmetric
-               workspace while the next block computes; this rank's own block last, straight
-               into its own slot; then one pass sums the W slots in rank order, in fp32, and
-               adds the bias (flux::reduce_chunks_). Stream timeline on rank r of W::
-
-                 current:  [wait barrier started][GEMM r+1][GEMM r+2] ... [GEMM r] [reduce + bias]
-                 comm:     [barrier]           [copy -> r+1, put] [copy -> r+2, put] ...
-                 signal:                                       [wait r-1][wait r-2] ...
-
-               The peer blocks' GEMMs write this rank's staging (in its workspace, after the
-               slots), so only the copies and the own block's GEMM (into this rank's slot) wait
-               for the barrier to pass; the first GEMM waits only for the barrier kernel to hold
-               an SM. With one peer (W = 2) and one chunk its wait follows the push on the comm
-               stream, which then ends with the event the reduction waits for.
-
-               ``chunks`` > 1 splits each block into sub-blocks, each pushed and signalled on
-               its own channel (a shorter last transfer, more GEMM launches).
-
-  decomposed_p2p  the same, but each peer block's GEMM writes its result straight into the
-               owner's workspace over NVLink (no staging buffer, no copy engine); the put
-               follows the GEMM on the current stream.
-  fused        a ring of W GEMMs, one per row block, the reduction folded into their epilogues:
-               at step s this rank computes block b_s = rank - s - 1 (mod W); step 0 is a cuBLAS
-               GEMM into a staging buffer; every later step is one persistent CUTLASS GEMM whose
-               epilogue adds C = the sum so far of that block, pushed by rank - 1 at its step
-               s - 1 (csrc/gemm_rs/rs_fused.cuh), each tile's epilogue waiting (bounded) for the
-               flags of the C segments it reads. Each result but the last is pushed by the copy
-               engine to rank + 1 in ``segments`` row segments, each followed by a segment flag (a
-               stream write, no SM). The last step's block is this rank's own, written to the
-               output with the bias. No reduction pass after the last GEMM. At W = 2::
-
-                 current:  [zero own flags][wait barrier started][GEMM peer rows] [fused GEMM own rows + C + bias ....]
-                 comm:     [barrier]                                  [copy seg 0][flag 0] [copy seg 1][flag 1] ...
-
-               Above two ranks the sum is rounded to the input dtype at every hop, as NCCL's
-               ring reduce-scatter does (W = 2: once).
-
-  oneshot      for small M: one GEMM of the whole partial into this rank's workspace, a
-               barrier, then each rank sums its rows of every rank's partial, read over NVLink
-               by SM loads (flux::reduce_peers_), and adds the bias::
-
-                 current:  [barrier][one GEMM -> own workspace][barrier][reduce from all peers]
-
-               The entry barrier keeps a rank from overwriting its partial while a peer may
-               still be reading the previous call's.
+  sequential      one GEMM, NCCL reduce-scatter (gloo: all-reduce and slice), the bias.
+  decomposed      one cuBLAS GEMM per destination's row block, peers' first, each pushed by the
+                  copy engine to its owner while the next computes; the own block last; then one
+                  pass sums the W slots in rank order in fp32 and adds the bias. ``chunks`` > 1
+                  splits each block, one signal channel per part.
+  decomposed_p2p  the same, the peer blocks' GEMMs writing straight into the owners' workspaces.
+  fused           a ring of W GEMMs whose epilogues add the partial sum pushed by rank - 1, in
+                  ``segments`` with a flag each; no reduction pass (rounded per hop above W = 2).
+  oneshot         small M: one GEMM into the own workspace, a barrier, each rank sums its rows
+                  of every partial over NVLink.
 """
 from typing import Optional
 

@@ -9,25 +9,8 @@ and signals of the per-call path. Signals are the self-resetting flags of
 csrc/runtime/signals.cu, so back-to-back calls, different shapes in a row and CUDA-graph
 replays need no reset. Every wait is bounded by ``FLUX_TIMEOUT_MS`` (default 30000 ms, read
 when a group's runtime is made): past it the waiting rank prints which peer it was waiting
-for and the CUDA context fails, instead of hanging.
-
-Signal pad channels (each channel holds one slot per source rank):
-  0        call-entry barrier: every peer has finished its earlier work on the workspace; the
-           slot carries the call's token (a hash of the problem), which the receiver compares
-           with its own: ranks that make different calls fail at once
-  1 .. 7   self-resetting data-ready signals (put: a stream write of 1; wait: a bounded
-           kernel that consumes it, resetting it to 0)
-  8        level flags read by fused kernels (many readers, so not self-resetting): the
-           owner zeroes its own before the call's barrier, peers set them with a stream
-           write (cuStreamWriteValue32: no SM, so it can run while a persistent kernel holds
-           every SM), fused kernels spin until they are non-zero.
-  9        "barrier started" (this rank's own slot only, self-resetting): set by the barrier
-           kernel as soon as it runs when asked (``barrier(started=True)``), consumed by
-           a wait on another stream, so that work there can start once the barrier holds
-           an SM instead of once every peer has arrived.
-  10 ..    segment flags (level flags, like channel 8, but indexed by segment rather than by
-           source rank: slot 10 * world + s): the fused GEMM+RS kernel waits on the flag of
-           each segment of the peer's partial.
+for and the CUDA context fails, instead of hanging. The signal pad's channels are listed
+below, at ``SIGNAL_CHANNELS``.
 """
 import os
 from typing import Dict, Optional, Tuple
@@ -39,6 +22,23 @@ from flux.runtime.groups import cuda_group
 from flux.strategies import MAX_CHUNKS as MAX_DATA_CHANNELS  # noqa: F401  sub-block signals: channels 1..7
 from flux.strategies import SIGNAL_CHANNELS  # the C++ side's k<Name>Channel (generated header)
 
+# Signal pad channels (each channel holds one slot per source rank):
+#   0        call-entry barrier: every peer has finished its earlier work on the workspace; the
+#            slot carries the call's token (a hash of the problem), which the receiver compares
+#            with its own: ranks that make different calls fail at once
+#   1 .. 7   self-resetting data-ready signals (put: a stream write of 1; wait: a bounded
+#            kernel that consumes it, resetting it to 0)
+#   8        level flags read by fused kernels (many readers, so not self-resetting): the
+#            owner zeroes its own before the call's barrier, peers set them with a stream
+#            write (cuStreamWriteValue32: no SM, so it can run while a persistent kernel holds
+#            every SM), fused kernels spin until they are non-zero.
+#   9        "barrier started" (this rank's own slot only, self-resetting): set by the barrier
+#            kernel as soon as it runs when asked (``barrier(started=True)``), consumed by
+#            a wait on another stream, so that work there can start once the barrier holds
+#            an SM instead of once every peer has arrived.
+#   10 ..    segment flags (level flags, like channel 8, but indexed by segment rather than by
+#            source rank: slot 10 * world + s): the fused GEMM+RS kernel waits on the flag of
+#            each segment of the peer's partial.
 FLAG_CHANNEL = SIGNAL_CHANNELS["flag"]
 SEGMENT_CHANNEL = SIGNAL_CHANNELS["segment"]
 
