@@ -19,6 +19,8 @@ from typing import Callable, Dict, List, Sequence
 
 import torch
 
+from flux.autotune.tuner import capture  # the loop as a CUDA graph, or None
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 L2_BYTES = 60 << 20  # H100/H200 L2 is 50/60 MB: rotate sets while one set is below this
@@ -132,24 +134,6 @@ def loop_of(fns: Sequence[Callable[[], None]], calls: int) -> Callable[[], None]
     return loop
 
 
-def capture(loop: Callable[[], None]):
-    """``loop`` captured in a CUDA graph (warmed up on a side stream), or None if it cannot be."""
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            loop()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            loop()
-        return g
-    except Exception:  # noqa: BLE001  (graph timing is then missing for this call, recorded as None)
-        torch.cuda.synchronize()
-        return None
-
-
 def _events_ms(run: Callable[[], None], spin: bool = False) -> float:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
@@ -185,7 +169,7 @@ def time_calls(variants: Dict[str, Sequence[Callable[[], None]]], calls: int, ro
     loops = {lab: loop_of(fns, calls) for lab, fns in variants.items()}
     for lab, fns in variants.items():
         fns[0]()
-    graphs = {lab: capture(loops[lab]) if "graph" in timings else None for lab in variants}
+    graphs = {lab: capture(loops[lab], calls=1) if "graph" in timings else None for lab in variants}
     samples = {lab: {t: [] for t in timings} for lab in variants}
     for _ in range(rounds):
         for lab, fns in variants.items():

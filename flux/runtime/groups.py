@@ -102,34 +102,25 @@ def traceable_reduce_scatter_dim0(t: torch.Tensor, group: dist.ProcessGroup) -> 
     return fc.wait_tensor(fc.reduce_scatter_tensor(t.contiguous(), "sum", 0, group))
 
 
-class _AllGatherDim0(torch.autograd.Function):
+class _Dim0Collective(torch.autograd.Function):
+    """all_gather_dim0 (``gather``) or reduce_scatter_dim0, each the other's backward."""
+
     @staticmethod
-    def forward(ctx, t, group):
-        ctx.group = group
-        return all_gather_dim0(t, group)
+    def forward(ctx, t, group, gather):
+        ctx.group, ctx.gather = group, gather
+        return (all_gather_dim0 if gather else reduce_scatter_dim0)(t, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return reduce_scatter_dim0(grad, ctx.group), None
-
-
-class _ReduceScatterDim0(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, t, group):
-        ctx.group = group
-        return reduce_scatter_dim0(t, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_dim0(grad, ctx.group), None
+        return (reduce_scatter_dim0 if ctx.gather else all_gather_dim0)(grad, ctx.group), None, None
 
 
 def differentiable_all_gather_dim0(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """``all_gather_dim0`` with autograd: its backward is the reduce-scatter of the gradient
     (Megatron's sequence-parallel gather; the unfused references and the baselines use it)."""
-    return _AllGatherDim0.apply(t, group)
+    return _Dim0Collective.apply(t, group, True)
 
 
 def differentiable_reduce_scatter_dim0(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """``reduce_scatter_dim0`` with autograd: its backward is the all-gather of the gradient."""
-    return _ReduceScatterDim0.apply(t, group)
+    return _Dim0Collective.apply(t, group, False)
