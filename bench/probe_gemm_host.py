@@ -1,7 +1,7 @@
 """What does the hot path's GEMM cost on the host, and can it cost less without losing GPU speed?
 (docs/design.md §7.3, "The GEMM's host cost")
 
-Every strategy enqueues its GEMMs with ``at::mm_out`` (csrc/runtime/runtime.cpp, gemm_into). This
+Every strategy enqueues its GEMMs with ``at::mm_out`` (csrc/runtime/tensors.cpp, gemm_into). This
 probe times three ways of enqueueing the same bf16 GEMM out[M, N] = a[M, K] @ W^T (W [N, K], as
 nn.Linear), from C++ (an inline extension built at start):
 
