@@ -41,19 +41,13 @@ namespace flux {
 // deprecates the older _allgather_base / _reduce_scatter_base, which earlier versions alone have.
 template <class PG>
 auto pg_all_gather(PG& pg, at::Tensor& out, at::Tensor& in) {
-  if constexpr (requires { pg.all_gather_single(out, in); }) {
-    return pg.all_gather_single(out, in);
-  } else {
-    return pg._allgather_base(out, in);
-  }
+  if constexpr (requires { pg.all_gather_single(out, in); }) return pg.all_gather_single(out, in);
+  else return pg._allgather_base(out, in);
 }
 template <class PG>
 auto pg_reduce_scatter(PG& pg, at::Tensor& out, at::Tensor& in) {
-  if constexpr (requires { pg.reduce_scatter_single(out, in); }) {
-    return pg.reduce_scatter_single(out, in);
-  } else {
-    return pg._reduce_scatter_base(out, in);
-  }
+  if constexpr (requires { pg.reduce_scatter_single(out, in); }) return pg.reduce_scatter_single(out, in);
+  else return pg._reduce_scatter_base(out, in);
 }
 
 // Signal pad channels (kBarrierChannel ... kSegmentChannel): strategies.h; flux/runtime/symm.py
