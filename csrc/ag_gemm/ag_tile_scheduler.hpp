@@ -1,20 +1,14 @@
-// Tile scheduler of the fused AllGather+GEMM kernel (csrc/ag_gemm/ag_gemm_fused.cuh).
-//
-// CUTLASS's persistent sm90 scheduler, with two changes to the tiles it hands out:
-//
-//  1. Order. The M tile index is rotated so that this rank's own rows come first: tile m is
-//     served as (m + offset) mod tiles_m, offset = the first tile of this rank's block
-//     (rounded down to a whole band of cluster_m * swizzle tiles so that clusters and swizzle
-//     bands stay aligned). The first waves read only local rows while the peers' shards
-//     are still arriving.
-//  2. Readiness. Before a tile is returned, every warp that asks for it waits until the
-//     shards of every remote rank whose rows the tile covers are in place: flags[src] != 0,
-//     read with ld.acquire.sys. The flag is stored with st.release.sys by the copy stream
-//     after the copy-engine transfer of that shard completed (flux/ops/ag_gemm.py), so the
-//     TMA loads issued after the wait see the data. The wait is bounded: past timeout_ns the
-//     kernel records the rank it was waiting for in host-mapped memory and traps
+// Tile scheduler of the fused AllGather+GEMM kernel (csrc/ag_gemm/ag_gemm_fused.cuh): CUTLASS's
+// persistent sm90 scheduler, with two changes to the tiles it hands out.
+//  1. Order. Tile m is served as (m + offset) mod tiles_m, offset = the first tile of this rank's
+//     block rounded down to a whole band of cluster_m * swizzle tiles (clusters and swizzle bands
+//     stay aligned): the first waves read only local rows while the peers' shards arrive.
+//  2. Readiness. Before a tile is returned, every warp that asks for it waits until flags[src] != 0
+//     (ld.acquire.sys) for every remote rank whose rows the tile covers. The flag is a stream write
+//     after the copy-engine push of that shard (csrc/ag_gemm/ag_gemm_plan.cpp), whose fence makes
+//     the shard visible to the TMA loads issued after the wait. The wait is bounded: past
+//     timeout_ns the kernel records the missing rank in host-mapped memory and traps
 //     (common/flag_wait.cuh).
-//
 // The kernels call initial_work_tile_info, both fetch_next_work overloads and (ping-pong)
 // get_current_work on this type, so all of them are overridden; everything else is CUTLASS's.
 #pragma once

@@ -1,27 +1,16 @@
 // Stream-ordered signals between the ranks of a group, on the signal pads of a symmetric
-// workspace (flux/runtime/symm.py), launched by flux::Runtime (runtime.cpp). Every wait is
-// bounded: past its timeout the kernel prints which rank it was waiting for and traps, so a
-// missing peer becomes an error on the waiting rank instead of a hang.
-//
+// workspace (flux/runtime/symm.py lists the channels), launched by flux::Runtime (runtime.cpp).
 // Each pad is a [channel][source rank] matrix of uint32 slots. A data slot is a one-shot,
-// self-resetting flag:
-//
-//   put  (on the source):      a stream write of 1 (cuStreamWriteValue32, whose memory fence
-//                              orders the stream's earlier writes first; Runtime::write_slot),
-//                              which needs no SM;
-//   wait (on the destination): wait until slot == 1 with acquire semantics, then store 0.
-//
-// Nothing has to be reset between calls, so signals are race-free across back-to-back
-// calls, changes of shape and CUDA-graph replays: every put of a call follows the call's
-// entry barrier, which the destination reaches only after the wait that consumed the previous
-// call's signal. The put's fence pairs with the acquire load in wait: everything the source's
-// stream wrote before the put (a copy-engine transfer finished earlier in stream order, a
-// kernel's stores) is visible to whatever the destination's stream runs after the wait.
-//
-// The entry barrier carries the call's token (a non-zero hash of the problem, the same on every
-// rank making the same call) instead of 1: a rank that finds a different token in its slot
-// knows its peer made another call, prints both and traps, after recording them in the
-// host-mapped error record, so that every rank of a divergent call fails at once.
+// self-resetting flag: put (source) is a stream write of 1 (cuStreamWriteValue32, no SM;
+// Runtime::write_slot); wait (destination) spins until slot == 1 with acquire semantics, then
+// stores 0. The put's memory fence pairs with that acquire load: whatever the source's stream wrote
+// before the put is visible to what the destination's stream runs after the wait. Nothing is reset
+// between calls: every put of a call follows the call's entry barrier, which the destination
+// reaches only after the wait that consumed the previous call's signal.
+// The entry barrier carries the call's token (a non-zero hash of the problem) instead of 1: a rank
+// that finds another token knows its peer made another call, records both in the host-mapped error
+// record, prints them and traps. Every wait is bounded: past its timeout the kernel prints which
+// rank it was waiting for and traps, so a missing peer is an error instead of a hang.
 #include <ATen/cuda/CUDAContext.h>
 
 #include "common/check.h"
