@@ -538,7 +538,7 @@ def tp_moe_delayed(rank, world, dev, group):
     row of the other problem."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from _moe_tp_problem import problem, shard
-    from flux.runtime import runtime as flux_runtime
+    import flux.testing
 
     probs = []
     for seed in (60, 61):
@@ -556,7 +556,7 @@ def tp_moe_delayed(rank, world, dev, group):
             for call in range(-1, 30):  # call -1: every rank makes the runtime and its workspace
                 x, idx, tw, w1, w2, hid, want1, want2 = probs[call % 2]
                 if call >= 0 and call % 3 == 0 and rank == call % world and strat == "symm":
-                    comm = flux_runtime.comm_stream(group)
+                    comm = flux.testing.comm_stream(group)
                     comm.wait_stream(torch.cuda.current_stream())
                     with torch.cuda.stream(comm):
                         torch.cuda._sleep(spin)

@@ -54,7 +54,7 @@ from flux.ops import ag_gemm as ag_mod  # noqa: E402
 from flux.ops import gemm_rs as rs_mod  # noqa: E402
 from flux.autotune.space import Candidate  # noqa: E402
 import flux.testing  # noqa: E402
-from flux.runtime import runtime, symm  # noqa: E402
+from flux.runtime import symm  # noqa: E402
 
 F64, F32, F16, BF16 = torch.float64, torch.float32, torch.float16, torch.bfloat16
 CASE_TIMEOUT_S = 240
@@ -447,7 +447,7 @@ def _delayed(op, names=None):
         for name in names or (_overlapped(mod, dev) + extra):
             c = Candidate.parse(name)
             call = mod.prepare_strategy(c.strategy, prob.x, prob.w, prob.b, **c.kwargs)
-            comm = runtime.comm_stream(dist.group.WORLD)
+            comm = flux.testing.comm_stream(dist.group.WORLD)
             outs = []
             for i in range(1000):
                 if i % 10 == 0 and (i // 10) % world == rank:

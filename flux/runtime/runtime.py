@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from flux.runtime import symm
-from flux import envs
+from flux.runtime.groups import gloo_carries_cuda
 
 _runtimes: Dict[Tuple[str, int], object] = {}
 _workspace_of: Dict[int, object] = {}  # id(runtime) -> the Workspace it was last given
@@ -31,7 +31,7 @@ def get(group: dist.ProcessGroup, nbytes: int = 0):
                         "nccl" in backend, symm.timeout_ms(), symm.error_record_ptr())
         # Ranks sharing one GPU (tests only, flux.testing): a same-GPU copy needs SMs, which the
         # fused AG and RS kernels would hold while they wait for the other rank on that GPU.
-        rt.set_push_before_fused(envs.GLOO_CUDA.get())
+        rt.set_push_before_fused(gloo_carries_cuda())
         _runtimes[key] = rt
     ws = symm.get_workspace(group, max(nbytes, 1))
     if _workspace_of.get(id(rt)) is not ws:
@@ -51,15 +51,3 @@ def make_plan(group: dist.ProcessGroup, *args) -> Tuple[object, object]:
 def existing(group: dist.ProcessGroup) -> Optional[object]:
     """The runtime of ``group`` on the current device if one was made, else None."""
     return _runtimes.get((group.group_name, torch.cuda.current_device()))
-
-
-def comm_stream(group: dist.ProcessGroup) -> torch.cuda.ExternalStream:
-    """The runtime's communication stream (copy-engine pushes and their signals), for tests that
-    delay it (``torch.cuda._sleep`` there makes the peers' waits really wait)."""
-    rt = get(group)
-    return torch.cuda.ExternalStream(rt.comm_stream, device=torch.device("cuda", rt.device))
-
-
-def drop_transfers(group: dist.ProcessGroup, on: bool = True) -> None:
-    """Test hook, kept by name: flux.testing.drop_transfers."""
-    get(group).set_drop_transfers(on)
