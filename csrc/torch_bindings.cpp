@@ -8,7 +8,7 @@
 
 TORCH_LIBRARY(flux, m) {
   m.def("reduce_chunks_(Tensor(a!) out, Tensor partials, Tensor? bias) -> ()");
-  // ptrs_dev: device address of the W ranks' symmetric buffer bases (csrc/reduce/reduce_chunks.cu).
+  // ptrs_dev: device address of the W ranks' symmetric buffer bases (csrc/reduce/reduce_partials.cu).
   m.def("reduce_peers_(Tensor(a!) out, int ptrs_dev, int world, int offset_bytes, Tensor? bias) -> ()");
   // Writes into symmetric-workspace memory given by address (not a tensor argument), and the rows
   // this rank keeps into local_out when given.

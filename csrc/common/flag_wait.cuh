@@ -2,7 +2,7 @@
 // csrc/gemm_rs/rs_fused.cuh).
 //
 // The flag is set by a peer's stream after a copy-engine transfer completed
-// (cuStreamWriteValue32, flux.runtime.symm.Workspace.set_flag / set_segment_flag), so the
+// (cuStreamWriteValue32, flux::Runtime::write_slot), so the
 // acquire load that sees it non-zero orders the transferred data before whatever this thread
 // reads next. Data read afterwards by TMA (the async proxy) additionally needs
 // fence.proxy.async, which the callers issue.
