@@ -284,7 +284,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(torch.ops.flux, "gemm_rs_fused_", rs, raising=False)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(KT, "_events_ms", events_ms)
-    monkeypatch.setattr(KT, "capture", lambda loop: types.SimpleNamespace(replay=loop))
+    monkeypatch.setattr(KT, "capture", lambda loop, calls=1: types.SimpleNamespace(replay=loop))
     monkeypatch.setattr(KT, "L2_BYTES", 1 << 20)  # the small shapes below rotate input sets
 
 
