@@ -4,6 +4,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from flux import envs
 from flux.ops._checks import Signature, dtype_code
 
 WEIGHT_LAYOUTS = ("nk", "kn")
@@ -199,7 +200,10 @@ def problem_of(op: str, input: torch.Tensor, weight: torch.Tensor, weight_layout
     return Problem(op, m_total, n, k, input.dtype, world, weight_layout,
                    out_dtype is not None and out_dtype != input.dtype, input.device.type,
                    sm90=cuda and torch.cuda.get_device_capability(input.device) == (9, 0),
-                   fused_built=cuda and _fused_kernels_built())
+                   fused_built=cuda and _fused_kernels_built(),
+                   out_dtype=out_dtype if out_dtype != input.dtype else None,
+                   # FLUX_GLOO_CUDA places rank r on GPU r % count (flux.testing)
+                   shared_gpu=cuda and envs.GLOO_CUDA.get() and world > torch.cuda.device_count())
 
 
 def choose_and_check(sig, op: str, input: torch.Tensor, weight: torch.Tensor, weight_layout: str,
