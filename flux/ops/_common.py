@@ -24,7 +24,7 @@ def check_gemm_args(sig: Signature, input: torch.Tensor, weight: torch.Tensor, b
     sig.add("input.dtype", dtype_code(input.dtype))
     sig.add("weight.dtype", dtype_code(weight.dtype))
     sig.add("bias is given", bias is not None)
-    sig.add("bias.dtype", dtype_code(bias.dtype) if bias is not None else 0)
+    sig.add("bias.dtype", dtype_code(bias.dtype if bias is not None else None))
     sig.add("out_dtype", dtype_code(out_dtype))
     sig.add_shape("input", input.shape)
     sig.add_shape("weight", weight.shape)
