@@ -5,7 +5,8 @@
   world size larger than the machine's GPU count runs every kernel and signal path for
   correctness (``bench/run_gpu.sh --shared W``). Ranks on one GPU take turns on it: timings mean
   nothing. The runtime reads the flag in two places only: which groups carry CUDA tensors
-  (flux/runtime/groups.py) and a new runtime's push order (flux/runtime/runtime.py).
+  (flux/runtime/groups.py) and a new runtime's push order (flux/runtime/runtime.py); a call's
+  Problem marks ranks sharing a GPU, where the strategy table excludes 'fused' above two ranks.
 - Dropped transfers (``drop_transfers``): a rank passes the entry barriers but sends its peers
   neither data nor flags, so that their in-kernel waits expire (the timeout tests).
 

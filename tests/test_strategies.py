@@ -131,3 +131,17 @@ def test_one_dtype_code_table():
     assert _checks.dtype_code(torch.bfloat16) == strategies.DTYPE_CODES[torch.bfloat16] == 15
     assert _checks.dtype_code(None) == -1 and _checks.describe("out_dtype", -1) == "None"
     assert _checks.describe("x.dtype", 5) == "float16"
+
+
+def test_fused_plan_parameters_come_from_the_kernel_tuner():
+    """A 'fused' plan without config: (config, raster, swizzle) of choose_config for the kernel's
+    rows (ag_gemm: all gathered rows; gemm_rs: one rank's block)."""
+    from flux.autotune import kernels
+    from flux.ops import _plans
+
+    x, w = torch.zeros(1024, 512, dtype=torch.bfloat16), torch.zeros(4096, 512, dtype=torch.bfloat16)
+    for op, m, key in (("ag_gemm", 4096, "ag"), ("gemm_rs", 256, "rs")):
+        want = kernels.choose_config(key, m, 4096, 512, torch.bfloat16, torch.bfloat16, torch.device("cpu"))
+        got = _plans.kernel_params(op, x, w, "nk", None, 4)
+        assert (got["config"], got["raster"], got["swizzle"]) == want
+    assert strategies.PARAM_ORDER[-1] == "raster" and strategies.PARAM_DEFAULTS["raster"] == 1
