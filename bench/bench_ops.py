@@ -46,7 +46,7 @@ Methods, all measured side by side in one process, on the same tensors:
               torch.ops.symm_mem.fused_matmul_reduce_scatter(A, W.t(), "sum", 0, group_name)
               If it cannot run, the JSON records "unavailable: <reason>".
     flux:<s>  the flux strategy s (a name, or a candidate label with parameters, e.g.
-              'fused(config=1,swizzle=8)'), made once with
+              'fused(config=3,swizzle=8)'), made once with
               flux.ops.<op>.prepare_strategy(s, ..., check=True) (the arguments checked
               across the ranks, a C++ plan made), then called as that plan's zero-argument
               callable. Default methods: one per strategy, with its default parameters:
@@ -305,7 +305,7 @@ def parse_args(argv=None):
                    help="JSON file written by rank 0 (default bench/results/bench_ops-<host>-<time>.json)")
     p.add_argument("--strategies", default=None,
                    help="comma-separated flux strategies to run, each a name or a candidate label with "
-                        "parameters, e.g. 'decomposed,fused(config=1,swizzle=8)'; 'all': every candidate "
+                        "parameters, e.g. 'decomposed,fused(config=3,swizzle=8)'; 'all': every candidate "
                         "of the autotuner's search space valid for the shape (default: ag_gemm "
                         f"'{DEFAULT_STRATEGIES['ag_gemm']}', gemm_rs '{DEFAULT_STRATEGIES['gemm_rs']}')")
     p.add_argument("--scale-with-world", action=argparse.BooleanOptionalAction, default=True,

@@ -21,7 +21,7 @@ void ag_gemm_fused_(at::Tensor& out, const at::Tensor& a_full, const at::Tensor&
                     int64_t rows_per_rank, int64_t timeout_ms, int64_t error_record, int64_t raster,
                     int64_t swizzle, int64_t config);
 
-// The fused GEMM instantiations built ("ag:0:bf16 rs:3:fp16 ...", flux/ops/fused_configs.py).
+// The fused GEMM instantiations built ("ag:0:bf16 rs:3:fp16 ...", flux/fused_configs.py).
 std::string fused_kernels_built();
 
 // Fused GEMM+ReduceScatter own block (csrc/gemm_rs/rs_fused.cpp): out = a @ weight^T + source (+ bias),

@@ -49,7 +49,7 @@ TORCH_LIBRARY(flux, m) {
         "int config=0) -> ()");
   m.def("ag_gemm_fused_supported() -> bool");
   // The fused GEMM instantiations compiled in: "op:config:dtype" separated by spaces (op ag or rs,
-  // dtype bf16, fp16, bf16_fp32 or fp16_fp32; flux/ops/fused_configs.py parse_built).
+  // dtype bf16, fp16, bf16_fp32 or fp16_fp32; flux/fused_configs.py parse_built).
   m.def("fused_kernels_built() -> str");
   // Fused GEMM+ReduceScatter own block (csrc/gemm_rs/rs_fused.cpp): out = a @ weight^T + source (+ bias);
   // source: this rank's workspace slot that the peer fills segment by segment, segment s announced

@@ -46,6 +46,9 @@ CHECK_TIMEOUT_S = _var("FLUX_CHECK_TIMEOUT_S", float, 60.0, "seconds the cross-r
 TIMEOUT_MS = _var("FLUX_TIMEOUT_MS", int, 30000, "milliseconds a GPU wait for a peer's signal lasts before it fails")
 GLOO_CUDA = _var("FLUX_GLOO_CUDA", _one, False,
                  "tests only: gloo groups carry CUDA tensors, so that ranks may share a GPU (flux.testing)")
+KERNELS = _var("FLUX_KERNELS", str, "default",
+                "build time, read by setup.py: the fused GEMM kernels compiled, e.g. 'default,ag:*:fp16' "
+                "(flux/fused_configs.py)")
 VLLM = _var("FLUX_VLLM", _flag, False, "1: the vLLM plugin swaps in flux's layers (flux/integrations/vllm.py)")
 STRATEGY_PREFIX = "FLUX_STRATEGY_"  # FLUX_STRATEGY_<OP>: a forced strategy label, below
 for _op in ("AG_GEMM", "GEMM_RS", "MOE", "MOE_TP"):

@@ -22,6 +22,8 @@ from typing import Callable, Dict, Mapping, Optional, Tuple
 
 import torch
 
+from flux import fused_configs
+
 OP_CODES = {"ag_gemm": 0, "gemm_rs": 1}  # OpKind in C++; the top bits of a plan's token
 # The channels of a rank's signal pad (one word per peer each), as the C++ side numbers them
 # (k<Name>Channel in the generated header): the entry barrier, the data signals of chunks
@@ -29,14 +31,19 @@ OP_CODES = {"ag_gemm": 0, "gemm_rs": 1}  # OpKind in C++; the top bits of a plan
 SIGNAL_CHANNELS = {"barrier": 0, "data": 1, "flag": 8, "started": 9, "segment": 10}
 MAX_CHUNKS = SIGNAL_CHANNELS["flag"] - SIGNAL_CHANNELS["data"]  # one data channel per chunk
 TILE_M = 128  # rows of one tile: the decomposed sub-blocks' minimum
-# Rows of one tile and CTAs of one cluster along M of each fused kernel configuration
-# (csrc/ag_gemm/ag_gemm_fused_cfg*.cu, csrc/gemm_rs/rs_fused_cfg*.cu). Along N, the kernels serve
-# M tiles in bands of cluster_m * swizzle tiles.
-FUSED_AG_TILE_M = {0: (128, 2), 1: (256, 2), 2: (128, 2), 3: (256, 1)}
-FUSED_RS_TILE_M = {0: (128, 2), 1: (256, 2), 2: (256, 1)}
+# (rows of one tile, CTAs of one cluster along M) of each fused kernel configuration, from the
+# table flux/fused_configs.py. Along N, the kernels serve M tiles in bands of cluster_m * swizzle tiles.
+FUSED_AG_TILE_M = {c.id: (c.tile_m, c.cluster_m) for c in fused_configs.CONFIGS["ag"]}
+FUSED_RS_TILE_M = {c.id: (c.tile_m, c.cluster_m) for c in fused_configs.CONFIGS["rs"]}
 FUSED_TILE_M = {"ag_gemm": FUSED_AG_TILE_M, "gemm_rs": FUSED_RS_TILE_M}
 # Where the first8 split pays: under this many rows per rank it only adds a GEMM launch.
 FIRST8_MIN_ROWS = 1024
+# c10::ScalarType values: a call's key in C++ (Runtime::make_plan, Runtime::call) and the dtype
+# fields of the cross-rank signature (flux/ops/_checks.py). -1: no dtype (no out_dtype given).
+DTYPE_CODES = {None: -1, torch.uint8: 0, torch.int8: 1, torch.int16: 2, torch.int32: 3, torch.int64: 4,
+               torch.float16: 5, torch.float32: 6, torch.float64: 7, torch.bool: 11, torch.bfloat16: 15}
+DTYPE_CODES.update({getattr(torch, n): c for n, c in (("float8_e5m2", 23), ("float8_e4m3fn", 24))
+                    if hasattr(torch, n)})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +63,7 @@ class Problem:
     sm90: bool = True          # the device runs the sm_90a kernels
     fused_built: bool = True   # flux._C holds them
     out_dtype: Optional[torch.dtype] = None  # the output dtype where it differs (None: read as fp32)
+    shared_gpu: bool = False  # ranks of the group share a GPU (FLUX_GLOO_CUDA, more ranks than GPUs; tests)
     no_symm: Optional[str] = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
@@ -68,6 +76,27 @@ class Problem:
     def rows(self) -> int:
         """Rows of one rank's block (M / W)."""
         return self.m // self.world
+
+    @property
+    def out(self) -> torch.dtype:
+        """The output dtype."""
+        return (self.out_dtype or torch.float32) if self.out_dtype_differs else self.dtype
+
+    @property
+    def kernel_m(self) -> int:
+        """Rows of the fused kernel: all gathered rows (ag_gemm), one rank's block (gemm_rs)."""
+        return self.m if self.op == "ag_gemm" else self.rows
+
+
+def fused_built_for(op: str, dtype: torch.dtype, out_dtype: torch.dtype) -> bool:
+    """Whether a fused kernel of ``op`` is built for dtype -> out_dtype (the table filtered by
+    what flux._C reports built: flux/autotune/kernel_configs.py)."""
+    from flux.autotune.kernel_configs import kernel_configs
+
+    try:
+        return bool(kernel_configs(op, dtype, out_dtype))
+    except ValueError:  # a dtype no fused kernel names
+        return False
 
 
 def wide_out_ok(dtype: torch.dtype, out_dtype: Optional[torch.dtype]) -> bool:
@@ -102,8 +131,13 @@ def _fused_why_not(p: Problem) -> Optional[str]:
         return "flux._C was built without the sm_90a kernels"
     if not p.sm90:
         return "the fused kernels are built for sm_90a (Hopper)"
-    if p.dtype != torch.bfloat16 or p.out_dtype_differs:
-        return f"the fused kernels are bf16 in and out only (got {p.dtype} -> {p.out_dtype or 'fp32'})"
+    if not fused_built_for(p.op, p.dtype, p.out):
+        return f"no fused {p.op} kernel is built for {p.dtype} -> {p.out} (flux/fused_configs.py, FLUX_KERNELS)"
+    if p.shared_gpu and p.world > 2:
+        # Each rank's persistent kernel holds every SM it gets while it waits for its peers'
+        # pushes; with more than two ranks on one GPU those pushes (same-GPU copies, which need
+        # SMs) and the peers' kernels cannot all be resident, and the waits never end.
+        return "ranks share a GPU at world size > 2: the persistent fused kernels cannot all progress"
     if p.weight_layout != "nk":
         return "the fused kernels take weight_layout 'nk' only"
     if p.k % 8 or p.n % 8:
@@ -151,8 +185,7 @@ def _first8_why_not(p: Problem, kw: Mapping[str, int]) -> Optional[str]:
 def _swizzle_prune(p: Problem, kw: Mapping[str, int]) -> Optional[str]:
     swizzle = kw["swizzle"]
     tile_m, cluster_m = FUSED_TILE_M[p.op][kw.get("config", 0)]
-    kernel_rows = p.m if p.op == "ag_gemm" else p.rows  # AG's kernel runs all M rows, RS's one block
-    if swizzle > 1 and kernel_rows < cluster_m * swizzle * tile_m:
+    if swizzle > 1 and p.kernel_m < cluster_m * swizzle * tile_m:
         return "bands of M tiles larger than the problem pad the grid"
     return None
 
@@ -165,7 +198,19 @@ _FIRST8 = Param("first8", 8, domain=lambda op, v: None if 1 <= v <= 8 else "firs
                 why_not=_first8_why_not,
                 prune=lambda p, kw: f"first8: under {FIRST8_MIN_ROWS} rows per rank the split only adds a launch"
                 if kw["first8"] != 8 and p.rows < FIRST8_MIN_ROWS else None)
-_CONFIG = Param("config", 0, domain=lambda op, v: None if v in FUSED_TILE_M[op] else f"no fused configuration {v}")
+def _config_why_not(p: Problem, kw: Mapping[str, int]) -> Optional[str]:
+    from flux.autotune.kernel_configs import kernel_configs
+
+    if any(c.id == kw["config"] for c in kernel_configs(p.op, p.dtype, p.out)):
+        return None
+    return f"configuration {kw['config']} is not built for {p.dtype} -> {p.out}"
+
+
+# Without config (a plan made from the tuner's 'fused' or a forced label), the plan's config,
+# raster and swizzle are the kernel tuner's choice (flux.autotune.kernels.choose_config).
+_CONFIG = Param("config", 0, domain=lambda op, v: None if v in FUSED_TILE_M[op] else f"no fused configuration {v}",
+                why_not=_config_why_not)
+_RASTER = Param("raster", 1, domain=lambda op, v: None if 0 <= v <= 2 else "raster must be 0..2")
 _SWIZZLE = Param("swizzle", 0, domain=lambda op, v: None if v >= 0 else "swizzle must be 0 (analytic) or positive",
                  prune=_swizzle_prune)
 _SEGMENTS = Param("segments", 8, domain=lambda op, v: None if v >= 1 else "segments must be positive")
@@ -175,8 +220,7 @@ AG_GEMM: Dict[str, Strategy] = {s.name: s for s in (
     Strategy("decomposed", 1, "ag_decomposed", _overlap_why_not, "sequential", (_FIRST8,),
              ({}, {"first8": 4}, {"first8": 6}, {"first8": 7})),
     Strategy("oneshot", 2, "ag_oneshot", _overlap_why_not, "sequential"),
-    Strategy("fused", 3, "ag_fused", _fused_why_not, "decomposed", (_CONFIG, _SWIZZLE),
-             tuple({"config": c, "swizzle": s} for c in sorted(FUSED_AG_TILE_M) for s in (1, 8))),
+    Strategy("fused", 3, "ag_fused", _fused_why_not, "decomposed", (_CONFIG, _SWIZZLE, _RASTER)),
 )}
 GEMM_RS: Dict[str, Strategy] = {s.name: s for s in (
     Strategy("sequential", 0, "rs_sequential"),
@@ -185,14 +229,12 @@ GEMM_RS: Dict[str, Strategy] = {s.name: s for s in (
              ({"chunks": 1}, {"chunks": 2})),
     Strategy("decomposed_p2p", 4, "rs_decomposed_p2p", _overlap_why_not, "sequential", (_CHUNKS,),
              ({"chunks": 1},)),
-    Strategy("fused", 3, "rs_fused", _fused_why_not, "decomposed", (_CONFIG, _SEGMENTS, _SWIZZLE),
-             tuple({"config": c, "segments": s, "swizzle": z} for c in sorted(FUSED_RS_TILE_M) for s in (8, 16)
-                   for z in (1, 8))),
+    Strategy("fused", 3, "rs_fused", _fused_why_not, "decomposed", (_CONFIG, _SEGMENTS, _SWIZZLE, _RASTER)),
 )}
 TABLES: Dict[str, Dict[str, Strategy]] = {"ag_gemm": AG_GEMM, "gemm_rs": GEMM_RS}
 
 # The plan's parameter vector (Runtime::make_plan): every parameter of every table, in this order.
-PARAM_ORDER = ("first8", "chunks", "segments", "config", "swizzle")
+PARAM_ORDER = ("first8", "chunks", "segments", "config", "swizzle", "raster")
 PARAM_DEFAULTS = {q.name: q.default for t in TABLES.values() for s in t.values() for q in s.params}
 # One code per strategy name across the op families (one C++ enum).
 STRATEGY_CODES = {s.name: s.code for t in TABLES.values() for s in t.values()}

@@ -5,7 +5,8 @@
   world size larger than the machine's GPU count runs every kernel and signal path for
   correctness (``bench/run_gpu.sh --shared W``). Ranks on one GPU take turns on it: timings mean
   nothing. The runtime reads the flag in one place, flux.runtime.groups.gloo_carries_cuda, for
-  which groups carry CUDA tensors and a new runtime's push order (flux/runtime/runtime.py).
+  which groups carry CUDA tensors and a new runtime's push order (flux/runtime/runtime.py); a call's
+  Problem marks ranks sharing a GPU, where the strategy table excludes 'fused' above two ranks.
 - Dropped transfers (``drop_transfers``): a rank passes the entry barriers but sends its peers
   neither data nor flags, so that their in-kernel waits expire (the timeout tests).
 - A delayed communication stream (``comm_stream``): ``torch.cuda._sleep`` there makes the

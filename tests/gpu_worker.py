@@ -234,10 +234,12 @@ def _out(op):
 
 
 def _candidates(op):
-    """Every candidate of the autotuner's search space for a few problems (so every fused
-    configuration, swizzle and chunk count), run through run_strategy with its parameters,
+    """Every candidate of the autotuner's search space for a few problems (every chunk count;
+    'fused' with the kernel tuner's configuration), and 'fused' in every built configuration
+    with bands of 1 and 8 tiles where they fit, run through run_strategy with its parameters,
     against the float64 reference."""
-    from flux.autotune.space import Problem, candidates
+    from flux.autotune.kernel_configs import kernel_configs
+    from flux.autotune.space import Candidate, Problem, candidates, why_invalid
 
     def fn(rank, world, dev):
         mod = ag_mod if op == "ag" else rs_mod
@@ -249,7 +251,11 @@ def _candidates(op):
             else:
                 prob = RsProblem(rank, world, dev, m_rows * world, k, n, BF16, bias=True, seed=70)
                 p = Problem("gemm_rs", m_rows * world, n, k, BF16, world)
-            for c in candidates(p):
+            cands = candidates(p)
+            if any(c.strategy == "fused" for c in cands):
+                cands += [c for c in (Candidate.of("fused", config=kc.id, swizzle=s)
+                                      for kc in kernel_configs(op, BF16) for s in (1, 8)) if why_invalid(c, p) is None]
+            for c in cands:
                 try:  # a kernel fault names its candidate
                     out = mod.run_strategy(c.strategy, prob.x, prob.w, prob.b, **c.kwargs)
                     torch.cuda.synchronize()
@@ -565,21 +571,26 @@ def _need_rs_fused(world, dev):
 
     if not _fused_kernels_built() or torch.cuda.get_device_capability(dev) != (9, 0):
         raise Skip("gemm_rs 'fused' needs sm_90a and a flux._C built for it")
+    if SHARED_GPUS and world > 2 and world > torch.cuda.device_count():
+        raise Skip("ranks share a GPU at world size > 2: 'fused' runs 'decomposed' (flux/strategies.py)")
 
 
-RS_FUSED_LABELS = ["fused", "fused(config=1)", "fused(segments=1)", "fused(segments=16,swizzle=8)"]
+RS_FUSED_LABELS = ["fused", "fused(config=2)", "fused(segments=1)", "fused(segments=16,swizzle=8)"]
 
 
 @gcase("fwd-rs-fused")
 def _rs_fused_fwd(rank, world, dev):
-    """gemm_rs 'fused' (each configuration, 1 to 16 segments) against the float64 reference,
-    on odd and tile-multiple shapes, with and without bias, N-D input and out=."""
+    """gemm_rs 'fused' (each built configuration, 1 to 16 segments) against the float64
+    reference, on odd and tile-multiple shapes, with and without bias, N-D input and out=."""
+    from flux.autotune.kernel_configs import kernel_configs
+
     _need_rs_fused(world, dev)
+    labels = RS_FUSED_LABELS + [f"fused(config={c.id})" for c in kernel_configs("rs", BF16)]
     result = {}
     for m_rows, k, n, bias in ((2048, 1024, 1536, True), (999, 4160, 1000, True), (128, 512, 264, False),
                                (4096, 2048, 8192, True)):
         prob = RsProblem(rank, world, dev, m_rows * world, k, n, BF16, bias=bias, seed=80)
-        for label in RS_FUSED_LABELS:
+        for label in labels:
             c = Candidate.parse(label)
             out = rs_mod.run_strategy(c.strategy, prob.x, prob.w, prob.b, **prob.kwargs(), **c.kwargs)
             result[f"{m_rows}x{k}x{n} {label}"] = prob.check(out, f"{label} on {m_rows}x{k}x{n}")[0]

@@ -1,4 +1,4 @@
-"""The fused GEMM instantiation table (flux/ops/fused_configs.py), the sources setup.py generates
+"""The fused GEMM instantiation table (flux/fused_configs.py), the sources setup.py generates
 from it, and, on a GPU, every built instantiation against torch.mm.
 
 GPU cases: every (op, config, dtype) that flux._C was built with, all flags already set (AG: any
@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from flux.ops import fused_configs as fc
+from flux import fused_configs as fc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -54,9 +54,9 @@ def test_setup_generates_one_unit_per_instantiation(tmp_path, monkeypatch):
     scope = {"__file__": os.path.join(ROOT, "setup.py"), "__name__": "flux_setup_under_test"}
     exec(compile(src, "setup.py", "exec"), scope)
     scope["ROOT"] = str(tmp_path)
-    os.makedirs(tmp_path / "flux" / "ops")
-    with open(os.path.join(ROOT, "flux", "ops", "fused_configs.py")) as f:
-        (tmp_path / "flux" / "ops" / "fused_configs.py").write_text(f.read())
+    os.makedirs(tmp_path / "flux")
+    with open(os.path.join(ROOT, "flux", "fused_configs.py")) as f:
+        (tmp_path / "flux" / "fused_configs.py").write_text(f.read())
     monkeypatch.setenv("FLUX_KERNELS", "minimal,ag:7:fp16_fp32")
     sources = scope["_generate_fused_sources"](True)
     names = sorted(os.path.basename(s) for s in sources)

@@ -11,6 +11,7 @@ import types
 import pytest
 import torch
 
+from flux import fused_configs as FC
 from flux.autotune import cache as cache_mod
 from flux.autotune import kernel_configs as KC
 from flux.autotune import kernels as K
@@ -22,7 +23,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(autouse=True)
 def _fresh(tmp_path, monkeypatch):
     monkeypatch.setenv("FLUX_CACHE_DIR", str(tmp_path / "user"))
-    monkeypatch.delitem(sys.modules, "flux.ops.fused_configs", raising=False)
     K.reset()
     yield
     K.reset()
@@ -76,55 +76,27 @@ def test_bench_without_gpu_says_so_in_one_line():
 
 
 # ---- the configuration table adapter ----------------------------------------------------------
-def test_builtin_configs_without_a_table():
+def test_configs_of_the_default_build_without_flux_c():
+    """Without flux._C's list, the configurations are the table's default build."""
     ag, rs = K.kernel_configs("ag"), K.kernel_configs("gemm_rs")
-    assert [c.id for c in ag] == [0, 1, 2, 3] and [c.id for c in rs] == [0, 1, 2]
-    assert "built-in" in K.config_source("ag")
-    assert ag[2].schedule == "pingpong" and (ag[3].cluster_m, ag[3].cluster_n) == (1, 2)
-    assert K.kernel_configs("ag", torch.bfloat16) == ag and K.kernel_configs("ag", torch.float16) == []
-    assert K.kernel_configs("ag", "bf16", torch.float32) == []
+    want = {op: [c.id for c in FC.CONFIGS[op] if c.default] for op in FC.OPS}
+    assert [c.id for c in ag] == want["ag"] and [c.id for c in rs] == want["rs"]
+    assert "default build" in K.config_source("ag")
+    c2 = next(c for c in ag if c.id == 2)
+    assert c2.schedule == "pingpong" and (c2.tile_m, c2.tile_n, c2.cluster_m) == (128, 128, 2)
+    assert [c.id for c in K.kernel_configs("ag", torch.float16)] == [0]
+    assert [c.id for c in K.kernel_configs("ag", "bf16", torch.float32)] == [0]
+    assert K.kernel_configs("ag", torch.float16, torch.float32) == []
 
 
-def _fake_table(monkeypatch, **attrs):
-    mod = types.ModuleType("flux.ops.fused_configs")
-    for k, v in attrs.items():
-        setattr(mod, k, v)
-    monkeypatch.setitem(sys.modules, "flux.ops.fused_configs", mod)
-    K.reset()
-
-
-def test_table_as_dicts(monkeypatch):
-    _fake_table(monkeypatch, CONFIGS={
-        "ag": [{"id": 0, "tile": (128, 256, 64), "cluster": (2, 1), "schedule": "cooperative",
-                "dtypes": [("bf16", "bf16"), ("bf16", "fp32")]},
-               {"id": 5, "tile": "64x256x64", "cluster": "1x2", "schedule": "KernelTmaWarpSpecializedPingpong",
-                "dtypes": ["fp16->fp16", "bf16"]}],
-        "rs": []})
-    ag = K.kernel_configs("ag")
-    assert K.config_source("ag") == "flux.ops.fused_configs"
-    assert (ag[1].tile_m, ag[1].tile_n, ag[1].cluster_n, ag[1].schedule) == (64, 256, 2, "pingpong")
-    assert [c.id for c in K.kernel_configs("ag", "bf16", "fp32")] == [0]
-    assert [c.id for c in K.kernel_configs("ag", torch.float16)] == [5]
-    assert [c.id for c in K.kernel_configs("ag", "bf16")] == [0, 5]
-    assert [c.id for c in K.kernel_configs("rs")] == [0, 1, 2]  # an empty table list: the built-in one
-
-
-def test_table_as_function_of_objects_and_built_filter(monkeypatch):
-    cfg = types.SimpleNamespace
-    _fake_table(monkeypatch, configs=lambda op: [cfg(id=i, tile_m=128, tile_n=128 * (i + 1), tile_k=64, cluster_m=2,
-                                                     cluster_n=1, schedule="cooperative", dtypes=None)
-                                                 for i in range(3)])
-    assert [c.id for c in K.kernel_configs("rs")] == [0, 1, 2]
-    monkeypatch.setattr(torch.ops.flux, "fused_kernels_built", lambda: ["rs:0", "gemm_rs:2:bf16:bf16", "ag:1"],
+def test_built_filter(monkeypatch):
+    monkeypatch.setattr(torch.ops.flux, "fused_kernels_built", lambda: "rs:0:bf16 rs:2:fp16_fp32 ag:11:fp16",
                         raising=False)
     K.reset()
-    assert [c.id for c in K.kernel_configs("rs")] == [0, 2] and [c.id for c in K.kernel_configs("ag")] == [1]
-
-
-def test_unreadable_table_falls_back(monkeypatch):
-    _fake_table(monkeypatch, CONFIGS={"ag": [{"tile": "nonsense"}]})
-    assert [c.id for c in K.kernel_configs("ag")] == [0, 1, 2, 3]
-    assert "unreadable" in K.config_source("ag")
+    assert [c.id for c in K.kernel_configs("rs")] == [0, 2] and [c.id for c in K.kernel_configs("ag")] == [11]
+    assert [c.id for c in K.kernel_configs("rs", "fp16", "fp32")] == [2]
+    assert K.kernel_configs("ag", "bf16") == [] and K.config_source("ag") == "torch.ops.flux.fused_kernels_built()"
+    assert K.kernel_configs("ag", "fp16")[0].desc == "64x128x128/1x1/pp"
 
 
 # ---- the analytic default ------------------------------------------------------------------
@@ -182,7 +154,7 @@ def test_rule_swizzle():
 
 def test_no_config_for_dtype_is_an_error():
     with pytest.raises(ValueError, match="no configuration built"):
-        K.choose_config("ag", 1024, 4096, 4096, torch.float16)
+        K.choose_config("ag", 1024, 4096, 4096, torch.float16, torch.float32)
 
 
 # ---- the cache ------------------------------------------------------------------------------
@@ -193,7 +165,8 @@ def _entry(choice, desc):
 def test_cache_round_trip_and_precedence(tmp_path, monkeypatch):
     monkeypatch.setattr(cache_mod, "SHIPPED_DIR", str(tmp_path / "shipped"))
     key, _ = K.gpu_key(torch.device("cpu"))
-    desc3 = K.kernel_configs("ag")[3].desc
+    descs = {c.id: c.desc for c in K.kernel_configs("ag")}
+    desc3 = descs[3]
     assert K.choose_config("ag", 4096, 14336, 8192) == K.analytic_config("ag", 4096, 14336, 8192)
     # shipped file (another flux version: shipped files are read regardless)
     shipped = K.KernelCache(key, str(tmp_path / "shipped"))
@@ -210,10 +183,10 @@ def test_cache_round_trip_and_precedence(tmp_path, monkeypatch):
     assert K.choose_config("ag", 1024, 14336, 8192) == K.analytic_config("ag", 1024, 14336, 8192)  # stale ignored
     # the user's file wins over the shipped one, and survives a reload
     user = K.kernel_cache(key)
-    user.put(K.entry_key("ag", 4096, 14336, 8192, "bf16"), _entry("c1/r1/s8", K.kernel_configs("ag")[1].desc))
+    user.put(K.entry_key("ag", 4096, 14336, 8192, "bf16"), _entry("c2/r1/s8", descs[2]))
     user.save()
     K.reset()
-    assert K.choose_config("ag", 4096, 14336, 8192) == (1, 1, 8)
+    assert K.choose_config("ag", 4096, 14336, 8192) == (2, 1, 8)
 
 
 def test_entries_from_bench_and_cli(tmp_path, monkeypatch):
@@ -225,7 +198,7 @@ def test_entries_from_bench_and_cli(tmp_path, monkeypatch):
                 "ms": {"loop": loop, "graph": graph, "spin": loop}}
     doc = {"device": "NVIDIA H200", "sm_count": 132, "dtype": "bf16", "out_dtype": "bf16", "results": [
         {"op": "rs", "m": 2048, "n": 8192, "k": 4096, "own": {"label": "c0/r1/s1"},
-         "variants": {"c0/r1/s1": var(0, 1, 1.00, 1.00), "c1/r1/s1": var(1, 1, 0.995, 0.995),  # within the margin
+         "variants": {"c0/r1/s1": var(0, 1, 1.00, 1.00), "c4/r1/s1": var(4, 1, 0.995, 0.995),  # within the margin
                       "c2/r1/s1": var(2, 1, 0.5, 0.5, ok=False)}},                            # wrong: never chosen
         {"op": "rs", "m": 4096, "n": 8192, "k": 4096, "own": {"label": "c0/r1/s1"},
          "variants": {"c0/r1/s1": var(0, 1, 1.0, 1.0), "c2/r1/s8": var(2, 8, 0.9, None)}}]}

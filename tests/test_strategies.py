@@ -4,7 +4,8 @@ import re
 
 import torch
 
-from flux import strategies
+from flux import fused_configs, strategies
+from flux.autotune import kernel_configs as KC
 from flux.strategies import OP_CODES, STRATEGY_CODES, TABLES, Problem, resolve
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -60,7 +61,7 @@ def test_fallback_chains():
     assert resolve(_p(world=4), "decomposed", {"first8": 6}, log) == ("decomposed", {})
     assert resolve(_p(), "decomposed", {"first8": 6}, log) == ("decomposed", {"first8": 6})
     assert resolve(_p(m=2), "decomposed", {"first8": 4}, log) == ("decomposed", {})  # 1 row: no split
-    assert resolve(_p("gemm_rs", dtype=torch.float16), "fused", {"segments": 16}, log) == ("decomposed", {})
+    assert resolve(_p(dtype=torch.float64), "fused", {}, log) == ("sequential", {})
     assert resolve(_p(out_dtype_differs=True, dtype=torch.float32), "decomposed", {}, log) == ("sequential", {})
 
 
@@ -70,3 +71,78 @@ def test_every_space_point_is_in_its_domain():
             assert s.fallback is None or s.fallback in table
             for kw in s.space:
                 assert strategies.param_error(op, s.name, kw) is None, (op, s.name, kw)
+
+
+def test_fused_tiles_come_from_the_kernel_table():
+    for op, key in (("ag_gemm", "ag"), ("gemm_rs", "rs")):
+        assert strategies.FUSED_TILE_M[op] == {c.id: (c.tile_m, c.cluster_m) for c in fused_configs.CONFIGS[key]}
+
+
+def test_one_fused_candidate_per_op():
+    from flux.autotune.space import Candidate, _space
+
+    for op in TABLES:
+        assert [c for c in _space(op) if c.strategy == "fused"] == [Candidate("fused")]
+
+
+def _built_only(monkeypatch, text):
+    """flux._C reporting ``text`` as its built fused kernels."""
+    monkeypatch.setattr(torch.ops.flux, "fused_kernels_built", lambda: text, raising=False)
+    KC.reset()
+
+
+def test_fused_eligibility_follows_the_built_kernels(monkeypatch):
+    """fp16 in, fp32 out from bf16/fp16: fused where a kernel is built for that pair (the
+    table filtered by flux._C's list), else decomposed with the reason logged."""
+    steps = []
+    log = lambda *a: steps.append(a)  # noqa: E731
+    try:
+        _built_only(monkeypatch, "ag:0:bf16 ag:5:fp16 rs:0:bf16_fp32 rs:4:bf16")
+        wide = dict(out_dtype_differs=True, out_dtype=torch.float32)
+        assert resolve(_p(dtype=torch.float16), "fused", {}, log) == ("fused", {})
+        assert resolve(_p("gemm_rs", dtype=torch.float16), "fused", {"segments": 16}, log) == ("decomposed", {})
+        assert "no fused gemm_rs kernel is built for torch.float16 -> torch.float16" in steps[-1][1]
+        assert resolve(_p("gemm_rs", **wide), "fused", {}, log) == ("fused", {})
+        assert resolve(_p("gemm_rs", dtype=torch.float16, **wide), "fused", {}, log)[0] == "decomposed"
+        assert resolve(_p(**wide), "fused", {}, log)[0] == "decomposed"
+        # A configuration not built for the dtypes: the plan takes the kernel tuner's choice.
+        assert resolve(_p(dtype=torch.float16), "fused", {"config": 0, "swizzle": 1}, log) == ("fused", {"swizzle": 1})
+        assert "configuration 0 is not built" in steps[-1][1]
+        assert resolve(_p(dtype=torch.float16), "fused", {"config": 5}, log) == ("fused", {"config": 5})
+        _built_only(monkeypatch, "")  # flux._C built without fused kernels
+        assert resolve(_p(), "fused", {}, log)[0] == "decomposed"
+    finally:
+        KC.reset()
+
+
+def test_fused_excluded_where_ranks_share_a_gpu_beyond_two():
+    steps = []
+    log = lambda *a: steps.append(a)  # noqa: E731
+    for op in TABLES:
+        assert resolve(_p(op, shared_gpu=True), "fused", {}, log) == ("fused", {})  # two ranks: pushes go first
+        assert resolve(_p(op, world=4, shared_gpu=True), "fused", {}, log) == ("decomposed", {})
+        assert "ranks share a GPU" in steps[-1][1]
+        assert resolve(_p(op, world=4), "fused", {}, log) == ("fused", {})
+
+
+def test_one_dtype_code_table():
+    from flux.ops import _checks, _plans
+
+    assert _plans.DTYPE_CODES is strategies.DTYPE_CODES
+    assert _checks.dtype_code(torch.bfloat16) == strategies.DTYPE_CODES[torch.bfloat16] == 15
+    assert _checks.dtype_code(None) == -1 and _checks.describe("out_dtype", -1) == "None"
+    assert _checks.describe("x.dtype", 5) == "float16"
+
+
+def test_fused_plan_parameters_come_from_the_kernel_tuner():
+    """A 'fused' plan without config: (config, raster, swizzle) of choose_config for the kernel's
+    rows (ag_gemm: all gathered rows; gemm_rs: one rank's block)."""
+    from flux.autotune import kernels
+    from flux.ops import _plans
+
+    x, w = torch.zeros(1024, 512, dtype=torch.bfloat16), torch.zeros(4096, 512, dtype=torch.bfloat16)
+    for op, m, key in (("ag_gemm", 4096, "ag"), ("gemm_rs", 256, "rs")):
+        want = kernels.choose_config(key, m, 4096, 512, torch.bfloat16, torch.bfloat16, torch.device("cpu"))
+        got = _plans.kernel_params(op, x, w, "nk", None, 4)
+        assert (got["config"], got["raster"], got["swizzle"]) == want
+    assert strategies.PARAM_ORDER[-1] == "raster" and strategies.PARAM_DEFAULTS["raster"] == 1

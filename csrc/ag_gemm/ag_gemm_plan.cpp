@@ -205,7 +205,7 @@ std::tuple<at::Tensor, at::Tensor> Runtime::ag_fused(const Plan& p, const at::Te
   // once the persistent GEMM runs).
   gather_into_workspace(p, a, shard, kFlagChannel, cur);
   if (push_before_fused_) join(cur, comm_);  // ranks sharing a GPU: a same-GPU copy needs SMs
-  ag_gemm_fused_(res, full, w, b, flags, r, W, rows, timeout_ms_, reinterpret_cast<int64_t>(error_record_), 1,
+  ag_gemm_fused_(res, full, w, b, flags, r, W, rows, timeout_ms_, reinterpret_cast<int64_t>(error_record_), p.raster,
                  p.swizzle > 0 ? p.swizzle : fused_swizzle(W * rows, p.n), p.config);
   at::Tensor out = res;
   if (out_arg.has_value() && !out_aligned) {

@@ -236,7 +236,7 @@ at::Tensor Runtime::rs_fused(const Plan& p, const at::Tensor& input, const at::T
     if (push_before_fused_) join(cur, comm_);
     gemm_rs_fused_(dst, a_blocks[step - 1], w, last ? bias16 : std::nullopt, rows_of(inbox, (step - 1) * rows, rows),
                    rows_of(flags, (step - 1) * nseg, nseg), seg_rows, r, prev, timeout_ms_,
-                   reinterpret_cast<int64_t>(error_record_), 1, p.swizzle > 0 ? p.swizzle : 1, p.config);
+                   reinterpret_cast<int64_t>(error_record_), p.raster, p.swizzle > 0 ? p.swizzle : 1, p.config);
     if (!last) push(step);
   }
   join(cur, comm_);  // later calls write the staging (and free the inputs) after the pushes

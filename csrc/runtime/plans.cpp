@@ -96,6 +96,7 @@ std::shared_ptr<Plan> Runtime::make_plan(int64_t op, int64_t strategy, const std
   p->segments = params[2];
   p->config = params[3];
   p->swizzle = params[4];
+  p->raster = params[5];
   p->token = (uint32_t)token;
   FLUX_CHECK(p->token != 0, kOp, "a plan's token must be non-zero");
   p->nk = nk;
@@ -171,7 +172,7 @@ constexpr bool same_name(const char* a, const char* b) { return *a == *b && (*a 
 // make_plan reads the parameter vector by position: the generated order must be this one.
 static_assert(same_name(kPlanParamNames[0], "first8") && same_name(kPlanParamNames[1], "chunks") &&
                   same_name(kPlanParamNames[2], "segments") && same_name(kPlanParamNames[3], "config") &&
-                  same_name(kPlanParamNames[4], "swizzle"),
+                  same_name(kPlanParamNames[4], "swizzle") && same_name(kPlanParamNames[5], "raster"),
               "flux/strategies.py PARAM_ORDER changed: update Runtime::make_plan");
 std::tuple<at::Tensor, at::Tensor> as_result(std::tuple<at::Tensor, at::Tensor> r) { return r; }
 std::tuple<at::Tensor, at::Tensor> as_result(at::Tensor out) { return {std::move(out), at::Tensor()}; }

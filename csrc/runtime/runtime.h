@@ -57,7 +57,7 @@ struct Plan {
   OpKind op = OpKind::AgGemm;
   StrategyKind strategy = StrategyKind::Sequential;
   // Strategy parameters (flux/strategies.py, kPlanParamNames); 0 swizzle: the analytic choice.
-  int64_t first8 = 8, chunks = 1, segments = 8, config = 0, swizzle = 0;
+  int64_t first8 = 8, chunks = 1, segments = 8, config = 0, swizzle = 0, raster = 1;
   uint32_t token = 1;  // non-zero; see the file comment
   // The problem, fixed by the key.
   int64_t rows = 0;  // ag_gemm: rows of this rank's shard; gemm_rs: rows of one block (M / W)

@@ -12,9 +12,9 @@ constexpr int64_t kNumStrategies = 5;
 constexpr const char* kOpNames[] = {"ag_gemm", "gemm_rs"};
 constexpr const char* kStrategyNames[] = {"sequential", "decomposed", "oneshot", "fused", "decomposed_p2p"};
 // The parameter vector of Runtime::make_plan, in this order, with these defaults.
-constexpr int64_t kNumPlanParams = 5;
-constexpr const char* kPlanParamNames[] = {"first8", "chunks", "segments", "config", "swizzle"};
-constexpr int64_t kPlanParamDefaults[] = {8, 1, 8, 0, 0};
+constexpr int64_t kNumPlanParams = 6;
+constexpr const char* kPlanParamNames[] = {"first8", "chunks", "segments", "config", "swizzle", "raster"};
+constexpr int64_t kPlanParamDefaults[] = {8, 1, 8, 0, 0, 1};
 // Signal pad channels (flux/runtime/symm.py sizes the pads from the last one).
 constexpr int kBarrierChannel = 0;
 constexpr int kDataChannel = 1;

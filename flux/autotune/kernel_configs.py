@@ -1,20 +1,20 @@
-"""The fused kernels' compiled configurations, read through one adapter.
+"""The fused kernels' built configurations, read from the table flux/fused_configs.py.
 
 ``kernel_configs(op, dtype, out_dtype)`` lists the KernelConfig (id, tile, cluster, schedule,
 (input, output) dtypes) of op 'ag' (csrc/ag_gemm/) or 'rs' (csrc/gemm_rs/) built for those
-dtypes. Source: the table flux/ops/fused_configs.py where it exists (read through whichever of
-its plausible shapes it has), else the built-in list of what csrc/ compiles today (AG 0..3,
-RS 0..2, bf16 only); then, where flux._C answers ``torch.ops.flux.fused_kernels_built()``, only
-what it reports built. ``config_source(op)`` says which source was used.
+dtypes: where flux._C answers ``torch.ops.flux.fused_kernels_built()``, what it reports built;
+otherwise what the default build holds (each configuration's ``default`` dtype variants).
+``config_source(op)`` says which of the two it was. The fused strategies are eligible for a
+dtype pair only where this list is non-empty (flux/strategies.py).
 """
 import dataclasses
-import importlib
-import re
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 
-OPS = ("ag", "rs")
+from flux import fused_configs as table
+
+OPS = table.OPS
 _OP_ALIASES = {"ag": "ag", "ag_gemm": "ag", "rs": "rs", "gemm_rs": "rs"}
 _DT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
        "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "half": "fp16",
@@ -36,8 +36,8 @@ def _dt(d) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-    """One compiled configuration: a tile_m x tile_n x tile_k tile, a cluster_m x cluster_n
-    cluster, a schedule ('cooperative' or 'pingpong') and the (input, output) dtypes built."""
+    """One configuration: a tile_m x tile_n x tile_k tile, a cluster_m x cluster_n cluster, a
+    schedule ('cooperative' or 'pingpong') and the (input, output) dtypes built."""
     op: str
     id: int
     tile_m: int
@@ -60,106 +60,14 @@ class KernelConfig:
                 f"{'pp' if self.schedule == 'pingpong' else 'coop'}")
 
 
-# The configurations compiled today (csrc/ag_gemm/ag_gemm_fused_cfg*.cu, csrc/gemm_rs/rs_fused_cfg*.cu).
-_BUILTIN = {
-    "ag": [KernelConfig("ag", 0, 128, 256, 64, 2, 1, "cooperative"),
-           KernelConfig("ag", 1, 256, 128, 64, 2, 1, "cooperative"),
-           KernelConfig("ag", 2, 128, 128, 64, 2, 1, "pingpong"),
-           KernelConfig("ag", 3, 256, 128, 64, 1, 2, "cooperative")],
-    "rs": [KernelConfig("rs", 0, 128, 256, 64, 2, 1, "cooperative"),
-           KernelConfig("rs", 1, 256, 128, 64, 2, 1, "cooperative"),
-           KernelConfig("rs", 2, 256, 128, 64, 1, 2, "cooperative")],
-}
-
-
-def _field(e, *names):
-    for n in names:
-        v = e.get(n) if isinstance(e, dict) else getattr(e, n, None)
-        if v is not None:
-            return v
-    return None
-
-
-def _dims(v, n: int) -> Optional[Tuple[int, ...]]:
-    if v is None:
-        return None
-    vals = [int(x) for x in re.findall(r"\d+", v)] if isinstance(v, str) else [int(x) for x in v]
-    return tuple(vals[:n]) + (1,) * (n - len(vals)) if vals else None
-
-
-def _dtype_pairs(v) -> Tuple[Tuple[str, str], ...]:
-    if v is None:
-        return (("bf16", "bf16"),)
-    pairs = []
-    for item in ([v] if isinstance(v, str) else v):
-        parts = re.split(r"[^a-z0-9]+", item.lower()) if isinstance(item, str) else list(item)
-        parts = [_dt(p) for p in parts if p]
-        pairs.append((parts[0], parts[-1]))
-    return tuple(pairs)
-
-
-def _parse_entry(op: str, e) -> KernelConfig:
-    tile = _dims(_field(e, "tile"), 3) or (_field(e, "tile_m"), _field(e, "tile_n"), _field(e, "tile_k") or 64)
-    cluster = _dims(_field(e, "cluster"), 2) or (_field(e, "cluster_m") or 1, _field(e, "cluster_n") or 1)
-    sched = str(_field(e, "schedule", "kernel_schedule") or "cooperative").lower()
-    return KernelConfig(op, int(_field(e, "id", "config", "index")), int(tile[0]), int(tile[1]), int(tile[2]),
-                        int(cluster[0]), int(cluster[1]), "pingpong" if "ping" in sched else "cooperative",
-                        _dtype_pairs(_field(e, "dtypes", "variants", "dtype_variants")))
-
-
-def _from_table(op: str) -> Tuple[Optional[List[KernelConfig]], str]:
-    """The published configuration table (flux/ops/fused_configs.py), read through whichever of
-    its plausible shapes it has: ``configs(op)``, a dict ``CONFIGS[op]`` or ``AG_CONFIGS`` /
-    ``RS_CONFIGS``, entries as dicts or objects (id, tile, cluster, schedule, dtypes)."""
+def _built():
+    """(set of (op, id, variant) built, source): flux._C's answer where it gives one (an empty
+    answer is an answer), else the default build's selection."""
     try:
-        mod = importlib.import_module("flux.ops.fused_configs")
-    except ImportError:
-        return None, "built-in list (no flux.ops.fused_configs)"
-    long = {"ag": "ag_gemm", "rs": "gemm_rs"}[op]
-    raw = None
-    for name in ("configs", "fused_configs", "get_configs"):
-        if callable(getattr(mod, name, None)):
-            raw = getattr(mod, name)(op)
-            break
-    for name in ("CONFIGS", "FUSED_CONFIGS"):
-        if raw is None and isinstance(getattr(mod, name, None), dict):
-            raw = getattr(mod, name).get(op) or getattr(mod, name).get(long)
-    if raw is None:
-        raw = getattr(mod, f"{op.upper()}_CONFIGS", None)
-    try:
-        entries = list(raw.values()) if isinstance(raw, dict) else list(raw)
-        cfgs = [_parse_entry(op, e) for e in entries]
-    except Exception as e:  # noqa: BLE001  (an unreadable table must not break the op: fall back, say why)
-        return None, f"built-in list (flux.ops.fused_configs unreadable: {type(e).__name__}: {e})"
-    return (cfgs, "flux.ops.fused_configs") if cfgs else (None, "built-in list (empty table)")
-
-
-def _built_filter():
-    """{(op, id)} or {(op, id, in, out)} that flux._C reports built, or None where it cannot say
-    (``torch.ops.flux.fused_kernels_built()``: strings such as 'ag:3:bf16:fp32', or a dict)."""
-    try:
-        fn = getattr(torch.ops.flux, "fused_kernels_built")
-        res = fn()
-    except Exception:  # noqa: BLE001  (no such op in this build: every listed configuration counts as built)
-        return None
-    items = []
-    if isinstance(res, dict):  # {op: [id, ...]} or {op: {id: ["bf16:fp32", ...]}}
-        for op, ids in res.items():
-            for i in ids:
-                dts = ids[i] if isinstance(ids, dict) else [""]
-                items += [f"{op}:{i}:{d}" for d in dts]
-    else:
-        items = [str(x) for x in res]
-    out = set()
-    for s in items:
-        toks = [t for t in re.split(r"[^a-z0-9]+", s.lower()) if t]
-        # 'ag_gemm' splits into 'ag', 'gemm' and 'gemm_rs' into 'gemm', 'rs': the op is found either way.
-        ops = [_OP_ALIASES[t] for t in toks if t in _OP_ALIASES]
-        ids = [int(t) for t in toks if t.isdigit()]
-        dts = [_DT[t] for t in toks if t in _DT]
-        if ops and ids:
-            out.add((ops[0], ids[0]) + ((dts[0], dts[-1]) if dts else ()))
-    return out or None
+        text = torch.ops.flux.fused_kernels_built()
+    except (AttributeError, RuntimeError):
+        return frozenset(table.select("default")), "the table's default build (flux._C does not say)"
+    return table.parse_built(text), "torch.ops.flux.fused_kernels_built()"
 
 
 _CONFIGS: Dict[str, Tuple[List[KernelConfig], str, bool]] = {}
@@ -167,29 +75,22 @@ _CONFIGS: Dict[str, Tuple[List[KernelConfig], str, bool]] = {}
 
 def _extension_loaded() -> bool:
     try:
-        getattr(torch.ops.flux, "ag_gemm_fused_")
+        getattr(torch.ops.flux, "fused_kernels_built")
         return True
     except (AttributeError, RuntimeError):
         return False
 
 
 def kernel_configs(op: str, dtype=None, out_dtype=None) -> List[KernelConfig]:
-    """The configurations of ``op`` built for (dtype -> out_dtype) (all of them without dtypes)."""
+    """The configurations of ``op`` built for (dtype -> out_dtype) (every built one without dtypes)."""
     op = _op(op)
     if op not in _CONFIGS or not _CONFIGS[op][2]:
-        cfgs, source = _from_table(op)
-        if cfgs is None:
-            cfgs = _BUILTIN[op]
-        built = _built_filter()
-        if built is not None:
-            keep = []
-            for c in cfgs:
-                pairs = tuple(p for p in c.dtypes if (op, c.id, *p) in built)
-                if (op, c.id) in built:
-                    pairs = c.dtypes
-                if pairs:
-                    keep.append(dataclasses.replace(c, dtypes=pairs))
-            cfgs = keep
+        built, source = _built()
+        cfgs = []
+        for c in table.CONFIGS[op]:
+            pairs = tuple(table.DTYPE_IO[v] for v in table.DTYPES if (op, c.id, v) in built)
+            if pairs:
+                cfgs.append(KernelConfig(op, c.id, *c.tile, *c.cluster, c.schedule, pairs))
         # Kept once flux._C is loaded (its answer is final); read again until then.
         _CONFIGS[op] = (cfgs, source, _extension_loaded())
     cfgs = _CONFIGS[op][0]

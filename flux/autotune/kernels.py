@@ -11,8 +11,8 @@ Cache: kernels-<hash of "kernels|<GPU name>|sm<SMs>">.json in the strategy cache
 "config": "<tile/cluster/schedule>", "default": label, "loop_ms": {...}, "graph_ms": {...}}; a
 choice whose configuration is no longer built with the same tile, cluster and schedule is ignored.
 
-The configurations come from flux/ops/fused_configs.py where that table exists, else from the
-built-in list of the four AG and three RS bf16 configurations (``kernel_configs``).
+The configurations are those of the table flux/fused_configs.py that are built for the dtypes
+(``kernel_configs``).
 
 CLI (one GPU): python -m flux.autotune.kernels --grid models [--op ag|rs] [--ship]; or, without a GPU,
 from a bench/bench_fused_gemm.py JSON: python -m flux.autotune.kernels --from-bench FILE [--ship]

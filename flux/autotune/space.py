@@ -43,7 +43,7 @@ class Candidate:
 
 # The strategies, their parameters and their rules live in the tables of flux/strategies.py.
 from flux.strategies import (FUSED_AG_TILE_M, FUSED_RS_TILE_M, FUSED_TILE_M, MAX_CHUNKS, TILE_M,  # noqa: E402,F401
-                             TABLES, Problem)
+                             TABLES, Problem, param_error)
 from flux.strategies import why_invalid as _why_invalid  # noqa: E402
 
 _SPACES = {op: [Candidate.of(s.name, **kw) for s in table.values() for kw in s.space]

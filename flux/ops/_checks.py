@@ -23,7 +23,6 @@ signature on every call (and makes no plans), bounding every call by FLUX_CHECK_
 After a timeout the group's collectives may be out of step: recreate it.
 """
 import datetime
-import os
 import pickle
 import time
 import zlib
@@ -31,6 +30,9 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
+
+from flux import envs
+from flux.strategies import DTYPE_CODES
 
 
 _SIG_LEN = 40  # int64 fields per signature; long enough for 16-D inputs
@@ -56,16 +58,7 @@ class FluxInputError(ValueError):
     on some rank or disagree between ranks."""
 
 
-_DTYPE_CODES = {
-    torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4,
-    torch.int32: 5, torch.int64: 6, torch.int8: 7, torch.uint8: 8,
-}
-for _name in ("float8_e4m3fn", "float8_e5m2"):
-    if hasattr(torch, _name):
-        _DTYPE_CODES[getattr(torch, _name)] = 9 + len(_DTYPE_CODES)
-
-
-_CODE_NAMES = {v: str(k).replace("torch.", "") for k, v in _DTYPE_CODES.items()}
+_CODE_NAMES = {v: str(k).replace("torch.", "") for k, v in DTYPE_CODES.items()}  # -1: "None"
 
 
 def describe(name: str, value: int) -> str:
@@ -73,7 +66,7 @@ def describe(name: str, value: int) -> str:
     if name == "op":
         return op_name(value)
     if name.endswith("dtype"):
-        return "None" if value == 0 else _CODE_NAMES.get(value, f"dtype #{value}")
+        return _CODE_NAMES.get(value, f"dtype #{value}")
     if name == "weight_layout":
         return {0: "'nk'", 1: "'kn'"}.get(value, "invalid")
     if name.endswith("is given") or name == "tunes now":
@@ -85,9 +78,8 @@ def describe(name: str, value: int) -> str:
 
 
 def dtype_code(dtype: Optional[torch.dtype]) -> int:
-    if dtype is None:
-        return 0
-    return _DTYPE_CODES.get(dtype, 99)
+    """The dtype's code in a signature: flux.strategies.DTYPE_CODES (c10::ScalarType; -1: None)."""
+    return DTYPE_CODES.get(dtype, 99)
 
 
 class Signature:
@@ -124,7 +116,7 @@ class Signature:
 
 
 def check_timeout_s() -> float:
-    return float(os.environ.get("FLUX_CHECK_TIMEOUT_S", "60"))
+    return envs.CHECK_TIMEOUT_S.get()
 
 
 def _wait_s(timeout: float) -> float:
@@ -269,7 +261,7 @@ def check_collectively(sig: Signature, group: dist.ProcessGroup) -> None:
     flux/ops/_plans.py.)"""
     values = sig.values()
     ranks = tuple(dist.get_process_group_ranks(group))
-    every = os.environ.get("FLUX_CHECK_EVERY_CALL", "0") == "1"
+    every = envs.CHECK_EVERY_CALL.get()
     known = values in _validated.get(ranks, ())
     if not every and _carries_header(group):
         if _headers_agree(values, group, sig) and known:
@@ -352,7 +344,7 @@ def skips_exchange_if_valid(sig: Signature, group: dist.ProcessGroup) -> bool:
     FLUX_CHECK_EVERY_CALL off. Then peers making the same call without an error skip it too, and a
     rank with a local error must report it some other way than the store exchange, which its
     peers would never join (flux/ops/moe.py's deferred verdict does)."""
-    if os.environ.get("FLUX_CHECK_EVERY_CALL", "0") == "1" or _carries_header(group):
+    if envs.CHECK_EVERY_CALL.get() or _carries_header(group):
         return False
     values = (0,) + tuple(sig.values()[1:])
     return values in _validated.get(tuple(dist.get_process_group_ranks(group)), ())

@@ -4,6 +4,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from flux import envs
 from flux.ops._checks import Signature, dtype_code
 
 WEIGHT_LAYOUTS = ("nk", "kn")
@@ -23,7 +24,7 @@ def check_gemm_args(sig: Signature, input: torch.Tensor, weight: torch.Tensor, b
     sig.add("input.dtype", dtype_code(input.dtype))
     sig.add("weight.dtype", dtype_code(weight.dtype))
     sig.add("bias is given", bias is not None)
-    sig.add("bias.dtype", dtype_code(bias.dtype) if bias is not None else 0)
+    sig.add("bias.dtype", dtype_code(bias.dtype if bias is not None else None))
     sig.add("out_dtype", dtype_code(out_dtype))
     sig.add_shape("input", input.shape)
     sig.add_shape("weight", weight.shape)
@@ -199,7 +200,10 @@ def problem_of(op: str, input: torch.Tensor, weight: torch.Tensor, weight_layout
     return Problem(op, m_total, n, k, input.dtype, world, weight_layout,
                    out_dtype is not None and out_dtype != input.dtype, input.device.type,
                    sm90=cuda and torch.cuda.get_device_capability(input.device) == (9, 0),
-                   fused_built=cuda and _fused_kernels_built())
+                   fused_built=cuda and _fused_kernels_built(),
+                   out_dtype=out_dtype if out_dtype != input.dtype else None,
+                   # FLUX_GLOO_CUDA places rank r on GPU r % count (flux.testing)
+                   shared_gpu=cuda and envs.GLOO_CUDA.get() and world > torch.cuda.device_count())
 
 
 def choose_and_check(sig, op: str, input: torch.Tensor, weight: torch.Tensor, weight_layout: str,

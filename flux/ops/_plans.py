@@ -25,14 +25,12 @@ import torch.distributed as dist
 
 from flux import autotune, envs
 from flux.autotune.space import Candidate, strategy_params
-from flux.ops._common import problem_of
+from flux.ops._common import problem_of, weight_nk_shape
 from flux.runtime import runtime, symm
-from flux.strategies import (OP_CODES, PARAM_DEFAULTS, PARAM_ORDER, STRATEGY_CODES, param_error, resolve, warn_once,
-                             wide_out_ok)
+from flux.strategies import (DTYPE_CODES, OP_CODES, PARAM_DEFAULTS, PARAM_ORDER, STRATEGY_CODES, param_error,
+                             resolve, warn_once, wide_out_ok)
 
 LAYOUT_CODES = {"nk": 0, "kn": 1}
-# c10::ScalarType values (the key of a call in C++); -1: no out_dtype given.
-DTYPE_CODES = {None: -1, torch.float16: 5, torch.float32: 6, torch.float64: 7, torch.bfloat16: 15}
 
 # group -> the runtime whose plans serve the hot path of calls on that group.
 _hot: Dict[object, object] = {}
@@ -91,6 +89,20 @@ def in_cxx(cand: Candidate, input: torch.Tensor, weight: torch.Tensor, group, ou
     return True
 
 
+def kernel_params(op: str, input, weight, weight_layout: str, out_dtype, world: int) -> Dict[str, int]:
+    """The fused kernel's config, raster and swizzle for this call: the kernel tuner's choice
+    (flux.autotune.kernels.choose_config) for the kernel's rows (ag_gemm: all gathered rows;
+    gemm_rs: one rank's block)."""
+    from flux.autotune.kernels import choose_config
+
+    n, k = weight_nk_shape(weight, weight_layout)
+    rows = input.numel() // input.shape[-1]
+    m = rows * world if op == "ag_gemm" else rows // world
+    out = out_dtype if out_dtype is not None else input.dtype
+    config, raster, swizzle = choose_config(op, m, n, k, input.dtype, out, input.device)
+    return {"config": config, "raster": raster, "swizzle": swizzle}
+
+
 def token(op: str, cand: Candidate, input, weight, bias, weight_layout, out_dtype, gathered, world: int) -> int:
     """Non-zero 32-bit hash of the problem and strategy; its top two bits name the op."""
     text = repr((op, cand.label, tuple(input.shape), str(input.dtype), tuple(weight.shape), str(weight.dtype),
@@ -107,6 +119,8 @@ def _plan(op: str, cand: Candidate, input, weight, bias, group, weight_layout, o
     if not in_cxx(c, input, weight, group, out_dtype, no_symm):
         return None
     kw = c.kwargs
+    if c.strategy == "fused" and "config" not in kw:
+        kw = {**kernel_params(op, input, weight, weight_layout, out_dtype, dist.get_world_size(group)), **kw}
     params = [int(kw.get(name, PARAM_DEFAULTS[name])) for name in PARAM_ORDER]
     tok = token(op, c, input, weight, bias, weight_layout, out_dtype, gathered, dist.get_world_size(group))
     return runtime.make_plan(group, OP_CODES[op], STRATEGY_CODES[c.strategy], params, tok, input, weight, bias,
