@@ -272,7 +272,10 @@ def _cuda_extension():
         name="flux._C",
         sources=sources,
         include_dirs=[os.path.join(ROOT, "csrc"), *include_dirs],
-        extra_compile_args={"cxx": ["-O3", "-std=c++20", "-DNDEBUG", *(["-DFLUX_WITH_SM90"] if with_sm90 else [])],
+        # Hidden visibility, as pybind11 expects of a module (else g++ warns on every py::class_);
+        # the module's entry point is exported by PYBIND11_MODULE.
+        extra_compile_args={"cxx": ["-O3", "-std=c++20", "-DNDEBUG", "-fvisibility=hidden",
+                                    *(["-DFLUX_WITH_SM90"] if with_sm90 else [])],
                             "nvcc": nvcc_flags},
         py_limited_api=False,
     )
