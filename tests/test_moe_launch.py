@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from flux.ops import _moe_local
+from flux.ops.moe import local as _moe_local
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCES = ["csrc/moe/moe_local.cu", "csrc/moe/moe_swiglu.cu"]

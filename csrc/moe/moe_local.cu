@@ -1,4 +1,4 @@
-// The `local` strategy of flux.moe_dispatch / flux.moe_combine (flux/ops/_moe_local.py): every
+// The `local` strategy of flux.moe_dispatch / flux.moe_combine (flux/ops/moe/local.py): every
 // expert on this GPU (one rank), so a dispatch is a permutation of rows into the expert-major
 // layout and a combine the weighted gather back. Kernels, each over the (token, slot) pairs
 // p = t * K + k or over the rows of recv_x:
@@ -22,7 +22,7 @@
 // [-1, E), an expert twice in a token, or the caller's host_code) makes every count zero and every
 // pair rowless: nothing moves, recv_x is zeros, combine gives zeros.
 //
-// The code bits match flux/ops/moe.py: 2 bad id, 4 duplicate; host_code carries the others.
+// The code bits match flux/ops/moe/handle.py: 2 bad id, 4 duplicate; host_code carries the others.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cub/block/block_scan.cuh>

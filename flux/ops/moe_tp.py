@@ -649,7 +649,7 @@ def _mm_gather_rs_chunked(h, weight, layout, routing, wg, keep_partial):
 def _exchange(group, nbytes: int, phase: str, routing, width: int, dtype: torch.dtype):
     """The runtime and workspace of ``group`` (grown to ``nbytes``, collectively: every rank asks
     the same), after the exchange's entry barrier."""
-    from flux.ops._moe_symm import _token
+    from flux.ops.moe.symm import _token
     from flux.runtime import runtime as _runtime
     from flux.runtime import symm
 

@@ -53,7 +53,7 @@ def _weights32(weights: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 
 class LocalStrategy:
-    """See the module docstring; the methods follow moe.py's strategy protocol."""
+    """See the module docstring; the methods follow flux/ops/moe/strategies.py's strategy protocol."""
 
     name = NAME
     checks_data = True  # the layout kernels compute the data verdict (no separate check pass)
