@@ -112,12 +112,12 @@ read on the host); a compiled caller breaks its graph around them and they run e
 included.
 """
 import dataclasses
-import os
 from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
+from flux import envs
 from flux.ops._checks import FluxInputError, Signature, check_collectively, check_every_call, dtype_code
 from flux.ops._common import SUPPORTED_DTYPES
 from flux.ops.grouped_mm import _gmm, _offsets, grouped_mm, grouped_mm_impl
@@ -328,7 +328,7 @@ def _choose_strategy(device: torch.device, group: dist.ProcessGroup, tokens_per_
     """(strategy, problem or None): FLUX_STRATEGY_MOE_TP if set; else, where ``_should_overlap``
     says so, ``symm`` (transfers by the copy engine, no SM taken from the GEMMs) if the group has
     a symmetric workspace, else ``chunked``; else ``sequential``."""
-    forced = os.environ.get(STRATEGY_ENV, "").strip()
+    forced = (envs.forced_strategy("moe_tp") or "").strip()
     if forced:
         if forced not in STRATEGIES:
             return "sequential", f"{STRATEGY_ENV}={forced!r} is not one of {list(STRATEGIES)}"
