@@ -233,7 +233,8 @@ def grouped_gemms_only(layer, x, idx):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", default=None,
-                   help="tokens per rank, comma-separated (default 128,4096, with --cpu 16; full grid: 128,1024,4096,8192)")
+                   help="tokens per rank, comma-separated (default 128,4096, with --cpu 16; full grid: "
+                        "128,1024,4096,8192)")
     p.add_argument("--hidden", default=None, help="hidden sizes (default 7168, with --cpu 32; full grid: 4096,7168)")
     p.add_argument("--topk", default=None, help="experts per token (default 2,8, with --cpu 2)")
     p.add_argument("--experts", default=None,

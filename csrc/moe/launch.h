@@ -46,7 +46,8 @@ template <typename... Args>
 void check(const char* op, const char* kernel, void (*fn)(Args...), int64_t grid, int64_t threads,
            size_t dyn_smem) {
   const cudaFuncAttributes attr = attributes(reinterpret_cast<const void*>(fn));
-  const size_t smem_cap = std::min<size_t>(kDefaultSmemPerBlock, at::cuda::getCurrentDeviceProperties()->sharedMemPerBlock);
+  const size_t smem_cap =
+      std::min<size_t>(kDefaultSmemPerBlock, at::cuda::getCurrentDeviceProperties()->sharedMemPerBlock);
   FLUX_CHECK(grid >= 1 && grid <= kMaxGridX, op, "internal launch error: ", kernel, " grid ", grid,
              " outside [1, 2^31 - 1]");
   FLUX_CHECK(threads >= 1 && threads <= attr.maxThreadsPerBlock, op, "internal launch error: ", kernel, " with ",

@@ -71,8 +71,9 @@ __device__ __forceinline__ int pair_expert(const Idx* __restrict__ idx, int64_t 
 
 // blk_counts[b, e]: pairs of block b routed to e; blk_code[b]: the block's verdict bits.
 template <typename Idx>
-__global__ void __launch_bounds__(kPairsPerBlock) count_kernel(const Idx* __restrict__ idx, int64_t n, int k, int num_experts,
-                             int* __restrict__ blk_counts, int* __restrict__ blk_code) {
+__global__ void __launch_bounds__(kPairsPerBlock)
+count_kernel(const Idx* __restrict__ idx, int64_t n, int k, int num_experts,
+             int* __restrict__ blk_counts, int* __restrict__ blk_code) {
   extern __shared__ int s_count[];  // [num_experts]
   __shared__ int s_code;
   for (int e = threadIdx.x; e < num_experts; e += blockDim.x) s_count[e] = 0;
@@ -148,10 +149,11 @@ __global__ void __launch_bounds__(kScanThreads)
 
 // pair_row[p] and send_pairs[row]; nothing (every pair -1) when the verdict is nonzero.
 template <typename Idx>
-__global__ void __launch_bounds__(kPairsPerBlock) place_kernel(const Idx* __restrict__ idx, int64_t n, int k, int num_experts, int64_t capacity,
-                             const int* __restrict__ blk_off, const int64_t* __restrict__ info,
-                             const int64_t* __restrict__ start, int64_t* __restrict__ pair_row,
-                             int64_t* __restrict__ send_pairs) {
+__global__ void __launch_bounds__(kPairsPerBlock)
+place_kernel(const Idx* __restrict__ idx, int64_t n, int k, int num_experts, int64_t capacity,
+             const int* __restrict__ blk_off, const int64_t* __restrict__ info,
+             const int64_t* __restrict__ start, int64_t* __restrict__ pair_row,
+             int64_t* __restrict__ send_pairs) {
   extern __shared__ int s_warp[];  // [kLayoutWarps, num_experts]: per warp, then exclusive over warps
   const int64_t p = static_cast<int64_t>(blockIdx.x) * kPairsPerBlock + threadIdx.x;
   if (info[num_experts] != 0) {  // uniform over the grid
@@ -198,9 +200,10 @@ __global__ void __launch_bounds__(kPairsPerBlock) place_kernel(const Idx* __rest
 //   [tokens, tokens + pad_rows)  (bounded, zero_pad) row r = item - tokens: zeros where
 //                                send_pairs[r] is padding (not a pair of [0, tokens * k))
 template <typename Vec>
-__global__ void __launch_bounds__(kRowThreads) scatter_rows_kernel(const Vec* __restrict__ src, const int64_t* __restrict__ pair_row,
-                                    const int64_t* __restrict__ send_pairs, int64_t tokens, int k, int64_t pad_rows,
-                                    int64_t vecs, Vec* __restrict__ out) {
+__global__ void __launch_bounds__(kRowThreads)
+scatter_rows_kernel(const Vec* __restrict__ src, const int64_t* __restrict__ pair_row,
+                    const int64_t* __restrict__ send_pairs, int64_t tokens, int k, int64_t pad_rows,
+                    int64_t vecs, Vec* __restrict__ out) {
   constexpr int kUnroll = 4;
   const int64_t num_pairs = tokens * k;
   for (int64_t item = blockIdx.x; item < tokens + pad_rows; item += gridDim.x) {
@@ -314,10 +317,11 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const T* __res
 //                             a fixed-order block reduction)
 //   [tokens, tokens + rows)   row r: zeros in dy where send_pairs[r] is padding (bounded layouts)
 template <typename T, int N>
-__global__ void __launch_bounds__(kCombineThreads) combine_bwd_kernel(const T* __restrict__ dout, const float* __restrict__ w,
-                                   const int64_t* __restrict__ pair_row, const int64_t* __restrict__ send_pairs,
-                                   const T* __restrict__ y, int64_t tokens, int k, int64_t rows, int64_t h,
-                                   T* __restrict__ dy, float* __restrict__ dw) {
+__global__ void __launch_bounds__(kCombineThreads)
+combine_bwd_kernel(const T* __restrict__ dout, const float* __restrict__ w,
+                   const int64_t* __restrict__ pair_row, const int64_t* __restrict__ send_pairs,
+                   const T* __restrict__ y, int64_t tokens, int k, int64_t rows, int64_t h,
+                   T* __restrict__ dy, float* __restrict__ dw) {
   __shared__ float s_part[32];
   const int64_t groups = h / N, num_pairs = tokens * k;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -435,14 +439,14 @@ void launch_rows(const char* op, const at::Tensor& src, const at::Tensor& pair_r
   const int64_t* sp = send_pairs.data_ptr<int64_t>();
   if (aligned16(src, row_bytes) && aligned16(out, row_bytes)) {
     moe_launch::check(op, "scatter_rows_kernel", scatter_rows_kernel<int4>, grid, kRowThreads, 0);
-    scatter_rows_kernel<int4><<<grid, kRowThreads, 0, stream>>>(static_cast<const int4*>(src.data_ptr()), pr, sp, tokens,
-                                                                static_cast<int>(k), pad_rows, row_bytes / 16,
-                                                        static_cast<int4*>(out.data_ptr()));
+    scatter_rows_kernel<int4><<<grid, kRowThreads, 0, stream>>>(
+        static_cast<const int4*>(src.data_ptr()), pr, sp, tokens, static_cast<int>(k), pad_rows, row_bytes / 16,
+        static_cast<int4*>(out.data_ptr()));
   } else {
     moe_launch::check(op, "scatter_rows_kernel", scatter_rows_kernel<char>, grid, kRowThreads, 0);
-    scatter_rows_kernel<char><<<grid, kRowThreads, 0, stream>>>(static_cast<const char*>(src.data_ptr()), pr, sp, tokens,
-                                                        static_cast<int>(k), pad_rows, row_bytes,
-                                                        static_cast<char*>(out.data_ptr()));
+    scatter_rows_kernel<char><<<grid, kRowThreads, 0, stream>>>(
+        static_cast<const char*>(src.data_ptr()), pr, sp, tokens, static_cast<int>(k), pad_rows, row_bytes,
+        static_cast<char*>(out.data_ptr()));
   }
   FLUX_CHECK_LAUNCH();
 }
@@ -519,15 +523,16 @@ at::Tensor moe_local_combine(const at::Tensor& y, const std::optional<at::Tensor
     if (aligned16(y, rb) && aligned16(out, rb)) {
       const int64_t warps_of_row = (h / kVec + 31) / 32 * 32;
       // at least K threads (they stage the token's rows and weights), at most kCombineThreads
-      const int threads = static_cast<int>(std::min<int64_t>(kCombineThreads, std::max<int64_t>(kMaxTopk, warps_of_row)));
+      const int threads =
+          static_cast<int>(std::min<int64_t>(kCombineThreads, std::max<int64_t>(kMaxTopk, warps_of_row)));
       moe_launch::check(op, "combine_kernel", combine_kernel<scalar_t, kVec>, grid, threads, 0);
       combine_kernel<scalar_t, kVec><<<grid, threads, 0, stream>>>(y.data_ptr<scalar_t>(), w,
                                                                    pair_row.data_ptr<int64_t>(), t, (int)k, h,
                                                                    out.data_ptr<scalar_t>());
     } else {
       moe_launch::check(op, "combine_kernel", combine_kernel<scalar_t, 1>, grid, kCombineThreads, 0);
-      combine_kernel<scalar_t, 1><<<grid, kCombineThreads, 0, stream>>>(y.data_ptr<scalar_t>(), w, pair_row.data_ptr<int64_t>(),
-                                                            t, (int)k, h, out.data_ptr<scalar_t>());
+      combine_kernel<scalar_t, 1><<<grid, kCombineThreads, 0, stream>>>(
+          y.data_ptr<scalar_t>(), w, pair_row.data_ptr<int64_t>(), t, (int)k, h, out.data_ptr<scalar_t>());
     }
     FLUX_CHECK_LAUNCH();
   });
@@ -574,12 +579,12 @@ std::vector<at::Tensor> moe_local_combine_backward(const at::Tensor& grad_out, c
     const int64_t* sp = send_pairs.data_ptr<int64_t>();
     if (vec) {
       moe_launch::check(op, "combine_bwd_kernel", combine_bwd_kernel<scalar_t, kVec>, grid, kCombineThreads, 0);
-      combine_bwd_kernel<scalar_t, kVec><<<grid, kCombineThreads, 0, stream>>>(grad_out.data_ptr<scalar_t>(), w, pr, sp, yp, t,
-                                                                   (int)k, rows, h, dy.data_ptr<scalar_t>(), dwp);
+      combine_bwd_kernel<scalar_t, kVec><<<grid, kCombineThreads, 0, stream>>>(
+          grad_out.data_ptr<scalar_t>(), w, pr, sp, yp, t, (int)k, rows, h, dy.data_ptr<scalar_t>(), dwp);
     } else {
       moe_launch::check(op, "combine_bwd_kernel", combine_bwd_kernel<scalar_t, 1>, grid, kCombineThreads, 0);
-      combine_bwd_kernel<scalar_t, 1><<<grid, kCombineThreads, 0, stream>>>(grad_out.data_ptr<scalar_t>(), w, pr, sp, yp, t,
-                                                                (int)k, rows, h, dy.data_ptr<scalar_t>(), dwp);
+      combine_bwd_kernel<scalar_t, 1><<<grid, kCombineThreads, 0, stream>>>(
+          grad_out.data_ptr<scalar_t>(), w, pr, sp, yp, t, (int)k, rows, h, dy.data_ptr<scalar_t>(), dwp);
     }
     FLUX_CHECK_LAUNCH();
   });

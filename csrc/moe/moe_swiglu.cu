@@ -35,7 +35,8 @@ __device__ __forceinline__ void st(T* p, const SwPack<T, N>& v) {
 }
 
 template <typename T, int N>
-__global__ void __launch_bounds__(kSwigluThreads) swiglu_fwd_kernel(const T* __restrict__ h, int64_t rows, int64_t f, T* __restrict__ a) {
+__global__ void __launch_bounds__(kSwigluThreads)
+swiglu_fwd_kernel(const T* __restrict__ h, int64_t rows, int64_t f, T* __restrict__ a) {
   const int64_t groups = f / N, total = rows * groups;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -52,8 +53,9 @@ __global__ void __launch_bounds__(kSwigluThreads) swiglu_fwd_kernel(const T* __r
 }
 
 template <typename T, int N>
-__global__ void __launch_bounds__(kSwigluThreads) swiglu_bwd_kernel(const T* __restrict__ da, const T* __restrict__ h, int64_t rows, int64_t f,
-                                  T* __restrict__ dh) {
+__global__ void __launch_bounds__(kSwigluThreads)
+swiglu_bwd_kernel(const T* __restrict__ da, const T* __restrict__ h, int64_t rows, int64_t f,
+                  T* __restrict__ dh) {
   const int64_t groups = f / N, total = rows * groups;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -75,7 +77,8 @@ __global__ void __launch_bounds__(kSwigluThreads) swiglu_bwd_kernel(const T* __r
 
 int swiglu_grid(int64_t items) {
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((items + kSwigluThreads - 1) / kSwigluThreads, static_cast<int64_t>(sms) * 8)));
+  const int64_t blocks = (items + kSwigluThreads - 1) / kSwigluThreads;
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(blocks, static_cast<int64_t>(sms) * 8)));
 }
 
 void check_h(const at::Tensor& h, const char* op) {
