@@ -3,8 +3,7 @@
     torchrun --nproc_per_node=2 bench/bench_moe.py --out moe.json               # the default (reduced) grid
     torchrun --nproc_per_node=2 bench/bench_moe.py --tokens 128,1024,4096,8192 --hidden 4096,7168 \\
         --topk 2,8 --experts 8,64 --routing uniform,skewed                     # the full grid
-    torchrun --nproc_per_node=2 bench/bench_moe.py --cpu --tokens 16 --hidden 32 --topk 2 --experts 4 \\
-        --ffn 16 --steps 2 --rounds 2                                            # gloo smoke run
+    torchrun --nproc_per_node=2 bench/bench_moe.py --cpu --steps 2 --rounds 2   # gloo smoke run (smoke sizes)
     FLUX_GLOO_CUDA=1 torchrun --nproc_per_node=2 bench/bench_moe.py --flux-only ...  # ranks sharing one GPU
 
 Grid: tokens per rank T x hidden H x top-k K x experts E (E/W per rank) x routing, bf16 on the GPU.
@@ -233,13 +232,16 @@ def grouped_gemms_only(layer, x, idx):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tokens", default="128,4096", help="tokens per rank, comma-separated (full grid: 128,1024,4096,8192)")
-    p.add_argument("--hidden", default="7168", help="hidden sizes (full grid: 4096,7168)")
-    p.add_argument("--topk", default="2,8", help="experts per token")
-    p.add_argument("--experts", default="8,64", help="experts in all (divisible by the world size)")
+    p.add_argument("--tokens", default=None,
+                   help="tokens per rank, comma-separated (default 128,4096, with --cpu 16; full grid: "
+                        "128,1024,4096,8192)")
+    p.add_argument("--hidden", default=None, help="hidden sizes (default 7168, with --cpu 32; full grid: 4096,7168)")
+    p.add_argument("--topk", default=None, help="experts per token (default 2,8, with --cpu 2)")
+    p.add_argument("--experts", default=None,
+                   help="experts in all, divisible by the world size (default 8,64, with --cpu 4)")
     p.add_argument("--routing", default="uniform", help="uniform, skewed (comma-separated)")
     p.add_argument("--skew", type=float, default=1.0, help="skewed routing: expert i drawn with weight (i+1)^-skew")
-    p.add_argument("--ffn", type=int, default=2048, help="the layer's expert FFN size")
+    p.add_argument("--ffn", type=int, default=None, help="the layer's expert FFN size (default 2048, with --cpu 16)")
     p.add_argument("--no-layer", action="store_true", help="skip the MoE layer forward+backward")
     p.add_argument("--no-bounded", action="store_true", help="skip the bounded (max_tokens_per_rank) variant")
     p.add_argument("--flux-only", action="store_true",
@@ -256,7 +258,14 @@ def parse_args(argv=None):
                         "weights) and its grouped GEMMs alone (the floor); world size 1")
     p.add_argument("--no-host", action="store_true", help="skip the host-time measurements")
     p.add_argument("--out", default=None, help="JSON path (rank 0)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    # Sizes not given: the GPU grid, or smoke sizes with --cpu (the GPU sizes would compute on the
+    # CPU for hours without printing anything).
+    for name, gpu, cpu in (("tokens", "128,4096", "16"), ("hidden", "7168", "32"), ("topk", "2,8", "2"),
+                           ("experts", "8,64", "4"), ("ffn", 2048, 16)):
+        if getattr(args, name) is None:
+            setattr(args, name, cpu if args.cpu else gpu)
+    return args
 
 
 def routing(kind, tokens, experts, topk, skew, gen, dev):

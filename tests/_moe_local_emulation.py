@@ -1,6 +1,6 @@
 """CPU stand-ins for the kernels of the MoE ``local`` strategy (csrc/moe/moe_local.cu), with the
 same schemas and semantics, written with torch ops: registered where flux._C is absent so that
-tests/test_moe_local.py runs the strategy's Python path (flux/ops/_moe_local.py, the checks,
+tests/test_moe_local.py runs the strategy's Python path (flux/ops/moe/local.py, the checks,
 autograd, the dispatcher ops) on the CPU. They state what the kernels compute; the GPU run
 compares the kernels themselves with the references."""
 import torch

@@ -1,4 +1,4 @@
-"""GPU cases of the MoE ops: the symmetric-memory strategy (``symm``, flux/ops/_moe_symm.py) of
+"""GPU cases of the MoE ops: the symmetric-memory strategy (``symm``, flux/ops/moe/symm.py) of
 flux.moe_dispatch / moe_combine, and the tensor-parallel MoE ops (``tp_*`` cases), run by
 tests/test_moe_symm.py through
 
@@ -57,7 +57,7 @@ if SHARED:  # ranks share GPUs: gloo, and symmetric memory across ranks of one d
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import flux  # noqa: E402
-from flux.ops import _moe_symm  # noqa: E402
+from flux.ops.moe import symm as _moe_symm  # noqa: E402
 from flux.ops import moe as moe_mod  # noqa: E402
 
 CASES = {}
@@ -258,7 +258,7 @@ def bounded_errors_on_every_rank(rank, world, dev, group):
         else:
             raise AssertionError(f"{bad}: handle.check() did not raise")
     header = mock.patch.object(_checks, "_carries_header", lambda g: False) if SHARED else contextlib.nullcontext()
-    with header, mock.patch.object(moe_mod, "cuda_group", lambda g: True):
+    with header, mock.patch.object(moe_mod.strategies, "cuda_group", lambda g: True):
         _checks.reset_cache()
         flux.moe_dispatch(x, idx, w, experts, group=group, max_tokens_per_rank=cap)[2].check()
         wb = torch.ones(x.shape[0], k + 1, device=dev) if rank == 1 else w
@@ -285,20 +285,20 @@ def gradients_match_all_to_all(rank, world, dev, group):
         g = torch.randn(x0.shape, generator=torch.Generator().manual_seed(10 + rank)).to(dev)
         grads = {}
         for name in ("all_to_all", "symm"):
-            moe_mod._choose_strategy = (lambda n: lambda *a: n)(name)
+            moe_mod.strategies._choose_strategy = (lambda n: lambda *a: n)(name)
             x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
             recv, _, handle = flux.moe_dispatch(x, idx, w, experts, group=group, max_tokens_per_rank=cap)
             assert handle.strategy == name
             out = flux.moe_combine(recv * scale, handle)
             out.backward(g)
             grads[name] = (out.detach(), x.grad, w.grad)
-        moe_mod._choose_strategy = _CHOOSE
+        moe_mod.strategies._choose_strategy = _CHOOSE
         assert grads["symm"][1] is not None and grads["symm"][1].abs().sum() > 0, f"cap={cap}: no gradient for x"
         for what, a, b in zip(("out", "d x", "d topk_weights"), grads["symm"], grads["all_to_all"]):
             assert torch.equal(a, b), f"cap={cap}: {what} differs from all_to_all by {float((a - b).abs().max())}"
 
 
-_CHOOSE = moe_mod._choose_strategy
+_CHOOSE = moe_mod.strategies._choose_strategy
 
 
 def fp8_inputs(rank, tokens, hidden, k, experts, dev, seed):
@@ -364,14 +364,14 @@ def fp8_gradients_match_all_to_all(rank, world, dev, group):
         g = torch.randn(x0.shape, generator=torch.Generator().manual_seed(20 + rank)).to(dev, torch.bfloat16)
         grads = {}
         for name in ("all_to_all", "symm"):
-            moe_mod._choose_strategy = (lambda n: lambda *a: n)(name)
+            moe_mod.strategies._choose_strategy = (lambda n: lambda *a: n)(name)
             x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
             recv, _, handle = flux.moe_dispatch(x, idx, w, experts, group=group, max_tokens_per_rank=cap, fp8=True)
             assert handle.strategy == name and handle.fp8
             out = flux.moe_combine(moe_mod.dequantize_fp8(*recv) * scale, handle)
             out.backward(g)
             grads[name] = (out.detach(), x.grad, w.grad)
-        moe_mod._choose_strategy = _CHOOSE
+        moe_mod.strategies._choose_strategy = _CHOOSE
         assert grads["symm"][1] is not None and grads["symm"][1].abs().sum() > 0, f"cap={cap}: no gradient for x"
         for what, a, b in zip(("out", "d x", "d topk_weights"), grads["symm"], grads["all_to_all"]):
             assert torch.equal(a, b), f"cap={cap}: {what} differs from all_to_all by {float((a - b).abs().max())}"

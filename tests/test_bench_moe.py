@@ -59,3 +59,17 @@ def test_bench_moe_tp_runs_on_cpu(tmp_path):
                 assert t["rel_err"] < 1e-5 and t["loop_ms"] > 0 and t["host_ms"] > 0, (mode, v, t)
                 assert t["single_ms"] is None, t  # GPU only
     assert "flux/ref" in stdout
+
+
+def test_bench_moe_cpu_defaults_to_smoke_sizes():
+    """``bench_moe.py --cpu`` with no sizes takes smoke sizes (the GPU grid would run for hours on
+    the CPU); without --cpu the GPU grid. Parsed in a child process: the script sets RANK and
+    friends when imported."""
+    code = ("import sys; sys.path.insert(0, 'bench'); import bench_moe as b; "
+            "c, g = b.parse_args(['--cpu']), b.parse_args([]); "
+            "print([(a.tokens, a.hidden, a.topk, a.experts, a.ffn) for a in (c, g)])")
+    out = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         timeout=120, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO))
+    assert out.returncode == 0, out.stdout[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == str([("16", "32", "2", "4", 16), ("128,4096", "7168", "2,8", "8,64",
+                                                                                       2048)])

@@ -6,7 +6,7 @@ from flux import envs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Modules that still read FLUX_* variables themselves, to move onto flux.envs.
-NOT_YET = {"flux/ops/moe.py", "flux/ops/moe_tp.py"}
+NOT_YET = set()
 
 
 def _sources():

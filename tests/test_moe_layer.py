@@ -345,7 +345,7 @@ def _bounded_deferred_error(rank, world):
 
     h, f, e = 8, 6, 2 * world
     msgs = []
-    with mock.patch.object(moe_ops, "cuda_group", lambda g: True):
+    with mock.patch.object(moe_ops.strategies, "cuda_group", lambda g: True):
         for c in (1, 2):
             moe = fnn.MoE(h, f, e, 2, seed=5, dtype=torch.float64, max_tokens_per_rank=4, chunks=c)
             x = torch.randn(9 if rank == 1 else 4, h, dtype=torch.float64)

@@ -1,5 +1,5 @@
 """flux.moe_dispatch / moe_combine / flux.nn.MoE at world size 1: the ``local`` strategy
-(flux/ops/_moe_local.py) against the references and the ``all_to_all`` strategy, in-process (a
+(flux/ops/moe/local.py) against the references and the ``all_to_all`` strategy, in-process (a
 one-rank group). On a GPU: NCCL and flux's kernels (skipped if flux._C lacks them). Without a
 GPU: gloo, with CPU stand-ins of the kernels (tests/_moe_local_emulation.py) and the group
 treated as a CUDA group (deferred verdicts), so that the strategy's Python path runs; the
@@ -38,11 +38,11 @@ def group():
 
         if not _moe_local_emulation.register():
             pytest.skip("flux._C is built but there is no GPU")
-        patches = [mock.patch.object(moe_ops._moe_local, "usable", lambda g, d: None),
-                   mock.patch.object(moe_ops, "cuda_group", lambda g: True)]
+        patches = [mock.patch.object(moe_ops.local, "usable", lambda g, d: None),
+                   mock.patch.object(moe_ops.strategies, "cuda_group", lambda g: True)]
         for p in patches:
             p.start()
-    why = moe_ops._moe_local.usable(dist.group.WORLD, torch.device(DEV))
+    why = moe_ops.local.usable(dist.group.WORLD, torch.device(DEV))
     if why is not None:
         pytest.skip(why)
     yield dist.group.WORLD

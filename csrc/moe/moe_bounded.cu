@@ -1,4 +1,4 @@
-// The bounded MoE exchange of flux/ops/_moe_symm.py (flux.moe_dispatch with max_tokens_per_rank,
+// The bounded MoE exchange of flux/ops/moe/symm.py (flux.moe_dispatch with max_tokens_per_rank,
 // and the moves of its combine and backward passes): four kernels, one entry barrier per move,
 // nothing read on the host, so a dispatch and a combine are 7 kernels that a CUDA graph replays.
 //
@@ -76,7 +76,7 @@ __global__ void route_kernel(const int64_t* __restrict__ idx, int64_t t, int k, 
   }
   bad = __syncthreads_or(bad);  // also orders the zeroed table before its use
   dup = __syncthreads_or(dup);
-  const int64_t code = host_code + (bad ? 2 : 0) + (dup ? 4 : 0);  // flux/ops/moe.py: _BAD_ID, _DUPLICATE
+  const int64_t code = host_code + (bad ? 2 : 0) + (dup ? 4 : 0);  // flux/ops/moe/handle.py: _BAD_ID, _DUPLICATE
   if (threadIdx.x == 0) *code_out = code;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t chunk = (n + nw - 1) / nw;
@@ -429,7 +429,7 @@ void moe_send_(const at::Tensor& src, const std::optional<at::Tensor>& order, in
   if (topk_idx.has_value()) {  // a dispatch of token rows: src [T, ...], topk_idx [T, k]
     tokens = src.size(0);
     check_i64(*topk_idx, tokens * k, op, "topk_idx");
-    // T > capacity comes with a nonzero code (flux/ops/moe.py: _OVER_CAPACITY): nothing is sent.
+    // T > capacity comes with a nonzero code (flux/ops/moe/handle.py: _OVER_CAPACITY): nothing is sent.
     FLUX_CHECK(order.has_value() && tags && capacity >= 1 && tok_off >= 0 && local_experts >= 1, op,
                "a token-row dispatch needs order, tags, a capacity and a tokens region");
     idx = topk_idx->data_ptr<int64_t>();

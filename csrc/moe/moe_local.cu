@@ -1,4 +1,4 @@
-// The `local` strategy of flux.moe_dispatch / flux.moe_combine (flux/ops/_moe_local.py): every
+// The `local` strategy of flux.moe_dispatch / flux.moe_combine (flux/ops/moe/local.py): every
 // expert on this GPU (one rank), so a dispatch is a permutation of rows into the expert-major
 // layout and a combine the weighted gather back. Kernels, each over the (token, slot) pairs
 // p = t * K + k or over the rows of recv_x:
@@ -22,12 +22,13 @@
 // [-1, E), an expert twice in a token, or the caller's host_code) makes every count zero and every
 // pair rowless: nothing moves, recv_x is zeros, combine gives zeros.
 //
-// The code bits match flux/ops/moe.py: 2 bad id, 4 duplicate; host_code carries the others.
+// The code bits match flux/ops/moe/handle.py: 2 bad id, 4 duplicate; host_code carries the others.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cub/block/block_scan.cuh>
 
 #include "common/check.h"
+#include "moe/launch.h"
 #include "ops.h"
 
 namespace flux {
@@ -35,8 +36,14 @@ namespace {
 
 constexpr int kPairsPerBlock = 256;  // layout blocks: one thread per pair
 constexpr int kLayoutWarps = kPairsPerBlock / 32;
-constexpr int kScanThreads = 1024;
-constexpr int64_t kMaxExperts = kScanThreads;  // scan_kernel: one thread per expert
+// scan_kernel: kScanItems experts per thread. A block of T threads gets 65536 / T registers per
+// thread at most; 512 threads (128 each) hold the kernel's without spilling, where 1024 threads
+// (64 each) do not fit it (a launch failure unbounded, spills under __launch_bounds__).
+constexpr int kScanThreads = 512;
+constexpr int kScanItems = 2;
+constexpr int64_t kMaxExperts = kScanThreads * kScanItems;
+constexpr int kRowThreads = 128;      // scatter_rows_kernel
+constexpr int kCombineThreads = 256;  // combine_kernel, combine_bwd_kernel (at most)
 constexpr int kBadId = 2, kDuplicate = 4;
 
 // The expert of pair p, or -1 (an empty slot, a pair past the end, or a bad id, which sets its
@@ -64,8 +71,9 @@ __device__ __forceinline__ int pair_expert(const Idx* __restrict__ idx, int64_t 
 
 // blk_counts[b, e]: pairs of block b routed to e; blk_code[b]: the block's verdict bits.
 template <typename Idx>
-__global__ void count_kernel(const Idx* __restrict__ idx, int64_t n, int k, int num_experts,
-                             int* __restrict__ blk_counts, int* __restrict__ blk_code) {
+__global__ void __launch_bounds__(kPairsPerBlock)
+count_kernel(const Idx* __restrict__ idx, int64_t n, int k, int num_experts,
+             int* __restrict__ blk_counts, int* __restrict__ blk_code) {
   extern __shared__ int s_count[];  // [num_experts]
   __shared__ int s_code;
   for (int e = threadIdx.x; e < num_experts; e += blockDim.x) s_count[e] = 0;
@@ -84,12 +92,13 @@ __global__ void count_kernel(const Idx* __restrict__ idx, int64_t n, int k, int 
 // (one warp per expert at a time, 32 blocks per step); info[0, E) the counts, info[E] the verdict;
 // start[e] the first row of expert e. Bounded: send_pairs [E * C] filled with the padding value
 // first (place_kernel, which runs after, writes the real rows).
-__global__ void scan_kernel(int* __restrict__ blk_counts, const int* __restrict__ blk_code, int blocks,
-                            int num_experts, int64_t capacity, int host_code, int64_t* __restrict__ info,
-                            int64_t* __restrict__ start, int64_t* __restrict__ send_pairs, int64_t pad_value) {
+__global__ void __launch_bounds__(kScanThreads)
+    scan_kernel(int* __restrict__ blk_counts, const int* __restrict__ blk_code, int blocks, int num_experts,
+                int64_t capacity, int host_code, int64_t* __restrict__ info, int64_t* __restrict__ start,
+                int64_t* __restrict__ send_pairs, int64_t pad_value) {
   using Scan = cub::BlockScan<int64_t, kScanThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
-  __shared__ int64_t s_total[kScanThreads];
+  __shared__ int64_t s_total[kMaxExperts];
   __shared__ int s_code;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   if (threadIdx.x == 0) s_code = host_code;
@@ -115,12 +124,21 @@ __global__ void scan_kernel(int* __restrict__ blk_counts, const int* __restrict_
   }
   __syncthreads();
   const bool failed = s_code != 0;
-  const int64_t total = (threadIdx.x < num_experts && !failed) ? s_total[threadIdx.x] : 0;
-  int64_t excl = 0;
+  // Experts blocked over the threads: thread i holds experts i * kScanItems + [0, kScanItems).
+  int64_t total[kScanItems], excl[kScanItems];
+#pragma unroll
+  for (int i = 0; i < kScanItems; ++i) {
+    const int e = threadIdx.x * kScanItems + i;
+    total[i] = (e < num_experts && !failed) ? s_total[e] : 0;
+  }
   Scan(scan_tmp).ExclusiveSum(total, excl);
-  if (threadIdx.x < num_experts) {
-    info[threadIdx.x] = total;
-    start[threadIdx.x] = capacity >= 0 ? threadIdx.x * capacity : excl;
+#pragma unroll
+  for (int i = 0; i < kScanItems; ++i) {
+    const int e = threadIdx.x * kScanItems + i;
+    if (e < num_experts) {
+      info[e] = total[i];
+      start[e] = capacity >= 0 ? e * capacity : excl[i];
+    }
   }
   if (threadIdx.x == 0) info[num_experts] = s_code;
   if (capacity >= 0) {
@@ -131,10 +149,11 @@ __global__ void scan_kernel(int* __restrict__ blk_counts, const int* __restrict_
 
 // pair_row[p] and send_pairs[row]; nothing (every pair -1) when the verdict is nonzero.
 template <typename Idx>
-__global__ void place_kernel(const Idx* __restrict__ idx, int64_t n, int k, int num_experts, int64_t capacity,
-                             const int* __restrict__ blk_off, const int64_t* __restrict__ info,
-                             const int64_t* __restrict__ start, int64_t* __restrict__ pair_row,
-                             int64_t* __restrict__ send_pairs) {
+__global__ void __launch_bounds__(kPairsPerBlock)
+place_kernel(const Idx* __restrict__ idx, int64_t n, int k, int num_experts, int64_t capacity,
+             const int* __restrict__ blk_off, const int64_t* __restrict__ info,
+             const int64_t* __restrict__ start, int64_t* __restrict__ pair_row,
+             int64_t* __restrict__ send_pairs) {
   extern __shared__ int s_warp[];  // [kLayoutWarps, num_experts]: per warp, then exclusive over warps
   const int64_t p = static_cast<int64_t>(blockIdx.x) * kPairsPerBlock + threadIdx.x;
   if (info[num_experts] != 0) {  // uniform over the grid
@@ -181,9 +200,10 @@ __global__ void place_kernel(const Idx* __restrict__ idx, int64_t n, int k, int 
 //   [tokens, tokens + pad_rows)  (bounded, zero_pad) row r = item - tokens: zeros where
 //                                send_pairs[r] is padding (not a pair of [0, tokens * k))
 template <typename Vec>
-__global__ void scatter_rows_kernel(const Vec* __restrict__ src, const int64_t* __restrict__ pair_row,
-                                    const int64_t* __restrict__ send_pairs, int64_t tokens, int k, int64_t pad_rows,
-                                    int64_t vecs, Vec* __restrict__ out) {
+__global__ void __launch_bounds__(kRowThreads)
+scatter_rows_kernel(const Vec* __restrict__ src, const int64_t* __restrict__ pair_row,
+                    const int64_t* __restrict__ send_pairs, int64_t tokens, int k, int64_t pad_rows,
+                    int64_t vecs, Vec* __restrict__ out) {
   constexpr int kUnroll = 4;
   const int64_t num_pairs = tokens * k;
   for (int64_t item = blockIdx.x; item < tokens + pad_rows; item += gridDim.x) {
@@ -243,11 +263,13 @@ __device__ __forceinline__ void store_from_f32(T* p, const float (&f)[N]) {
 
 constexpr int kMaxTopk = 64;
 constexpr int kSlotBatch = 4;
+static_assert(kCombineThreads >= kMaxTopk, "combine_kernel stages a token's K rows, one per thread");
+static_assert(kCombineThreads <= 32 * 32, "combine_bwd_kernel reduces one partial per warp in s_part[32]");
 
 // out[t] = sum over k with pair_row[t, k] >= 0 of w[t, k] * y[pair_row[t, k]] (w null: 1), fp32,
 // k = 0 first; one block per token (grid-stride), N elements per thread access.
 template <typename T, int N>
-__global__ void combine_kernel(const T* __restrict__ y, const float* __restrict__ w,
+__global__ void __launch_bounds__(kCombineThreads) combine_kernel(const T* __restrict__ y, const float* __restrict__ w,
                                const int64_t* __restrict__ pair_row, int64_t tokens, int k, int64_t h,
                                T* __restrict__ out) {
   __shared__ int64_t s_row[kMaxTopk];
@@ -295,10 +317,11 @@ __global__ void combine_kernel(const T* __restrict__ y, const float* __restrict_
 //                             a fixed-order block reduction)
 //   [tokens, tokens + rows)   row r: zeros in dy where send_pairs[r] is padding (bounded layouts)
 template <typename T, int N>
-__global__ void combine_bwd_kernel(const T* __restrict__ dout, const float* __restrict__ w,
-                                   const int64_t* __restrict__ pair_row, const int64_t* __restrict__ send_pairs,
-                                   const T* __restrict__ y, int64_t tokens, int k, int64_t rows, int64_t h,
-                                   T* __restrict__ dy, float* __restrict__ dw) {
+__global__ void __launch_bounds__(kCombineThreads)
+combine_bwd_kernel(const T* __restrict__ dout, const float* __restrict__ w,
+                   const int64_t* __restrict__ pair_row, const int64_t* __restrict__ send_pairs,
+                   const T* __restrict__ y, int64_t tokens, int k, int64_t rows, int64_t h,
+                   T* __restrict__ dy, float* __restrict__ dw) {
   __shared__ float s_part[32];
   const int64_t groups = h / N, num_pairs = tokens * k;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -371,7 +394,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> local_layout(const at::Tensor& to
   FLUX_CHECK(k >= 1 && k <= kMaxTopk, op, "K must be in [1, ", kMaxTopk, "], got ", k);
   FLUX_CHECK(capacity >= -1, op, "capacity must be -1 (unbounded) or >= 0, got ", capacity);
   const auto i64 = topk_idx.options().dtype(at::kLong);
-  const int blocks = static_cast<int>(std::max<int64_t>(1, (n + kPairsPerBlock - 1) / kPairsPerBlock));
+  const int64_t blocks64 = std::max<int64_t>(1, (n + kPairsPerBlock - 1) / kPairsPerBlock);
+  FLUX_CHECK(blocks64 <= moe_launch::kMaxGridX, op, "T * K = ", n, " pairs is too many for one dispatch");
+  const int blocks = static_cast<int>(blocks64);
   at::Tensor info = at::empty({num_experts + 1}, i64);
   at::Tensor pair_row = at::empty({n}, i64);
   at::Tensor send_pairs = at::empty({capacity >= 0 ? num_experts * capacity : n}, i64);
@@ -386,12 +411,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> local_layout(const at::Tensor& to
   const int ki = static_cast<int>(k);
   AT_DISPATCH_INDEX_TYPES(topk_idx.scalar_type(), "moe_local_layout", [&] {
     const index_t* idx = topk_idx.data_ptr<index_t>();
-    count_kernel<index_t><<<blocks, kPairsPerBlock, e * sizeof(int), stream>>>(idx, n, ki, e, blk_counts, blk_code);
+    const size_t count_smem = e * sizeof(int), place_smem = kLayoutWarps * e * sizeof(int);
+    moe_launch::check(op, "count_kernel", count_kernel<index_t>, blocks, kPairsPerBlock, count_smem);
+    moe_launch::check(op, "scan_kernel", scan_kernel, 1, kScanThreads, 0);
+    moe_launch::check(op, "place_kernel", place_kernel<index_t>, blocks, kPairsPerBlock, place_smem);
+    count_kernel<index_t><<<blocks, kPairsPerBlock, count_smem, stream>>>(idx, n, ki, e, blk_counts, blk_code);
     FLUX_CHECK_LAUNCH();
     scan_kernel<<<1, kScanThreads, 0, stream>>>(blk_counts, blk_code, blocks, e, capacity, static_cast<int>(host_code),
                                                 info.data_ptr<int64_t>(), start, send_pairs.data_ptr<int64_t>(), n);
     FLUX_CHECK_LAUNCH();
-    place_kernel<index_t><<<blocks, kPairsPerBlock, kLayoutWarps * e * sizeof(int), stream>>>(
+    place_kernel<index_t><<<blocks, kPairsPerBlock, place_smem, stream>>>(
         idx, n, ki, e, capacity, blk_counts, info.data_ptr<int64_t>(), start, pair_row.data_ptr<int64_t>(),
         send_pairs.data_ptr<int64_t>());
     FLUX_CHECK_LAUNCH();
@@ -400,8 +429,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> local_layout(const at::Tensor& to
 }
 
 // out's rows from x (scatter_rows_kernel); pad_rows > 0: also zero out's padding rows.
-void launch_rows(const at::Tensor& src, const at::Tensor& pair_row, const at::Tensor& send_pairs, int64_t k,
-                 int64_t pad_rows, at::Tensor& out, cudaStream_t stream) {
+void launch_rows(const char* op, const at::Tensor& src, const at::Tensor& pair_row, const at::Tensor& send_pairs,
+                 int64_t k, int64_t pad_rows, at::Tensor& out, cudaStream_t stream) {
   const int64_t tokens = src.size(0);
   const int64_t row_bytes = src.size(1) * static_cast<int64_t>(src.element_size());
   if (tokens + pad_rows == 0 || row_bytes == 0) return;
@@ -409,13 +438,15 @@ void launch_rows(const at::Tensor& src, const at::Tensor& pair_row, const at::Te
   const int64_t* pr = pair_row.data_ptr<int64_t>();
   const int64_t* sp = send_pairs.data_ptr<int64_t>();
   if (aligned16(src, row_bytes) && aligned16(out, row_bytes)) {
-    scatter_rows_kernel<int4><<<grid, 128, 0, stream>>>(static_cast<const int4*>(src.data_ptr()), pr, sp, tokens,
-                                                        static_cast<int>(k), pad_rows, row_bytes / 16,
-                                                        static_cast<int4*>(out.data_ptr()));
+    moe_launch::check(op, "scatter_rows_kernel", scatter_rows_kernel<int4>, grid, kRowThreads, 0);
+    scatter_rows_kernel<int4><<<grid, kRowThreads, 0, stream>>>(
+        static_cast<const int4*>(src.data_ptr()), pr, sp, tokens, static_cast<int>(k), pad_rows, row_bytes / 16,
+        static_cast<int4*>(out.data_ptr()));
   } else {
-    scatter_rows_kernel<char><<<grid, 128, 0, stream>>>(static_cast<const char*>(src.data_ptr()), pr, sp, tokens,
-                                                        static_cast<int>(k), pad_rows, row_bytes,
-                                                        static_cast<char*>(out.data_ptr()));
+    moe_launch::check(op, "scatter_rows_kernel", scatter_rows_kernel<char>, grid, kRowThreads, 0);
+    scatter_rows_kernel<char><<<grid, kRowThreads, 0, stream>>>(
+        static_cast<const char*>(src.data_ptr()), pr, sp, tokens, static_cast<int>(k), pad_rows, row_bytes,
+        static_cast<char*>(out.data_ptr()));
   }
   FLUX_CHECK_LAUNCH();
 }
@@ -442,7 +473,7 @@ std::vector<at::Tensor> moe_local_dispatch(const at::Tensor& x, const at::Tensor
   if (capacity >= 0) {
     const int64_t rows = num_experts * capacity;
     recv = at::empty({rows, x.size(1)}, x.options());
-    launch_rows(x, pair_row, send_pairs, topk_idx.size(1), zero_pad ? rows : 0, recv, stream);
+    launch_rows(op, x, pair_row, send_pairs, topk_idx.size(1), zero_pad ? rows : 0, recv, stream);
   } else {
     recv = at::empty({0, x.size(1)}, x.options());  // the unbounded caller sizes it after reading the counts
   }
@@ -462,7 +493,7 @@ at::Tensor moe_local_rows(const at::Tensor& x, const at::Tensor& pair_row, const
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor out = at::empty({rows, x.size(1)}, x.options());
   const int64_t k = x.size(0) == 0 ? 1 : pair_row.numel() / x.size(0);
-  launch_rows(x, pair_row, send_pairs, k, 0, out, at::cuda::getCurrentCUDAStream());
+  launch_rows(op, x, pair_row, send_pairs, k, 0, out, at::cuda::getCurrentCUDAStream());
   return out;
 }
 
@@ -491,13 +522,17 @@ at::Tensor moe_local_combine(const at::Tensor& y, const std::optional<at::Tensor
     const int64_t rb = h * static_cast<int64_t>(sizeof(scalar_t));
     if (aligned16(y, rb) && aligned16(out, rb)) {
       const int64_t warps_of_row = (h / kVec + 31) / 32 * 32;
-      const int threads = static_cast<int>(std::min<int64_t>(256, std::max<int64_t>(kMaxTopk, warps_of_row)));
+      // at least K threads (they stage the token's rows and weights), at most kCombineThreads
+      const int threads =
+          static_cast<int>(std::min<int64_t>(kCombineThreads, std::max<int64_t>(kMaxTopk, warps_of_row)));
+      moe_launch::check(op, "combine_kernel", combine_kernel<scalar_t, kVec>, grid, threads, 0);
       combine_kernel<scalar_t, kVec><<<grid, threads, 0, stream>>>(y.data_ptr<scalar_t>(), w,
                                                                    pair_row.data_ptr<int64_t>(), t, (int)k, h,
                                                                    out.data_ptr<scalar_t>());
     } else {
-      combine_kernel<scalar_t, 1><<<grid, 256, 0, stream>>>(y.data_ptr<scalar_t>(), w, pair_row.data_ptr<int64_t>(),
-                                                            t, (int)k, h, out.data_ptr<scalar_t>());
+      moe_launch::check(op, "combine_kernel", combine_kernel<scalar_t, 1>, grid, kCombineThreads, 0);
+      combine_kernel<scalar_t, 1><<<grid, kCombineThreads, 0, stream>>>(
+          y.data_ptr<scalar_t>(), w, pair_row.data_ptr<int64_t>(), t, (int)k, h, out.data_ptr<scalar_t>());
     }
     FLUX_CHECK_LAUNCH();
   });
@@ -543,11 +578,13 @@ std::vector<at::Tensor> moe_local_combine_backward(const at::Tensor& grad_out, c
     const int64_t* pr = pair_row.data_ptr<int64_t>();
     const int64_t* sp = send_pairs.data_ptr<int64_t>();
     if (vec) {
-      combine_bwd_kernel<scalar_t, kVec><<<grid, 256, 0, stream>>>(grad_out.data_ptr<scalar_t>(), w, pr, sp, yp, t,
-                                                                   (int)k, rows, h, dy.data_ptr<scalar_t>(), dwp);
+      moe_launch::check(op, "combine_bwd_kernel", combine_bwd_kernel<scalar_t, kVec>, grid, kCombineThreads, 0);
+      combine_bwd_kernel<scalar_t, kVec><<<grid, kCombineThreads, 0, stream>>>(
+          grad_out.data_ptr<scalar_t>(), w, pr, sp, yp, t, (int)k, rows, h, dy.data_ptr<scalar_t>(), dwp);
     } else {
-      combine_bwd_kernel<scalar_t, 1><<<grid, 256, 0, stream>>>(grad_out.data_ptr<scalar_t>(), w, pr, sp, yp, t,
-                                                                (int)k, rows, h, dy.data_ptr<scalar_t>(), dwp);
+      moe_launch::check(op, "combine_bwd_kernel", combine_bwd_kernel<scalar_t, 1>, grid, kCombineThreads, 0);
+      combine_bwd_kernel<scalar_t, 1><<<grid, kCombineThreads, 0, stream>>>(
+          grad_out.data_ptr<scalar_t>(), w, pr, sp, yp, t, (int)k, rows, h, dy.data_ptr<scalar_t>(), dwp);
     }
     FLUX_CHECK_LAUNCH();
   });

@@ -1,5 +1,5 @@
 // moe_scatter_rows_: the data movement of flux.moe_dispatch / flux.moe_combine over a symmetric
-// workspace (flux/ops/_moe_symm.py): rows of a local tensor written by SMs straight into the
+// workspace (flux/ops/moe/symm.py): rows of a local tensor written by SMs straight into the
 // peers' workspaces over NVLink (and into this rank's own), each to a row index chosen by the
 // caller, optionally with a 32-bit tag per row beside it.
 //

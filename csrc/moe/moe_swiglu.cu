@@ -11,10 +11,13 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include "common/check.h"
+#include "moe/launch.h"
 #include "ops.h"
 
 namespace flux {
 namespace {
+
+constexpr int kSwigluThreads = 256;
 
 template <typename T, int N>
 struct alignas(sizeof(T) * N) SwPack {
@@ -32,7 +35,8 @@ __device__ __forceinline__ void st(T* p, const SwPack<T, N>& v) {
 }
 
 template <typename T, int N>
-__global__ void swiglu_fwd_kernel(const T* __restrict__ h, int64_t rows, int64_t f, T* __restrict__ a) {
+__global__ void __launch_bounds__(kSwigluThreads)
+swiglu_fwd_kernel(const T* __restrict__ h, int64_t rows, int64_t f, T* __restrict__ a) {
   const int64_t groups = f / N, total = rows * groups;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -49,8 +53,9 @@ __global__ void swiglu_fwd_kernel(const T* __restrict__ h, int64_t rows, int64_t
 }
 
 template <typename T, int N>
-__global__ void swiglu_bwd_kernel(const T* __restrict__ da, const T* __restrict__ h, int64_t rows, int64_t f,
-                                  T* __restrict__ dh) {
+__global__ void __launch_bounds__(kSwigluThreads)
+swiglu_bwd_kernel(const T* __restrict__ da, const T* __restrict__ h, int64_t rows, int64_t f,
+                  T* __restrict__ dh) {
   const int64_t groups = f / N, total = rows * groups;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -72,7 +77,8 @@ __global__ void swiglu_bwd_kernel(const T* __restrict__ da, const T* __restrict_
 
 int swiglu_grid(int64_t items) {
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((items + 255) / 256, static_cast<int64_t>(sms) * 8)));
+  const int64_t blocks = (items + kSwigluThreads - 1) / kSwigluThreads;
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(blocks, static_cast<int64_t>(sms) * 8)));
 }
 
 void check_h(const at::Tensor& h, const char* op) {
@@ -94,11 +100,15 @@ at::Tensor moe_swiglu(const at::Tensor& h) {
     constexpr int kVec = 16 / sizeof(scalar_t);
     const bool vec = f % kVec == 0 && is_aligned(h.data_ptr(), 16) && is_aligned(a.data_ptr(), 16);
     if (vec) {
-      swiglu_fwd_kernel<scalar_t, kVec><<<swiglu_grid(rows * f / kVec), 256, 0, stream>>>(
+      const int grid = swiglu_grid(rows * f / kVec);
+      moe_launch::check(op, "swiglu_fwd_kernel", swiglu_fwd_kernel<scalar_t, kVec>, grid, kSwigluThreads, 0);
+      swiglu_fwd_kernel<scalar_t, kVec><<<grid, kSwigluThreads, 0, stream>>>(
           h.data_ptr<scalar_t>(), rows, f, a.data_ptr<scalar_t>());
     } else {
-      swiglu_fwd_kernel<scalar_t, 1><<<swiglu_grid(rows * f), 256, 0, stream>>>(h.data_ptr<scalar_t>(), rows, f,
-                                                                                 a.data_ptr<scalar_t>());
+      const int grid = swiglu_grid(rows * f);
+      moe_launch::check(op, "swiglu_fwd_kernel", swiglu_fwd_kernel<scalar_t, 1>, grid, kSwigluThreads, 0);
+      swiglu_fwd_kernel<scalar_t, 1><<<grid, kSwigluThreads, 0, stream>>>(h.data_ptr<scalar_t>(), rows, f,
+                                                                          a.data_ptr<scalar_t>());
     }
     FLUX_CHECK_LAUNCH();
   });
@@ -121,10 +131,14 @@ at::Tensor moe_swiglu_backward(const at::Tensor& grad, const at::Tensor& h) {
     const bool vec = f % kVec == 0 && is_aligned(h.data_ptr(), 16) && is_aligned(grad.data_ptr(), 16) &&
                      is_aligned(dh.data_ptr(), 16);
     if (vec) {
-      swiglu_bwd_kernel<scalar_t, kVec><<<swiglu_grid(rows * f / kVec), 256, 0, stream>>>(
+      const int grid = swiglu_grid(rows * f / kVec);
+      moe_launch::check(op, "swiglu_bwd_kernel", swiglu_bwd_kernel<scalar_t, kVec>, grid, kSwigluThreads, 0);
+      swiglu_bwd_kernel<scalar_t, kVec><<<grid, kSwigluThreads, 0, stream>>>(
           grad.data_ptr<scalar_t>(), h.data_ptr<scalar_t>(), rows, f, dh.data_ptr<scalar_t>());
     } else {
-      swiglu_bwd_kernel<scalar_t, 1><<<swiglu_grid(rows * f), 256, 0, stream>>>(
+      const int grid = swiglu_grid(rows * f);
+      moe_launch::check(op, "swiglu_bwd_kernel", swiglu_bwd_kernel<scalar_t, 1>, grid, kSwigluThreads, 0);
+      swiglu_bwd_kernel<scalar_t, 1><<<grid, kSwigluThreads, 0, stream>>>(
           grad.data_ptr<scalar_t>(), h.data_ptr<scalar_t>(), rows, f, dh.data_ptr<scalar_t>());
     }
     FLUX_CHECK_LAUNCH();

@@ -1,128 +1,36 @@
 """flux.ag_scatter_grouped_mm / flux.grouped_mm_gather_rs: the two halves of a tensor-parallel
-MoE layer (expert tensor parallelism under sequence parallelism).
+MoE layer (expert tensor parallelism under sequence parallelism; Megatron-core's layout, and that
+of the MoE kernels of ByteDance's FLUX / Comet). docs/api.md (Tensor-parallel MoE) gives the
+layout, the row order and the meaning; docs/design.md the strategies' schedules.
 
-Layout. The T tokens of a sequence are sharded on dim 0 over the group's W ranks (sequence
-parallelism): rank r holds tokens ``[r * T_l, (r + 1) * T_l)``, ``T = W * T_l``. Every rank
-holds all E experts, each expert's FFN dimension F split over the ranks: the first projection
-column-parallel (w1 ``[E, F/W, H]``, or gate and up fused, w13 ``[E, 2F/W, H]``, nn.Linear's
-layout), the second row-parallel (w2 ``[E, H, F/W]``). This is Megatron-core's MoE with expert
-tensor parallelism and sequence parallelism, and the layout of the MoE kernels of ByteDance's
-FLUX (Comet).
+In short: the T tokens are sharded on dim 0 over the W ranks (``T = W * T_l``), every rank holds
+all E experts with each expert's FFN dimension split over the ranks (w1/w13 column-parallel, w2
+row-parallel). Part 1 all-gathers the tokens and their routing and runs one grouped GEMM over the
+valid (token, slot) pairs laid out expert-major (by expert, then gathered token, then slot: P
+rows, the same on every rank); part 2 runs the second grouped GEMM, sums each token's slots with
+its routing weights (fp32, slot 0 first) and reduce-scatters. ``TpMoeRouting`` (part 1's second
+output) carries the gathered routing for part 2 and both backward passes; building it reads the
+counts on the host (P sizes the output).
 
-Routing. Every rank routes its own tokens: ``topk_idx [T_l, K]``, global expert ids or -1 (slot
-unused). Gathered over the group in rank order (``I [T, K]``), the valid (token, slot) pairs are
-laid out *expert-major*::
-
-    for expert e = 0 .. E-1:
-        for token t = 0 .. T-1 (index in the gathered sequence):
-            for slot k = 0 .. K-1:
-                if I[t, k] == e:  one row
-
-P rows in all, the same P and order on every rank (every rank sees the same gathered routing).
-A token may name an expert in several slots: each slot is a row of its own.
-
-Meaning (the unfused references, ``ag_scatter_grouped_mm_ref`` and ``grouped_mm_gather_rs_ref``)::
-
-    # part 1: out, routing = ag_scatter_grouped_mm(x, topk_idx, w1)         out [P, N]
-    X, I = all_gather(x), all_gather(topk_idx)                             # [T, H], [T, K]
-    out = cat([X[tokens of e's rows] @ w1[e].T for e in range(E)])
-
-    # part 2: out = grouped_mm_gather_rs(h, w2, routing, topk_weights)     out [T_l, H]
-    partial = cat([h[e's rows] @ w2[e].T for e in range(E)])               # [P, H]: this rank's F shard
-    Y[t] = sum over valid k of all_gather(topk_weights)[t, k] * partial[row of (t, k)]   # [T, H]
-    out = reduce_scatter(Y)                                                # sum over ranks, this rank's rows
-
-(``weight_layout="kn"``: ``w[e]`` instead of ``w[e].T``, the weights stored ``[E, K_in, N]``.)
-Part 2 takes this rank's own routing weights ``[T_l, K]`` (the router's output on this rank's
-tokens, as part 1 takes this rank's topk_idx) and gathers them itself (T * K values). The
-weighted sum over slots is accumulated in fp32 (fp64 for fp64) from slot 0 on, then rounded to
-h's dtype before the reduction over ranks (as a GEMM followed by NCCL's reduce-scatter rounds).
-
-``TpMoeRouting`` (returned by part 1) carries the gathered routing: per-expert counts on the
-device and the host, the permutation (``pairs``: the gathered pair ``t * K + k`` of each row) and
-the shapes; part 2 and both backward passes reuse it. Building it reads the counts on the host
-(one synchronisation per part-1 call: P sizes the output).
-
-Strategies (``STRATEGIES``; ``_choose_strategy`` picks one per call, the same on every rank; the
-environment variable ``FLUX_STRATEGY_MOE_TP`` forces one; ``symm_usable`` says where ``symm`` runs):
-
-  sequential   the reference computation and the CPU path: all-gather (NCCL or gloo), index
-               the gathered rows into expert-major order, one grouped GEMM
-               (flux.ops.grouped_mm: torch._grouped_mm on sm90/sm100 bf16, else a loop of
-               torch.mm); part 2: one grouped GEMM, the weighted sum over slots, reduce-scatter.
-  chunked      decomposed by source rank (part 1) and destination rank (part 2), as flux.ag_gemm's
-               and flux.gemm_rs's ``decomposed``: the grouped GEMM runs as W grouped GEMMs, one
-               per rank's tokens, overlapped with NCCL point-to-point transfers (``isend`` /
-               ``irecv`` pairs, which run on NCCL's own stream and are ordered with the current
-               stream by events: the transfers wait for the work enqueued before them, and
-               ``Work.wait()`` makes the current stream wait for a transfer). Part 1 on rank r of W
-               (blocks named by the rank whose tokens they hold)::
-
-                 NCCL:     [send x -> r+1, recv <- r-1] [send -> r+2, recv <- r-2] ...
-                 current:  [scatter + grouped GEMM r (from x)] [wait r-1][scatter + GEMM r-1] [wait r-2] ...
-
-               each block's rows written into their expert-major places (``index_copy_``). Part 2,
-               the mirror image: the rows of each destination's tokens first, in rotated order,
-               each block's grouped GEMM followed by its weighted sum over slots (``[T_l, H]``) and
-               its transfer to the owner, while the next block computes; this rank's own block
-               last; then the W partial sums added in rank order (fp32)::
-
-                 current:  [GEMM + sum r+1] [GEMM + sum r+2] ... [GEMM + sum r] [wait all][add W partials]
-                 NCCL:                [send -> r+1, recv <- r-1] [send -> r+2, recv <- r-2] ...
-
-               The transfers of step i pair rank r with r + i and r - i on every rank alike, so the
-               NCCL calls match. The same code runs on gloo without streams (``Work.wait()`` then
-               blocks the host), which is how the CPU tests exercise its indexing.
-  symm         chunked's blocks and order, the transfers made by the copy engine into the group's
-               symmetric workspace through the C++ runtime of flux.ag_gemm / flux.gemm_rs
-               (``Runtime.begin_exchange / send / wait_from / end_exchange``): an entry barrier
-               carrying a hash of the problem on the runtime's communication stream, then each
-               block pushed into its destination's slot followed by a stream write to its signal
-               pad; the current stream waits for a peer's block with a bounded wait kernel (a
-               timeout names the peer). No SM is taken from the GEMMs by the transfers and no
-               NCCL call is made, so it also runs with ranks sharing a GPU (gloo, FLUX_GLOO_CUDA).
-               Part 1 reads the peers' shards from the workspace; part 2 sums the W partials from
-               it in rank order, as chunked does.
-
-Choice: ``symm`` (or ``chunked`` where the group has no symmetric workspace) when
-``_should_overlap`` says so: CUDA tensors on an NCCL group of two or more ranks and a token shard
-``T_l * H`` of at least ``OVERLAP_MIN_SHARD`` elements (below it the extra launches of W smaller
-GEMMs are expected to cost more than the transfers they hide; the threshold is a first guess, not
-yet set from GPU timings); else ``sequential``.
-
-Checks. Part 1 validates its arguments on every rank and the ranks agree on a verdict before any
-token moves: one all-gather of (error flag, hash of the fields that must agree: T_l, H, K, E,
-dtypes, layout, strategy) through the group, read on the host (the call synchronises for its
-counts anyway); then the gathered topk_idx is checked for ids outside ``[-1, E)`` on every rank
-alike (every rank holds all of it). A problem on any rank raises the same ``FluxInputError``,
-naming the op and the rank, on every rank. Part 2 is checked through ``check_collectively`` (the
-store exchange of flux.ops._checks, remembered per signature; no device synchronisation).
-
-Autograd (eager ``torch.autograd.Function``; the backward passes run the same strategy as the
-forward). Part 1: d x = reduce_scatter(sum over a token's slots of (d out @ W_e)), which is part 2's
-computation with unit weights and the weight read in the other layout; d W_e = d out_e^T X_e over
-the gathered input (kept by the forward when the weight needs a gradient). Part 2: d h = part 1's
-computation on d out with each scattered row scaled by its routing weight and the weight read in
-the other layout; d W_e = (w * dY)_e^T h_e with dY = all_gather(d out); d topk_weights[t, k] =
-reduce_scatter of <dY[t], partial[row of (t, k)]> (each rank's partial is its F shard's share;
-the forward keeps it when the weights need a gradient). topk_idx has no gradient.
-
-torch.compile: the public functions are ``torch.compiler.disable``-d (the output's row count P is
-read on the host); a compiled caller breaks its graph around them and they run eagerly, autograd
-included.
+This module holds the routing, the checks (part 1: every call, one all-gather of a verdict; part
+2: ``check_collectively``) and the strategies (``STRATEGIES``: ``sequential``, the reference and
+the CPU path; ``chunked``, blocks per rank overlapped with NCCL point-to-point; ``symm``, the same
+blocks through the symmetric workspace; ``_choose_strategy`` picks one, the same on every rank;
+``FLUX_STRATEGY_MOE_TP`` forces one). flux/ops/_moe_tp_api.py holds the public functions, their
+autograd and the dispatcher ops (``torch.ops.flux.ag_scatter_grouped_mm`` / ``grouped_mm_gather_rs``
+with fake implementations, for torch.compile). flux imports this module on first use.
 """
 import dataclasses
-import os
 from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
+from flux import envs
 from flux.ops._checks import FluxInputError, Signature, check_collectively, check_every_call, dtype_code
 from flux.ops._common import SUPPORTED_DTYPES
 from flux.ops.grouped_mm import _gmm, _offsets, grouped_mm, grouped_mm_impl
-from flux.runtime import (all_gather_dim0, differentiable_all_gather_dim0, differentiable_reduce_scatter_dim0,
-                          group_device, reduce_scatter_dim0, resolve_group)
+from flux.runtime import all_gather_dim0, group_device, reduce_scatter_dim0
 
 OP = "flux.ag_scatter_grouped_mm"
 OP_RS = "flux.grouped_mm_gather_rs"
@@ -184,6 +92,7 @@ class TpMoeRouting:
     _source_counts_dev: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False)
     _pair_rows: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False)
     _blocks: Optional[List[_Block]] = dataclasses.field(default=None, repr=False)
+    _source_counts_cpu: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False)  # the ops' [W * E]
 
     @property
     def world(self) -> int:
@@ -328,7 +237,7 @@ def _choose_strategy(device: torch.device, group: dist.ProcessGroup, tokens_per_
     """(strategy, problem or None): FLUX_STRATEGY_MOE_TP if set; else, where ``_should_overlap``
     says so, ``symm`` (transfers by the copy engine, no SM taken from the GEMMs) if the group has
     a symmetric workspace, else ``chunked``; else ``sequential``."""
-    forced = os.environ.get(STRATEGY_ENV, "").strip()
+    forced = (envs.forced_strategy("moe_tp") or "").strip()
     if forced:
         if forced not in STRATEGIES:
             return "sequential", f"{STRATEGY_ENV}={forced!r} is not one of {list(STRATEGIES)}"
@@ -649,7 +558,7 @@ def _mm_gather_rs_chunked(h, weight, layout, routing, wg, keep_partial):
 def _exchange(group, nbytes: int, phase: str, routing, width: int, dtype: torch.dtype):
     """The runtime and workspace of ``group`` (grown to ``nbytes``, collectively: every rank asks
     the same), after the exchange's entry barrier."""
-    from flux.ops._moe_symm import _token
+    from flux.ops.moe.symm import _token
     from flux.runtime import runtime as _runtime
     from flux.runtime import symm
 
@@ -742,193 +651,10 @@ def _mm_gather_rs_impl(h, weight, routing, topk_weights, group, layout, keep_par
     return out, wg, partial, strategy
 
 
-# --------------------------------------------------------------------------------------
-# Eager autograd
-
-
-class _AgScatterFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, topk_idx, weight, group, layout):
-        keep = bool(ctx.needs_input_grad[2])
-        out, routing, gathered, strategy = _ag_scatter_impl(x, topk_idx, weight, group, layout, keep)
-        ctx.routing, ctx.layout, ctx.strategy = routing, layout, strategy
-        ctx.save_for_backward(weight, gathered)
-        return out, routing
-
-    @staticmethod
-    def backward(ctx, grad_out, _grad_routing):
-        weight, gathered = ctx.saved_tensors
-        r, layout = ctx.routing, ctx.layout
-        g = grad_out.to(weight.dtype).contiguous()
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:  # part 2's computation with unit weights, the weight flipped
-            grad_x, _ = _MM_GATHER_RS[ctx.strategy](g, weight, _flip(layout), r, None, False)
-        if ctx.needs_input_grad[2]:
-            grad_w = _weight_grad(_scatter_rows(gathered, r.pairs, r.topk, None), g, weight, r.counts,
-                                  r.counts_host, layout)
-        return grad_x, None, grad_w, None, None
-
-
-class _GroupedMmGatherRsFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, h, weight, topk_weights, routing, group, layout):
-        keep = bool(ctx.needs_input_grad[2])
-        out, wg, partial, strategy = _mm_gather_rs_impl(h, weight, routing, topk_weights, group, layout, keep)
-        ctx.routing, ctx.layout, ctx.strategy, ctx.w_dtype = routing, layout, strategy, topk_weights.dtype
-        ctx.save_for_backward(h, weight, wg, partial)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        h, weight, wg, partial = ctx.saved_tensors
-        r, layout = ctx.routing, ctx.layout
-        need_h, need_w, need_tw = ctx.needs_input_grad[:3]
-        g = grad_out.to(h.dtype).contiguous()
-        grad_h = grad_w = grad_tw = None
-        dy = None  # all_gather(d out), [T, H]
-        if need_h:  # part 1's computation on d out, each row scaled by its weight, the weight flipped
-            grad_h, dy = _AG_SCATTER[ctx.strategy](g, weight, _flip(layout), r, wg.reshape(-1),
-                                                   need_w or need_tw)
-        elif need_w or need_tw:
-            dy = all_gather_dim0(g, r.group)
-        if need_w:
-            grad_w = _weight_grad(h, _scatter_rows(dy, r.pairs, r.topk, wg.reshape(-1)), weight, r.counts,
-                                  r.counts_host, layout)
-        if need_tw:
-            acc = _acc_dtype(h.dtype)
-            per_row = (partial.to(acc) * _scatter_rows(dy, r.pairs, r.topk, None).to(acc)).sum(-1)
-            gw = torch.zeros(r.num_tokens * r.topk, dtype=acc, device=h.device).index_copy_(0, r.pairs, per_row)
-            # each rank's partial holds its F shard's share: the sum over ranks, this rank's tokens
-            grad_tw = reduce_scatter_dim0(gw.view(r.num_tokens, r.topk), r.group).to(ctx.w_dtype)
-        return grad_h, grad_w, grad_tw, None, None, None
-
-
-# --------------------------------------------------------------------------------------
-# Public API
-
-
-def _needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
-
-
-@torch.compiler.disable  # P, the output's row count, is read on the host
-def ag_scatter_grouped_mm(x: torch.Tensor, topk_idx: torch.Tensor, weight: torch.Tensor, *,
-                          group: Optional[dist.ProcessGroup] = None,
-                          weight_layout: str = "nk") -> Tuple[torch.Tensor, TpMoeRouting]:
-    """All-gather the tokens and their routing, scatter the (token, slot) pairs into expert-major
-    order, and multiply each expert's rows by this rank's shard of that expert's weight.
-
-    Same as ``X, I = all_gather(x), all_gather(topk_idx); out = cat([X[tokens of e] @ W_e^T for e])``
-    (see ``ag_scatter_grouped_mm_ref`` and the module docstring for the row order).
-
-    Args:
-        x: ``[T_l, H]`` this rank's tokens (the same T_l on every rank); bf16, fp16, fp32 or fp64.
-        topk_idx: ``[T_l, K]`` int64 or int32: global expert ids in ``[0, E)``, or -1 (slot unused).
-        weight: this rank's shard, ``[E, N, H]`` (``weight_layout="nk"``: nn.Linear per expert, e.g.
-            w13's ``[E, 2F/W, H]``) or ``[E, H, N]`` (``"kn"``); x's dtype and device; E is the
-            number of experts.
-        group: the tensor-parallel process group (default: the world); NCCL for CUDA tensors, gloo
-            for CPU tensors.
-        weight_layout: ``"nk"`` or ``"kn"``.
-
-    Returns:
-        ``(out, routing)``: out ``[P, N]`` in x's dtype, one row per valid gathered pair (P the same
-        on every rank), by expert, then gathered token index, then slot; routing the
-        ``TpMoeRouting`` for ``grouped_mm_gather_rs`` (``routing.counts`` / ``counts_host``: rows per
-        expert). Differentiable in x and weight.
-
-    Raises:
-        FluxInputError, on every rank alike and before any token moves, when some rank's arguments
-        are invalid (shapes, dtypes, devices, an id outside [-1, E)) or the ranks disagree on T_l,
-        H, K, E, the dtype or the layout.
-    """
-    group = resolve_group(group, OP)
-    if _needs_grad(x, weight):
-        return _AgScatterFunction.apply(x, topk_idx, weight, group, weight_layout)
-    out, routing, _, _ = _ag_scatter_impl(x, topk_idx, weight, group, weight_layout, False)
-    return out, routing
-
-
-@torch.compiler.disable  # the partner of ag_scatter_grouped_mm, whose routing is host data
-def grouped_mm_gather_rs(h: torch.Tensor, weight: torch.Tensor, routing: TpMoeRouting, topk_weights: torch.Tensor,
-                         *, group: Optional[dist.ProcessGroup] = None, weight_layout: str = "nk") -> torch.Tensor:
-    """Multiply each expert's rows by this rank's shard of that expert's weight, sum every token's
-    slots with its routing weights, and reduce-scatter the partial sums over the group.
-
-    Same as ``partial = cat([h[rows of e] @ W_e^T for e]); Y[t] = sum_k all_gather(topk_weights)[t, k]
-    * partial[row of (t, k)]; out = reduce_scatter(Y)`` (see ``grouped_mm_gather_rs_ref``).
-
-    Args:
-        h: ``[P, F_l]`` in ``routing``'s row order (e.g. the activation of
-            ``ag_scatter_grouped_mm``'s output); bf16, fp16, fp32 or fp64.
-        weight: this rank's shard, ``[E, H, F_l]`` (``"nk"``: w2 per expert as nn.Linear) or
-            ``[E, F_l, H]`` (``"kn"``); h's dtype and device.
-        routing: the ``TpMoeRouting`` of the matching ``ag_scatter_grouped_mm`` call.
-        topk_weights: ``[T_l, K]`` floating: this rank's tokens' routing weights (gathered here);
-            slots with id -1 are ignored.
-        group: default: the routing's group (the same group if given).
-        weight_layout: ``"nk"`` or ``"kn"``.
-
-    Returns:
-        ``[T_l, H]`` in h's dtype: this rank's tokens, summed over the group's F shards. The slot
-        sum is accumulated in fp32 (fp64 for fp64) from slot 0 on, rounded to h's dtype, then
-        reduced. Differentiable in h, weight and topk_weights.
-
-    Raises:
-        FluxInputError, on every rank alike, when some rank's arguments are invalid (h's rows are
-        not the routing's P, the weight's E is not the routing's, shapes, dtypes, devices) or the
-        ranks disagree on H, the dtypes or the layout.
-    """
-    if group is None and isinstance(routing, TpMoeRouting):
-        group = routing.group
-    group = resolve_group(group, OP_RS)
-    if _needs_grad(h, weight, topk_weights):
-        return _GroupedMmGatherRsFunction.apply(h, weight, topk_weights, routing, group, weight_layout)
-    return _mm_gather_rs_impl(h, weight, routing, topk_weights, group, weight_layout, False)[0]
-
-
-# --------------------------------------------------------------------------------------
-# Unchecked references (differentiable: the gather's backward is a reduce-scatter and vice versa)
-
-
-def ag_scatter_grouped_mm_ref(x: torch.Tensor, topk_idx: torch.Tensor, weight: torch.Tensor, *,
-                              group: Optional[dist.ProcessGroup] = None,
-                              weight_layout: str = "nk") -> Tuple[torch.Tensor, TpMoeRouting]:
-    """``(out, routing)`` of ``ag_scatter_grouped_mm`` by all_gather, a per-expert selection of the
-    gathered tokens and one torch.mm per expert; unchecked (ids outside [-1, E) count as -1),
-    differentiable in x and weight."""
-    group = resolve_group(group, OP)
-    gathered = differentiable_all_gather_dim0(x, group)
-    idx = all_gather_dim0(topk_idx.to(torch.int64), group)
-    blocks = []
-    for e in range(weight.shape[0]):
-        tok, _ = (idx == e).nonzero(as_tuple=True)  # lexicographic: token, then slot
-        we = weight[e]
-        blocks.append(gathered[tok] @ (we.t() if weight_layout == "nk" else we))
-    return torch.cat(blocks), _make_routing(idx, weight.shape[0], x.shape[0], group, check=False)
-
-
-def grouped_mm_gather_rs_ref(h: torch.Tensor, weight: torch.Tensor, routing: TpMoeRouting,
-                             topk_weights: torch.Tensor, *, group: Optional[dist.ProcessGroup] = None,
-                             weight_layout: str = "nk") -> torch.Tensor:
-    """``grouped_mm_gather_rs`` by one torch.mm per expert over its rows, the weighted sum of the
-    gathered tokens' slots (index_add, fp32 or wider) and reduce_scatter; unchecked,
-    differentiable in h, weight and topk_weights. Reads only ``routing.topk_idx``."""
-    group = resolve_group(group if group is not None else routing.group, OP_RS)
-    idx = routing.topk_idx
-    wg = differentiable_all_gather_dim0(topk_weights, group)
-    acc = _acc_dtype(h.dtype)
-    n = weight.shape[1] if weight_layout == "nk" else weight.shape[2]
-    y = torch.zeros((idx.shape[0], n), dtype=acc, device=h.device)
-    start = 0
-    for e in range(weight.shape[0]):
-        tok, slot = (idx == e).nonzero(as_tuple=True)
-        we = weight[e]
-        part = h[start:start + tok.shape[0]] @ (we.t() if weight_layout == "nk" else we)
-        start += tok.shape[0]
-        y = y.index_add(0, tok, wg[tok, slot].to(acc)[:, None] * part.to(acc))
-    return differentiable_reduce_scatter_dim0(y.to(h.dtype), group)
-
+# The public functions, their autograd and the dispatcher ops (flux/ops/_moe_tp_api.py, which
+# imports the pieces above).
+from flux.ops._moe_tp_api import (ag_scatter_grouped_mm, ag_scatter_grouped_mm_ref,  # noqa: E402
+                                  grouped_mm_gather_rs, grouped_mm_gather_rs_ref)
 
 __all__ = ["OVERLAP_MIN_SHARD", "STRATEGIES", "TpMoeRouting", "ag_scatter_grouped_mm", "ag_scatter_grouped_mm_ref",
            "grouped_mm_gather_rs", "grouped_mm_gather_rs_ref"]

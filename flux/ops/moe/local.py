@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 NAME = "local"
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_MAX_EXPERTS = 1024  # csrc/moe/moe_local.cu: one scan thread per expert
-_MAX_TOPK = 64
+_MAX_EXPERTS = 1024  # csrc/moe/moe_local.cu: kMaxExperts (the scan block holds one per expert)
+_MAX_TOPK = 64  # kMaxTopk (combine stages a token's K rows in shared memory)
 
 
 def usable(group: dist.ProcessGroup, device: torch.device) -> Optional[str]:
@@ -53,7 +53,7 @@ def _weights32(weights: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 
 class LocalStrategy:
-    """See the module docstring; the methods follow moe.py's strategy protocol."""
+    """See the module docstring; the methods follow flux/ops/moe/strategies.py's strategy protocol."""
 
     name = NAME
     checks_data = True  # the layout kernels compute the data verdict (no separate check pass)

@@ -4,51 +4,21 @@ symmetric workspace (CUDA, NCCL groups).
 No NCCL call: the ranks exchange their per-expert counts and then their rows through the group's
 symmetric workspace (flux.runtime.symm), SMs writing straight into the peers' buffers over NVLink
 (``torch.ops.flux.moe_scatter_rows_``, csrc/moe/moe_rows.cu), ordered by flux's token-carrying
-barrier (``Runtime.enqueue_barrier``: bounded, naming the peer on a timeout). flux/ops/moe.py
-holds the API, the argument checks, the weighted sum, autograd and the interface this class
-implements (``SymmStrategy``: see ``_AllToAll`` there); this module only moves rows, with
-arguments already checked to agree across ranks.
+barrier (``Runtime.enqueue_barrier``: bounded, naming the peer on a timeout). The rest of the
+package (flux/ops/moe/strategies.py) holds the checks, the weighted sum, autograd and the
+interface this class implements (``SymmStrategy``; ``_AllToAll`` is the model); this module only
+moves rows, with arguments already checked to agree across ranks.
 
-Workspace regions of the unbounded dispatch (byte offsets, 256-aligned, the same on every rank;
-the bounded moves' layout is csrc/moe/moe_bounded.cu's, see _Bounded):
-
-    header   [W, E + 1] int32   row s: rank s's number of (token, slot) pairs per global expert,
-                                then its T (read before the rows region is written)
-    rows     [sum_s T_s, H]     token rows: rank s's token t at sum_{s'<s} T_s' + t, sent once
-                                however many of its slots go to our experts. In the moved
-                                tensor's dtype, copied as bytes (an fp8 dispatch moves uint8 rows
-                                of packed fp8 values and scales, H their byte length)
-    tags     [rows_cap] int32   per arriving pair, at its row of recv_x: its index in its
-                                sender's send order
-    tokens   [rows_cap] int32   per arriving pair, at its row of recv_x: its token on its sender
-
-Dispatch on rank r (T tokens, K slots; E experts, E_l = E / W per rank)::
-
-    sort the T*K (token, slot) pairs by expert, stably (token, then slot), -1 slots last
-        (the bounded variant's route kernel): the send order (send_pairs)
-    barrier                                           nobody still reads our workspace
-    (counts_r, T) into row r of every rank's header   (a small copy per rank)
-    barrier                                           every rank's header is in
-    C = counts [W, E], read on the host (it sizes the output)
-    send-order pair i, expert g, lands on rank d = g // E_l at row
-        (rows of d's experts before g) + sum_{s<r} C[s, g] + (i's rank among our pairs to g)
-    barrier                                           the destinations are free
-    each token's row once to every other rank owning one of its experts (token rows), each
-        pair's (i, token) to its row on d (tags, tokens), our own pairs' rows straight into recv_x
-    barrier                                           everything has landed
-    the other ranks' pairs copied from our token rows into recv_x through the tokens region
-
-The bounded dispatch (csrc/moe/moe_bounded.cu) moves token rows and tags the same way (token
-rows into [W, C], tags into [E_l, W, C] blocks), with flags instead of the closing barrier and
-nothing read on the host.
-
-``to_sources`` (combine, dispatch's backward) sends each arriving row back to its sender, at the
-tag, between two barriers; ``to_experts`` (combine's backward) moves one row per pair (the
-gradients of a token's pairs differ) to the rows dispatch gave them, through a rows region of
-``[rows_cap, H]`` (``_move``). The routing is kept in the handle's ``recv_dest``: for each arriving row its sender
-and tag (``sender << 32 | tag``, -1: no row), then for each send-order pair its destination
-(``rank << 32 | row``, -1: none). The bounded variant reads nothing on the host, so the whole
-exchange can be captured in a CUDA graph.
+The unbounded dispatch sorts this rank's pairs by expert (the send order), exchanges (counts, T)
+through every rank's header region between two barriers, reads the counts on the host (they size
+recv_x), sends each token's row once per destination rank and a (send index, token) tag per pair,
+and after a closing barrier copies the other ranks' pairs into recv_x. The bounded dispatch
+(csrc/moe/moe_bounded.cu, ``_Bounded``) moves the same with flags instead of the closing barrier
+and nothing read on the host (CUDA-graph capturable). ``to_sources`` sends each arriving row back
+to its sender at its tag; ``to_experts`` moves one row per pair to the row dispatch gave it. The
+handle's ``recv_dest`` keeps the routing: per arriving row ``sender << 32 | tag``, then per
+send-order pair ``rank << 32 | row`` (-1: none). Workspace regions and the schedule:
+docs/design.md (MoE dispatch and combine, unbounded ``symm``).
 """
 import zlib
 from typing import Optional
@@ -193,7 +163,7 @@ class _TokenRows:
 
 
 class SymmStrategy:
-    """flux/ops/moe.py's strategy interface over the symmetric workspace (module docstring)."""
+    """flux/ops/moe/strategies.py's strategy interface over the symmetric workspace (module docstring)."""
 
     name = "symm"
 
@@ -303,7 +273,7 @@ class SymmStrategy:
     def dispatch_bounded(x, topk_idx, num_experts, group, capacity, host_code, zero_pad=True):
         """The bounded dispatch, which also exchanges the ranks' error codes: returns
         ``(recv_x, counts, send_pairs, recv_dest, [], verdict)``. host_code: this rank's host-known
-        code (flux/ops/moe.py: _LOCAL_ARGS, _OVER_CAPACITY or 0); the route kernel adds the data
+        code (flux/ops/moe/handle.py: _LOCAL_ARGS, _OVER_CAPACITY or 0); the route kernel adds the data
         verdict, and a rank with a nonzero code sends nothing; when any rank's code is nonzero,
         every rank's outputs are zeros (counts, recv_x) and -1 / padding (routing). zero_pad=False:
         recv_x's rows past the counts are not written (all of them on an error)."""
@@ -333,7 +303,7 @@ class SymmStrategy:
     def combine_bounded(y, weights, handle, need_returned):
         """The bounded combine (y in float32, bfloat16 or float16): ``(out [T, H] in y's dtype,
         y's rows back in send order [S, H] or None)``, out[t] the weighted sum of its slots'
-        rows (weights None: 1), equal bitwise to flux/ops/moe.py's _sum_slots."""
+        rows (weights None: 1), equal bitwise to flux/ops/moe/handle.py's _sum_slots."""
         b = _Bounded(handle.group, handle.num_experts, handle.max_tokens_per_rank, handle.topk)
         n = handle.num_tokens * handle.topk
         recv_code, _, pair_pos, _ = _bounded_views(handle.recv_dest, b.n_recv, n)
