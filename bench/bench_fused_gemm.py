@@ -77,6 +77,9 @@ def problems(args):
 
 
 def commit() -> str:
+    """FLUX_COMMIT where the runner sets it (a copied tree may carry stale git metadata), else git's HEAD."""
+    if os.environ.get("FLUX_COMMIT"):
+        return os.environ["FLUX_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
                               timeout=10).stdout.strip() or os.environ.get("FLUX_COMMIT", "unknown")

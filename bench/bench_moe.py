@@ -405,6 +405,9 @@ def run(args):
 
 
 def _commit():
+    """FLUX_COMMIT where the runner sets it (a copied tree may carry stale git metadata), else git's HEAD."""
+    if os.environ.get("FLUX_COMMIT"):
+        return os.environ["FLUX_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)),
                               capture_output=True, text=True, timeout=10).stdout.strip() or None
