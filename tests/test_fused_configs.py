@@ -33,7 +33,8 @@ def test_table_is_consistent():
 
 def test_select_and_parse():
     default = fc.select("default")
-    assert ("ag", 0, "bf16") in default and ("rs", 0, "bf16_fp32") in default
+    assert ("ag", 0, "bf16") in default and ("rs", 3, "bf16_fp32") in default and len(default) == 12
+    assert not any(op == "rs" and i == 0 for op, i, _ in default)
     assert len(fc.select("all")) == sum(len(v) for v in fc.CONFIGS.values()) * len(fc.DTYPES)
     assert fc.select("minimal") == [("ag", 0, "bf16"), ("rs", 0, "bf16")]
     assert fc.select("ag:2") == [("ag", 2, d) for d in fc.DTYPES]
@@ -167,21 +168,54 @@ def test_gpu_rs_fused(op, cid, dtype):
             _check(out, ref32, baseline, f"rs:{cid}:{dtype} {m}x{k}x{n} swizzle {swizzle}")
 
 
+_UNBUILT_CHILD = r"""
+import sys, torch
+import flux  # noqa: F401  (loads flux._C)
+op, cid, dtype, din, dout = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+din, dout = getattr(torch, din), getattr(torch, dout)
+dev = torch.device("cuda")
+a = torch.randn(128, 64, device=dev, dtype=din)
+w = torch.randn(64, 64, device=dev, dtype=din)
+out = torch.empty(128, 64, device=dev, dtype=dout)
+flags = torch.ones(2, device=dev, dtype=torch.int32)
+src = torch.randn(128, 64, device=dev, dtype=dout)
+
+
+def call(weight, config):
+    if op == "ag":
+        torch.ops.flux.ag_gemm_fused_(out, a, weight, None, flags, 0, 2, 64, 10000, 0, 1, 1, config)
+    else:
+        torch.ops.flux.gemm_rs_fused_(out, a, weight, None, src, flags, 64, 0, 1, 10000, 0, 1, 1, config)
+
+
+for what, weight in (("shape", w[:, :32].contiguous()), ("unbuilt", w)):  # a plain check first
+    print("calling", what, flush=True)
+    try:
+        call(weight, cid)
+        print("NO ERROR", what, flush=True)
+    except RuntimeError as e:
+        print("RAISED", what, str(e).splitlines()[0], flush=True)
+"""
+
+
 @gpu
 def test_gpu_unbuilt_instantiation_fails_by_name():
+    """Calling an instantiation that is not built raises, naming op, configuration and dtype. In a
+    child process, after a plain shape check of the same op: a crash is reported with the step
+    it happened in instead of taking the test session down."""
+    import subprocess
+    import sys
+
     missing = [t for t in fc.select("all") if t not in _BUILT]
     if not missing:
         pytest.skip("every instantiation is built (FLUX_KERNELS=all)")
     op, cid, dtype = missing[0]
-    din, dout = (_TORCH_DTYPE[x] for x in fc.DTYPE_IO[dtype])
-    dev = torch.device("cuda")
-    a = torch.randn(128, 64, device=dev, dtype=din)
-    w = torch.randn(64, 64, device=dev, dtype=din)
-    out = torch.empty(128, 64, device=dev, dtype=dout)
-    flags = torch.ones(2, device=dev, dtype=torch.int32)
-    with pytest.raises(RuntimeError, match=f"configuration {cid} for {dtype} is not built"):
-        if op == "ag":
-            torch.ops.flux.ag_gemm_fused_(out, a, w, None, flags, 0, 2, 64, 10000, 0, 1, 1, cid)
-        else:
-            src = torch.randn(128, 64, device=dev, dtype=dout)
-            torch.ops.flux.gemm_rs_fused_(out, a, w, None, src, flags, 64, 0, 1, 10000, 0, 1, 1, cid)
+    din, dout = (str(_TORCH_DTYPE[x]).split(".")[1] for x in fc.DTYPE_IO[dtype])
+    res = subprocess.run([sys.executable, "-X", "faulthandler", "-c", _UNBUILT_CHILD, op, str(cid), dtype, din, dout],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    log = res.stdout + res.stderr[-3000:]
+    assert res.returncode == 0, f"child died (rc {res.returncode}) calling {op}:{cid}:{dtype}:\n{log}"
+    name = "ag_gemm_fused_" if op == "ag" else "gemm_rs_fused_"
+    assert f"RAISED shape flux.{name}" in res.stdout, log
+    assert f"RAISED unbuilt flux.{name}: configuration {cid} for {dtype} is not built" in res.stdout, log
