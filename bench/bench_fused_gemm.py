@@ -10,10 +10,8 @@ fp32 reference; above max(2 x cuBLAS's error, 1e-3) a config is reported, never 
 calls interleaved round by round, median over rounds after warm-up, timed as loop (calls back to
 back, events around the loop), graph (that loop as a CUDA graph, replayed) and spin (one call behind
 a GPU spin: a kernel-time diagnostic, never the headline); inputs rotate among 2-4 sets where one set
-fits in L2. --pdl: the fused kernels launched with programmatic dependent launch (1, default), without
-(0), or both (0,1: each variant twice, the PDL-off copy labelled "<label>/pdl0"; own, best and the
-summary are of the PDL-on copies, "by_pdl" and the summary's "*_pdl0" keys of the others).
-Without a GPU it prints one line and exits 1.
+fits in L2. --pdl 0,1: each fused variant also without programmatic dependent launch ("<label>/pdl0";
+own, best and summary are the PDL-on ones, "by_pdl" and "*_pdl0" the others). No GPU: one line, exit 1.
 JSON (--out, stable): {"format": 1, "command", "commit", "device", "sm_count", "torch", "cuda",
  "dtype", "out_dtype", "timings": ["loop", "graph", "spin"], "configs": {op: {"source", "list": [{"id",
  "tile", "dtypes"}]}}, "results": [{"op", "m", "n", "k", "layers", "flop", "input_sets",
@@ -22,9 +20,9 @@ JSON (--out, stable): {"format": 1, "command", "commit", "device", "sm_count", "
  "vs_cublas": {timing: ratio}}, "served" (choose_config's label: tuned cache, else analytic), "best":
  {timing: {"label", "ms", "vs_cublas"}}, "variants": {"c<id>/r<raster>/s<swizzle>": {"config",
  "raster", "swizzle", "tile", "pdl", "ms", "tflops", "rel_err", "ok", "error"?}}, "by_pdl"?: {"0": {"own",
- "best"}}}], "pdl": [settings], "summary": {op: {timing:
- {"shapes", "own_within_2pct", "own_within_5pct", "best_within_2pct", "best_within_5pct", "own_wrong",
- "geomean_own_over_cublas", "geomean_best_over_cublas", "geomean_own_over_best"}}}}; untimed = null.
+ "best"}}}], "pdl": [settings], "summary": {op: {timing: {"shapes", "own_within_2pct", "own_within_5pct",
+ "best_within_2pct", "best_within_5pct", "own_wrong", "geomean_own_over_cublas", "geomean_best_over_cublas",
+ "geomean_own_over_best", "geomean_{own,best}_over_cublas_pdl0"?}}}}; untimed = null.
 """
 import argparse
 import json
