@@ -47,7 +47,9 @@ void run_cutlass_gemm(const char* op, const typename Gemm::Arguments& args, cons
     smem_limit_set<Gemm>(device) = true;
   }
 #if defined(CUTLASS_ENABLE_GDC_FOR_SM90)
-  const bool pdl = fused_pdl();  // the kernels wait on the preceding grid (fused_gemm.cuh)
+  // The sm_90a code waits on the preceding grid (fused_gemm.cuh); code of another target built
+  // alongside (FLUX_CUDA_ARCH) would not.
+  const bool pdl = fused_pdl() && at::cuda::getDeviceProperties(device)->major == 9;
 #else
   const bool pdl = false;  // the kernels have no griddepcontrol.wait: an early start would be unsafe
 #endif
