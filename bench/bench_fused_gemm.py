@@ -22,7 +22,7 @@ JSON (--out, stable): {"format": 1, "command", "commit", "device", "sm_count", "
  "raster", "swizzle", "tile", "pdl", "ms", "tflops", "rel_err", "ok", "error"?}}, "by_pdl"?: {"0": {"own",
  "best"}}}], "pdl": [settings], "summary": {op: {timing: {"shapes", "own_within_2pct", "own_within_5pct",
  "best_within_2pct", "best_within_5pct", "own_wrong", "geomean_own_over_cublas", "geomean_best_over_cublas",
- "geomean_own_over_best", "geomean_{own,best}_over_cublas_pdl0"?}}}}; untimed = null.
+ "geomean_own_over_best", "geomean_served_over_cublas", "geomean_{own,best}_over_cublas_pdl0"?}}}}; untimed: null.
 """
 import argparse
 import json
@@ -225,6 +225,9 @@ def summarize(results):
                             "best_within_5pct": sum(x <= 1.05 for x in best),
                             "geomean_own_over_cublas": gm(own), "geomean_best_over_cublas": gm(best),
                             "geomean_own_over_best": gm(ob),
+                            "geomean_served_over_cublas": gm(
+                                [_ratio(r["variants"][r["served"]]["ms"][tm], r["cublas"]["ms"][tm]) for r in rs
+                                 if r["variants"][r["served"]]["ms"][tm] and r["cublas"]["ms"][tm]]),
                             "own_wrong": sum(not r["variants"][r["own"]["label"]]["ok"] for r in rs)}
             for pdl in sorted({p for r in rs for p in r.get("by_pdl", {})}):
                 sub = [r["by_pdl"][pdl] for r in rs if pdl in r.get("by_pdl", {})]
@@ -257,7 +260,8 @@ def print_table(results, summ):
                   f"{s['own_within_2pct']}/{s['own_within_5pct']}; best config: {s['best_within_2pct']}/"
                   f"{s['best_within_5pct']}; geomean own/cuBLAS {_f(s['geomean_own_over_cublas'], '5.3f')}, "
                   f"best/cuBLAS {_f(s['geomean_best_over_cublas'], '5.3f')}, own/best "
-                  f"{_f(s['geomean_own_over_best'], '5.3f')}")
+                  f"{_f(s['geomean_own_over_best'], '5.3f')}, served (tuned)/cuBLAS "
+                  f"{_f(s['geomean_served_over_cublas'], '5.3f')}")
             for key in sorted(k for k in s if k.startswith("geomean_best_over_cublas_pdl")):
                 pdl = key.rsplit("_pdl", 1)[1]
                 print(f"summary {op} {tm}{tag} PDL {pdl}: geomean own/cuBLAS "
