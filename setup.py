@@ -260,6 +260,10 @@ def _cuda_extension():
     with_sm90 = "90a" in archs
     if with_sm90:  # the CUTLASS sm90 kernels (wgmma, TMA) need the sm_90a target
         nvcc_flags.append("-DFLUX_WITH_SM90")
+        # The CUTLASS sm90 kernels then execute griddepcontrol.wait before their first global
+        # access and launch_dependents near their end: the fused GEMMs can be launched with
+        # programmatic dependent launch (csrc/common/fused_gemm.cuh, fused_pdl).
+        nvcc_flags.append("-DCUTLASS_ENABLE_GDC_FOR_SM90")
     # CUTLASS's headers as system headers: their own warnings are not ours to print.
     nvcc_flags += [f"-isystem={d}" for d in include_dirs]
     sources = sorted(glob.glob(os.path.join("csrc", "**", "*.cu"), recursive=True))

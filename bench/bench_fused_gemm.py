@@ -1,6 +1,6 @@
 """The fused GEMM kernels alone on one GPU (every flag set: nothing waits) against cuBLAS:
     python bench/bench_fused_gemm.py --out fused.json    # model grid, both ops (~3-5 min, H200)
-    python bench/bench_fused_gemm.py --op ag --shapes 4096x8192x14336 [--configs 0,2] [--quick]
+    python bench/bench_fused_gemm.py --op ag --shapes 4096x8192x14336 [--configs 0,2] [--quick] [--pdl 0,1]
 Shapes are the kernel's own MxKxN (flux/autotune/model_grid.py): --grid models (default) = every AG
 (QKV, FC1) and RS (O-proj, FC2) GEMM of Llama-3 8B/70B/405B at TP 2/4/8, M in {256 .. 16384}; ag
 runs all M gathered rows, rs one rank's block of M/TP rows adding the peer's partial (random) in its
@@ -10,7 +10,8 @@ fp32 reference; above max(2 x cuBLAS's error, 1e-3) a config is reported, never 
 calls interleaved round by round, median over rounds after warm-up, timed as loop (calls back to
 back, events around the loop), graph (that loop as a CUDA graph, replayed) and spin (one call behind
 a GPU spin: a kernel-time diagnostic, never the headline); inputs rotate among 2-4 sets where one set
-fits in L2. Without a GPU it prints one line and exits 1.
+fits in L2. --pdl 0,1: each fused variant also without programmatic dependent launch ("<label>/pdl0";
+own, best and summary are the PDL-on ones, "by_pdl" and "*_pdl0" the others). No GPU: one line, exit 1.
 JSON (--out, stable): {"format": 1, "command", "commit", "device", "sm_count", "torch", "cuda",
  "dtype", "out_dtype", "timings": ["loop", "graph", "spin"], "configs": {op: {"source", "list": [{"id",
  "tile", "dtypes"}]}}, "results": [{"op", "m", "n", "k", "layers", "flop", "input_sets",
@@ -18,9 +19,10 @@ JSON (--out, stable): {"format": 1, "command", "commit", "device", "sm_count", "
  "tflops": {timing: TFLOP/s}, "rel_err"}, "own" (the analytic default): {"label", "ms", "tflops",
  "vs_cublas": {timing: ratio}}, "served" (choose_config's label: tuned cache, else analytic), "best":
  {timing: {"label", "ms", "vs_cublas"}}, "variants": {"c<id>/r<raster>/s<swizzle>": {"config",
- "raster", "swizzle", "tile", "ms", "tflops", "rel_err", "ok", "error"?}}}], "summary": {op: {timing:
- {"shapes", "own_within_2pct", "own_within_5pct", "best_within_2pct", "best_within_5pct", "own_wrong",
- "geomean_own_over_cublas", "geomean_best_over_cublas", "geomean_own_over_best"}}}}; untimed = null.
+ "raster", "swizzle", "tile", "pdl", "ms", "tflops", "rel_err", "ok", "error"?}}, "by_pdl"?: {"0": {"own",
+ "best"}}}], "pdl": [settings], "summary": {op: {timing: {"shapes", "own_within_2pct", "own_within_5pct",
+ "best_within_2pct", "best_within_5pct", "own_wrong", "geomean_own_over_cublas", "geomean_best_over_cublas",
+ "geomean_own_over_best", "geomean_served_over_cublas", "geomean_{own,best}_over_cublas_pdl0"?}}}}; untimed: null.
 """
 import argparse
 import json
@@ -51,6 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--configs", default=None, help="configuration ids to time, e.g. 0,2 (default: all built)")
     p.add_argument("--swizzles", default="1,8")
     p.add_argument("--rasters", default="1", help="1 along N (as the strategies launch), 2 along M, 0 CUTLASS's")
+    p.add_argument("--pdl", default="1", help="programmatic dependent launch of the fused kernels: 1 (default), 0, "
+                   "or 0,1 (both, interleaved)")
     p.add_argument("--quick", action="store_true", help="shorter samples, 3 rounds")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -58,7 +62,33 @@ def parse_args(argv=None):
         p.error("--shapes needs --op")
     if not args.shapes and not args.grid:
         args.grid = "models"
+    try:
+        args.pdl_list = sorted({int(x) for x in args.pdl.split(",")}, reverse=True)  # the primary (1) first
+    except ValueError:
+        args.pdl_list = []
+    if not args.pdl_list or any(x not in (0, 1) for x in args.pdl_list):
+        p.error("--pdl takes 1, 0 or 0,1")
     return args
+
+
+def _pdl_switch():
+    """torch.ops.flux.set_fused_pdl, or None with a flux._C that has no such switch."""
+    try:
+        return torch.ops.flux.set_fused_pdl
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _with_pdl(fns, pdl, switch):
+    """The launchers with the process-wide PDL switch set by the first of them: a loop, a graph
+    capture or a spin sample starts with it, and a variant's calls are never interleaved with
+    another's, so the others inherit the setting (one switch call per input-set cycle)."""
+    first = fns[0]
+
+    def set_then_call():
+        switch(bool(pdl))
+        first()
+    return [set_then_call, *fns[1:]]
 
 
 def problems(args):
@@ -114,21 +144,29 @@ def bench_shape(rec, args, dtype, out_dtype, sm, device=None):
     tol = max(2 * max(errs.values()), 1e-3)
     out["tolerance"] = tol
     desc = {c.id: c.desc for c in built}
+    pdls = getattr(args, "pdl_list", [1])
+    switch = _pdl_switch() if pdls != [1] else None
+    if pdls != [1] and switch is None:
+        raise RuntimeError("--pdl " + args.pdl + ": this flux._C has no torch.ops.flux.set_fused_pdl")
     var, fns = {}, {}
-    for lab in labs:
-        cfg, raster, swz = K.parse_label(lab)
-        v = {"config": cfg, "raster": raster, "swizzle": swz, "tile": desc[cfg]}
-        try:
-            f = prob.fused(cfg, raster, swz)
-            v["rel_err"] = prob.rel_err(f)
-            if math.isinf(v["rel_err"]):
-                v["rel_err"], v["error"] = None, "output left NaN (tiles not written)"
-        except RuntimeError as e:
-            v["rel_err"], v["error"] = None, (str(e).splitlines() or ["RuntimeError"])[0][:200]
-        v["ok"] = v["rel_err"] is not None and v["rel_err"] <= tol
-        if v["ok"]:
-            fns[lab] = f
-        var[lab] = v
+    for base_lab in labs:
+        for pdl in pdls:
+            lab = base_lab if pdl == pdls[0] else f"{base_lab}/pdl{pdl}"
+            cfg, raster, swz = K.parse_label(base_lab)
+            v = {"config": cfg, "raster": raster, "swizzle": swz, "tile": desc[cfg], "pdl": pdl}
+            try:
+                f = prob.fused(cfg, raster, swz)
+                if switch is not None:
+                    f = _with_pdl(f, pdl, switch)
+                v["rel_err"] = prob.rel_err(f)
+                if math.isinf(v["rel_err"]):
+                    v["rel_err"], v["error"] = None, "output left NaN (tiles not written)"
+            except RuntimeError as e:
+                v["rel_err"], v["error"] = None, (str(e).splitlines() or ["RuntimeError"])[0][:200]
+            v["ok"] = v["rel_err"] is not None and v["rel_err"] <= tol
+            if v["ok"]:
+                fns[lab] = f
+            var[lab] = v
     t_est = estimate_ms(base["cublas"])
     calls, rounds = plan_sampling(t_est, args.quick)
     out.update(calls_per_sample=calls, rounds=rounds)
@@ -144,17 +182,29 @@ def bench_shape(rec, args, dtype, out_dtype, sm, device=None):
         v["ms"] = t.get(lab, {tm: None for tm in TIMINGS})
         v["tflops"] = tflops(v["ms"])
     out["variants"] = var
-    own_ms = var[own]["ms"]
-    out["own"] = {"label": own, "ms": own_ms, "tflops": var[own]["tflops"],
-                  "vs_cublas": {tm: _ratio(own_ms[tm], cub[tm]) for tm in TIMINGS}}
-    out["best"] = {}
-    for tm in TIMINGS:
-        timed = {lab: v["ms"][tm] for lab, v in var.items() if v["ms"][tm] is not None}
-        if timed:
-            b = min(timed, key=timed.get)
-            out["best"][tm] = {"label": b, "ms": timed[b], "vs_cublas": _ratio(timed[b], cub[tm])}
-        else:
-            out["best"][tm] = {"label": None, "ms": None, "vs_cublas": None}
+
+    def own_and_best(pdl, suffix):
+        own_ms = var[own + suffix]["ms"]
+        o = {"label": own + suffix, "ms": own_ms, "tflops": var[own + suffix]["tflops"],
+             "vs_cublas": {tm: _ratio(own_ms[tm], cub[tm]) for tm in TIMINGS}}
+        best = {}
+        for tm in TIMINGS:
+            timed = {lab: v["ms"][tm] for lab, v in var.items() if v["ms"][tm] is not None and v["pdl"] == pdl}
+            if timed:
+                b = min(timed, key=timed.get)
+                best[tm] = {"label": b, "ms": timed[b], "vs_cublas": _ratio(timed[b], cub[tm])}
+            else:
+                best[tm] = {"label": None, "ms": None, "vs_cublas": None}
+        return o, best
+
+    out["own"], out["best"] = own_and_best(pdls[0], "")
+    if len(pdls) > 1:
+        out["by_pdl"] = {}
+        for pdl in pdls[1:]:
+            o, b = own_and_best(pdl, f"/pdl{pdl}")
+            out["by_pdl"][str(pdl)] = {"own": o, "best": b}
+    if switch is not None:
+        switch(bool(pdls[0]))  # the process default again
     del prob, fns, base
     return out
 
@@ -178,7 +228,16 @@ def summarize(results):
                             "best_within_5pct": sum(x <= 1.05 for x in best),
                             "geomean_own_over_cublas": gm(own), "geomean_best_over_cublas": gm(best),
                             "geomean_own_over_best": gm(ob),
+                            "geomean_served_over_cublas": gm(
+                                [_ratio(r["variants"][r["served"]]["ms"][tm], r["cublas"]["ms"][tm]) for r in rs
+                                 if r["variants"][r["served"]]["ms"][tm] and r["cublas"]["ms"][tm]]),
                             "own_wrong": sum(not r["variants"][r["own"]["label"]]["ok"] for r in rs)}
+            for pdl in sorted({p for r in rs for p in r.get("by_pdl", {})}):
+                sub = [r["by_pdl"][pdl] for r in rs if pdl in r.get("by_pdl", {})]
+                summ[op][tm][f"geomean_own_over_cublas_pdl{pdl}"] = gm(
+                    [x["own"]["vs_cublas"][tm] for x in sub if x["own"]["vs_cublas"][tm]])
+                summ[op][tm][f"geomean_best_over_cublas_pdl{pdl}"] = gm(
+                    [x["best"][tm]["vs_cublas"] for x in sub if x["best"][tm]["vs_cublas"]])
     return summ
 
 
@@ -204,7 +263,12 @@ def print_table(results, summ):
                   f"{s['own_within_2pct']}/{s['own_within_5pct']}; best config: {s['best_within_2pct']}/"
                   f"{s['best_within_5pct']}; geomean own/cuBLAS {_f(s['geomean_own_over_cublas'], '5.3f')}, "
                   f"best/cuBLAS {_f(s['geomean_best_over_cublas'], '5.3f')}, own/best "
-                  f"{_f(s['geomean_own_over_best'], '5.3f')}")
+                  f"{_f(s['geomean_own_over_best'], '5.3f')}, served (tuned)/cuBLAS "
+                  f"{_f(s['geomean_served_over_cublas'], '5.3f')}")
+            for key in sorted(k for k in s if k.startswith("geomean_best_over_cublas_pdl")):
+                pdl = key.rsplit("_pdl", 1)[1]
+                print(f"summary {op} {tm}{tag} PDL {pdl}: geomean own/cuBLAS "
+                      f"{_f(s['geomean_own_over_cublas_pdl' + pdl], '5.3f')}, best/cuBLAS {_f(s[key], '5.3f')}")
 
 
 def main(argv=None):
@@ -233,6 +297,12 @@ def main(argv=None):
                   f"{'fp32' if args.out_dtype == 'fp32' else args.dtype}; nothing run")
             return 1
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference stays fp32
+    switch = _pdl_switch()
+    if args.pdl_list != [1] and switch is None:
+        print(f"bench_fused_gemm: --pdl {args.pdl} needs torch.ops.flux.set_fused_pdl (flux._C is older); nothing run")
+        return 1
+    if switch is not None:
+        switch(bool(args.pdl_list[0]))
     results = []
     for i, rec in enumerate(recs):
         r = bench_shape(rec, args, dtype, out_dtype, sm)
@@ -257,7 +327,7 @@ def _document(args, ops, results, sm, dtype):
            "device": torch.cuda.get_device_name(), "sm_count": sm, "torch": torch.__version__,
            "cuda": torch.version.cuda, "dtype": args.dtype,
            "out_dtype": "fp32" if args.out_dtype == "fp32" else args.dtype,
-           "timings": list(TIMINGS),
+           "timings": list(TIMINGS), "pdl": getattr(args, "pdl_list", [1]),
            "configs": {op: {"source": K.config_source(op),
                             "list": [{"id": c.id, "tile": c.desc, "dtypes": [list(p) for p in c.dtypes]}
                                      for c in K.kernel_configs(op)]} for op in ops},

@@ -27,7 +27,7 @@
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux2014_x86_64 -d .whl nvidia-cutlass==4.2.0.0
 # A build made elsewhere for the same torch and Python can be carried as .ext/flux_C.so with
-# .ext/flux_C.hash (this script's hash of setup.py, csrc/, flux/ops/fused_configs.py and FLUX_KERNELS) to skip the build (~70 s on 32 cores);
+# .ext/flux_C.hash (this script's hash of setup.py, csrc/, flux/fused_configs.py and FLUX_KERNELS) to skip the build (~70 s on 32 cores);
 # where a machine's outputs are size-limited, the stripped copy below is the one to carry.
 #
 # Writes: build.log (the machine and versions first), tests.log, bench.log,
@@ -77,7 +77,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 
 # The build's inputs: setup.py, csrc/, the fused GEMM table it generates kernels from, and the
 # FLUX_KERNELS selection (C locale: the same file order everywhere).
-hash=$( (cat setup.py flux/ops/fused_configs.py $(find csrc -type f | LC_ALL=C sort); echo "FLUX_KERNELS=${FLUX_KERNELS:-default}") | sha256sum | cut -c1-16)
+hash=$( (cat setup.py flux/fused_configs.py $(find csrc -type f | LC_ALL=C sort); echo "FLUX_KERNELS=${FLUX_KERNELS:-default}") | sha256sum | cut -c1-16)
 if [ -f .ext/flux_C.so ] && [ "$(cat .ext/flux_C.hash 2>/dev/null)" = "$hash" ]; then
   echo "reusing carried build $hash" | tee -a "$OUTDIR/build.log"
   cp .ext/flux_C.so "flux/_C$($PY -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"

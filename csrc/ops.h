@@ -23,6 +23,9 @@ void ag_gemm_fused_(at::Tensor& out, const at::Tensor& a_full, const at::Tensor&
 
 // The fused GEMM instantiations built ("ag:0:bf16 rs:3:fp16 ...", flux/fused_configs.py).
 std::string fused_kernels_built();
+// Programmatic dependent launch of the fused GEMMs, process-wide (default on; common/fused_gemm.cuh).
+bool fused_pdl();
+void set_fused_pdl(bool enabled);
 
 // Fused GEMM+ReduceScatter own block (csrc/gemm_rs/rs_fused.cpp): out = a @ weight^T + source (+ bias),
 // the epilogue of each tile waiting for the flags of the source segments it reads.

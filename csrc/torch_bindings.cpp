@@ -51,6 +51,10 @@ TORCH_LIBRARY(flux, m) {
   // The fused GEMM instantiations compiled in: "op:config:dtype" separated by spaces (op ag or rs,
   // dtype bf16, fp16, bf16_fp32 or fp16_fp32; flux/fused_configs.py parse_built).
   m.def("fused_kernels_built() -> str");
+  // Whether the fused GEMMs are launched with programmatic dependent launch (process-wide, default
+  // on): their prologue overlaps the tail of the kernel before them in the stream.
+  m.def("set_fused_pdl(bool enabled) -> ()");
+  m.def("fused_pdl() -> bool");
   // Fused GEMM+ReduceScatter own block (csrc/gemm_rs/rs_fused.cpp): out = a @ weight^T + source (+ bias);
   // source: this rank's workspace slot that the peer fills segment by segment, segment s announced
   // by flags[s] != 0; the epilogue of a tile waits (bounded, naming `peer`) for its segments.
@@ -62,6 +66,8 @@ TORCH_LIBRARY(flux, m) {
 TORCH_LIBRARY_IMPL(flux, CompositeExplicitAutograd, m) {
   m.impl("ag_gemm_fused_supported", &flux::ag_gemm_fused_supported);
   m.impl("fused_kernels_built", &flux::fused_kernels_built);
+  m.impl("set_fused_pdl", &flux::set_fused_pdl);
+  m.impl("fused_pdl", &flux::fused_pdl);
 }
 
 TORCH_LIBRARY_IMPL(flux, CUDA, m) {

@@ -575,7 +575,7 @@ def _need_rs_fused(world, dev):
         raise Skip("ranks share a GPU at world size > 2: 'fused' runs 'decomposed' (flux/strategies.py)")
 
 
-RS_FUSED_LABELS = ["fused", "fused(config=2)", "fused(segments=1)", "fused(segments=16,swizzle=8)"]
+RS_FUSED_LABELS = ["fused", "fused(config=6)", "fused(segments=1)", "fused(segments=16,swizzle=8)"]
 
 
 @gcase("fwd-rs-fused")

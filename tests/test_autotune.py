@@ -46,16 +46,16 @@ def test_pruning():
     assert "not built" in why_invalid(Candidate.of("fused", config=1), big("gemm_rs"))  # not in the default build
     assert why_invalid(Candidate.of("fused", segments=0), big("gemm_rs")) == "segments must be positive"
     # Bands of 8 tiles: RS counts this rank's rows (M / world), AG all M rows.
-    rs_band = Candidate.of("fused", config=0, segments=8, swizzle=8)
+    rs_band = Candidate.of("fused", config=6, segments=8, swizzle=8)  # 128-row tiles, clusters of 2 along M
     assert why_invalid(rs_band, big("gemm_rs", m=4096)) is None  # 2048 rows: 16 tiles of 128
     assert why_invalid(rs_band, big("gemm_rs", m=2048)) == "bands of M tiles larger than the problem pad the grid"
     assert why_invalid(Candidate.of("fused", config=1, segments=8, swizzle=8), big("gemm_rs", m=4096)) is not None
     assert why_invalid(Candidate.of("fused", config=0, swizzle=8), big("ag_gemm", m=2048)) is None
-    # Configurations with one CTA per cluster along M: bands of 8 tiles of 256 rows.
-    assert why_invalid(Candidate.of("fused", config=2, segments=8, swizzle=8), big("gemm_rs", m=4096)) is None
-    assert why_invalid(Candidate.of("fused", config=2, segments=8, swizzle=8), big("gemm_rs", m=2048)) is not None
-    assert why_invalid(Candidate.of("fused", config=3, swizzle=8), big("ag_gemm", m=2048)) is None
-    assert why_invalid(Candidate.of("fused", config=3, swizzle=8), big("ag_gemm", m=1024)) is not None
+    # Configurations with one CTA per cluster along M: bands of 8 tiles of 128 rows.
+    assert why_invalid(Candidate.of("fused", config=3, segments=8, swizzle=8), big("gemm_rs", m=2048)) is None
+    assert why_invalid(Candidate.of("fused", config=3, segments=8, swizzle=8), big("gemm_rs", m=1024)) is not None
+    assert why_invalid(Candidate.of("fused", config=5, swizzle=8), big("ag_gemm", m=1024)) is None
+    assert why_invalid(Candidate.of("fused", config=5, swizzle=8), big("ag_gemm", m=512)) is not None
     assert labels(big("ag_gemm", device_type="cpu")) == ["sequential"]
     assert labels(big("gemm_rs", world=1)) == ["sequential"]
     # A wider output (fp32 from bf16) is overlapped, fused where a kernel is built for it (the

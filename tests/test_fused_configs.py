@@ -33,7 +33,8 @@ def test_table_is_consistent():
 
 def test_select_and_parse():
     default = fc.select("default")
-    assert ("ag", 0, "bf16") in default and ("rs", 0, "bf16_fp32") in default
+    assert ("ag", 0, "bf16") in default and ("rs", 3, "bf16_fp32") in default and len(default) == 12
+    assert not any(op == "rs" and i == 0 for op, i, _ in default)
     assert len(fc.select("all")) == sum(len(v) for v in fc.CONFIGS.values()) * len(fc.DTYPES)
     assert fc.select("minimal") == [("ag", 0, "bf16"), ("rs", 0, "bf16")]
     assert fc.select("ag:2") == [("ag", 2, d) for d in fc.DTYPES]
@@ -168,20 +169,100 @@ def test_gpu_rs_fused(op, cid, dtype):
 
 
 @gpu
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_gpu_pdl_chain_matches_serial_launches(op):
+    """Programmatic dependent launch: a chain of fused GEMMs, each reading the previous one's
+    output as its A (and RS its source), launched back to back, gives bitwise the result of the
+    same chain without PDL (each kernel must wait for the previous one's stores)."""
+    built = sorted(t for t in _BUILT if t[0] == op and t[2] == "bf16")
+    if not built:
+        pytest.skip(f"no {op} bf16 instantiation built")
+    try:
+        set_pdl = torch.ops.flux.set_fused_pdl
+    except (AttributeError, RuntimeError):
+        pytest.skip("flux._C has no set_fused_pdl")
+    dev = torch.device("cuda")
+    torch.manual_seed(7)
+    m, k = 1024, 1024
+    x0 = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    ws = [torch.randn(k, k, device=dev, dtype=torch.bfloat16) / k ** 0.5 for _ in range(3)]
+    src = torch.randn(m, k, device=dev, dtype=torch.bfloat16) * 0.1
+    flags = torch.ones(max(2, m // 64), device=dev, dtype=torch.int32)
+
+    def chain(cid, pdl):
+        set_pdl(pdl)
+        x, source = x0.clone(), src
+        outs = []
+        for _ in range(8):
+            for w in ws:
+                out = torch.full((m, k), float("nan"), device=dev, dtype=torch.bfloat16)
+                if op == "ag":
+                    torch.ops.flux.ag_gemm_fused_(out, x, w, None, flags, 0, 2, m // 2, 10000, 0, 1, 1, cid)
+                else:  # the source is the previous output too: read in the epilogue
+                    torch.ops.flux.gemm_rs_fused_(out, x, w, None, source, flags, 64, 0, 1, 10000, 0, 1, 1, cid)
+                outs.append(out)
+                x = source = out
+        torch.cuda.synchronize()
+        return outs
+
+    try:
+        for _, cid, _ in built[:2]:
+            serial, overlapped = chain(cid, False), chain(cid, True)
+            for i, (a, b) in enumerate(zip(serial, overlapped)):
+                assert torch.isfinite(a).all(), f"{op}:{cid} step {i}: NaN without PDL"
+                assert torch.equal(a, b), f"{op}:{cid} step {i}: PDL launch differs from serial launches"
+    finally:
+        set_pdl(True)
+
+
+_UNBUILT_CHILD = r"""
+import sys, torch
+import flux  # noqa: F401  (loads flux._C)
+op, cid, dtype, din, dout = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+din, dout = getattr(torch, din), getattr(torch, dout)
+dev = torch.device("cuda")
+a = torch.randn(128, 64, device=dev, dtype=din)
+w = torch.randn(64, 64, device=dev, dtype=din)
+out = torch.empty(128, 64, device=dev, dtype=dout)
+flags = torch.ones(2, device=dev, dtype=torch.int32)
+src = torch.randn(128, 64, device=dev, dtype=dout)
+
+
+def call(weight, config):
+    if op == "ag":
+        torch.ops.flux.ag_gemm_fused_(out, a, weight, None, flags, 0, 2, 64, 10000, 0, 1, 1, config)
+    else:
+        torch.ops.flux.gemm_rs_fused_(out, a, weight, None, src, flags, 64, 0, 1, 10000, 0, 1, 1, config)
+
+
+for what, weight in (("shape", w[:, :32].contiguous()), ("unbuilt", w)):  # a plain check first
+    print("calling", what, flush=True)
+    try:
+        call(weight, cid)
+        print("NO ERROR", what, flush=True)
+    except RuntimeError as e:
+        print("RAISED", what, str(e).splitlines()[0], flush=True)
+"""
+
+
+@gpu
 def test_gpu_unbuilt_instantiation_fails_by_name():
+    """Calling an instantiation that is not built raises, naming op, configuration and dtype. In a
+    child process, after a plain shape check of the same op: a crash is reported with the step
+    it happened in instead of taking the test session down."""
+    import subprocess
+    import sys
+
     missing = [t for t in fc.select("all") if t not in _BUILT]
     if not missing:
         pytest.skip("every instantiation is built (FLUX_KERNELS=all)")
     op, cid, dtype = missing[0]
-    din, dout = (_TORCH_DTYPE[x] for x in fc.DTYPE_IO[dtype])
-    dev = torch.device("cuda")
-    a = torch.randn(128, 64, device=dev, dtype=din)
-    w = torch.randn(64, 64, device=dev, dtype=din)
-    out = torch.empty(128, 64, device=dev, dtype=dout)
-    flags = torch.ones(2, device=dev, dtype=torch.int32)
-    with pytest.raises(RuntimeError, match=f"configuration {cid} for {dtype} is not built"):
-        if op == "ag":
-            torch.ops.flux.ag_gemm_fused_(out, a, w, None, flags, 0, 2, 64, 10000, 0, 1, 1, cid)
-        else:
-            src = torch.randn(128, 64, device=dev, dtype=dout)
-            torch.ops.flux.gemm_rs_fused_(out, a, w, None, src, flags, 64, 0, 1, 10000, 0, 1, 1, cid)
+    din, dout = (str(_TORCH_DTYPE[x]).split(".")[1] for x in fc.DTYPE_IO[dtype])
+    res = subprocess.run([sys.executable, "-X", "faulthandler", "-c", _UNBUILT_CHILD, op, str(cid), dtype, din, dout],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    log = res.stdout + res.stderr[-3000:]
+    assert res.returncode == 0, f"child died (rc {res.returncode}) calling {op}:{cid}:{dtype}:\n{log}"
+    name = "ag_gemm_fused_" if op == "ag" else "gemm_rs_fused_"
+    assert f"RAISED shape flux.{name}" in res.stdout, log
+    assert f"RAISED unbuilt flux.{name}: configuration {cid} for {dtype} is not built" in res.stdout, log

@@ -166,20 +166,20 @@ def test_cache_round_trip_and_precedence(tmp_path, monkeypatch):
     monkeypatch.setattr(cache_mod, "SHIPPED_DIR", str(tmp_path / "shipped"))
     key, _ = K.gpu_key(torch.device("cpu"))
     descs = {c.id: c.desc for c in K.kernel_configs("ag")}
-    desc3 = descs[3]
+    desc5 = descs[5]
     assert K.choose_config("ag", 4096, 14336, 8192) == K.analytic_config("ag", 4096, 14336, 8192)
     # shipped file (another flux version: shipped files are read regardless)
     shipped = K.KernelCache(key, str(tmp_path / "shipped"))
-    shipped.put(K.entry_key("ag", 4096, 14336, 8192, "bf16"), _entry("c3/r1/s4", desc3))
-    shipped.put(K.entry_key("ag", 1024, 14336, 8192, "bf16"), _entry("c3/r1/s1", "999x1x1/1x1/coop"))  # stale
+    shipped.put(K.entry_key("ag", 4096, 14336, 8192, "bf16"), _entry("c5/r1/s4", desc5))
+    shipped.put(K.entry_key("ag", 1024, 14336, 8192, "bf16"), _entry("c5/r1/s1", "999x1x1/1x1/coop"))  # stale
     path = shipped.save()
     assert os.path.basename(path).startswith("kernels-")
     data = json.load(open(path))
     data["flux"] = "0.0.0-other"
     json.dump(data, open(path, "w"))
     K.reset()
-    assert K.choose_config("ag", 4096, 14336, 8192) == (3, 1, 4)
-    assert K.choose_config("ag", 3000, 14336, 8192) == (3, 1, 4)  # same M bucket (4096)
+    assert K.choose_config("ag", 4096, 14336, 8192) == (5, 1, 4)
+    assert K.choose_config("ag", 3000, 14336, 8192) == (5, 1, 4)  # same M bucket (4096)
     assert K.choose_config("ag", 1024, 14336, 8192) == K.analytic_config("ag", 1024, 14336, 8192)  # stale ignored
     # the user's file wins over the shipped one, and survives a reload
     user = K.kernel_cache(key)
@@ -191,29 +191,56 @@ def test_cache_round_trip_and_precedence(tmp_path, monkeypatch):
 
 def test_entries_from_bench_and_cli(tmp_path, monkeypatch):
     monkeypatch.setattr(cache_mod, "SHIPPED_DIR", str(tmp_path / "shipped"))
-    descs = {c.id: c.desc for c in K.kernel_configs("rs")}
+    descs = {c.id: c.desc for op in ("rs",) for c in map(lambda c: KC.KernelConfig(
+        "rs", c.id, *c.tile, *c.cluster, c.schedule), FC.CONFIGS[op])}
 
     def var(cfg, swz, loop, graph, ok=True):
         return {"config": cfg, "raster": 1, "swizzle": swz, "tile": descs[cfg], "ok": ok,
                 "ms": {"loop": loop, "graph": graph, "spin": loop}}
+    cub = {"ms": {"loop": 1.0, "graph": 0.5}}
     doc = {"device": "NVIDIA H200", "sm_count": 132, "dtype": "bf16", "out_dtype": "bf16", "results": [
-        {"op": "rs", "m": 2048, "n": 8192, "k": 4096, "own": {"label": "c0/r1/s1"},
-         "variants": {"c0/r1/s1": var(0, 1, 1.00, 1.00), "c4/r1/s1": var(4, 1, 0.995, 0.995),  # within the margin
-                      "c2/r1/s1": var(2, 1, 0.5, 0.5, ok=False)}},                            # wrong: never chosen
-        {"op": "rs", "m": 4096, "n": 8192, "k": 4096, "own": {"label": "c0/r1/s1"},
-         "variants": {"c0/r1/s1": var(0, 1, 1.0, 1.0), "c2/r1/s8": var(2, 8, 0.9, None)}}]}
+        {"op": "rs", "m": 2048, "n": 8192, "k": 4096, "cublas": cub,
+         "variants": {"c3/r1/s1": var(3, 1, 1.00, 1.00), "c6/r1/s1": var(6, 1, 0.995, 0.995),
+                      "c5/r1/s1": var(5, 1, 0.5, 0.25, ok=False),  # wrong: never chosen
+                      "c0/r1/s1": var(0, 1, 0.5, 0.25)}},           # not in the default build
+        {"op": "rs", "m": 4096, "n": 8192, "k": 4096, "cublas": cub,
+         # c6 is faster in the loop, c3 at its worse ratio (graph): the worse ratio decides
+         "variants": {"c3/r1/s1": var(3, 1, 1.0, 0.6), "c6/r1/s8": var(6, 8, 0.8, 0.7)}}]}
     key, entries = K.entries_from_bench(doc)
     assert key == "kernels|NVIDIA H200|sm132"
-    assert entries["rs|bf16|bf16|m2048|n8192|k4096"]["choice"] == "c0/r1/s1"
-    assert entries["rs|bf16|bf16|m4096|n8192|k4096"]["choice"] == "c2/r1/s8"
+    e = entries["rs|bf16|bf16|m2048|n8192|k4096"]
+    assert e["choice"] in ("c3/r1/s1", "c6/r1/s1") and "c0/r1/s1" not in e["loop_ms"]
+    if e["default"] in ("c3/r1/s1", "c6/r1/s1"):
+        assert e["choice"] == e["default"]  # within the margin of the analytic default
+    assert entries["rs|bf16|bf16|m4096|n8192|k4096"]["choice"] == "c3/r1/s1"
+    _, wider = K.entries_from_bench(doc, "default,rs:0:bf16")  # a build that holds config 0
+    assert wider["rs|bf16|bf16|m2048|n8192|k4096"]["choice"] == "c0/r1/s1"
     src = tmp_path / "bench.json"
     src.write_text(json.dumps(doc))
     assert K.main(["--from-bench", str(src), "--ship"]) == 0
     files = os.listdir(tmp_path / "shipped")
     assert files == [K.file_name(key)]
     got = K.KernelCache(key)
-    assert got.get("rs|bf16|bf16|m4096|n8192|k4096")["choice"] == "c2/r1/s8"
-    assert K.cached_choice(got, "rs", 4096, 8192, 4096, "bf16", "bf16") == (2, 1, 8)
+    assert got.get("rs|bf16|bf16|m4096|n8192|k4096")["choice"] == "c3/r1/s1"
+    assert K.cached_choice(got, "rs", 4096, 8192, 4096, "bf16", "bf16") == (3, 1, 1)
+
+
+def test_shipped_h200_choices_are_served_and_built(monkeypatch):
+    """On an H200 every model-grid shape gets the shipped tuned choice, made from the bench JSON
+    among the default build's configurations, and that configuration is built."""
+    bench = os.path.join(REPO, "bench", "results", "fused_gemm-h200-grid-bf16.json")
+    if not os.path.exists(bench):
+        pytest.skip("no H200 bench JSON")
+    doc = json.load(open(bench))
+    key, entries = K.entries_from_bench(doc)
+    monkeypatch.setattr(K, "gpu_key", lambda device=None: (key, 132))
+    shipped = K.KernelCache(key).shipped
+    assert shipped, "no shipped kernel file for the H200"
+    for r in model_grid():
+        ek = K.entry_key(r["op"], r["m"], r["n"], r["k"], "bf16")
+        got = K.choose_config(r["op"], r["m"], r["n"], r["k"], torch.bfloat16)
+        assert K.label(*got) == shipped[ek]["choice"] == entries[ek]["choice"], ek
+        assert got[0] in {c.id for c in K.kernel_configs(r["op"], "bf16")}, ek
 
 
 def test_shipped_kernel_files_load_and_name_built_configs():
@@ -233,19 +260,22 @@ def test_shipped_kernel_files_load_and_name_built_configs():
 
 
 # ---- the benchmark's and the tuner's logic, kernels and CUDA timing faked on the CPU ----------
+WRONG = {"ag": 2, "rs": 5}  # the fakes' faulty configuration of each op (built by default)
+
+
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    """torch.ops.flux's fused kernels as their meaning (config 2 computes a wrong result (ag) or none (rs)),
+    """torch.ops.flux's fused kernels as their meaning (ag config 2 computes a wrong result, rs config 5 none),
     CUDA events and graphs as wall-clock calls: the code paths of a GPU run, no timings."""
     import time
 
     from flux.autotune import kernel_timing as KT
 
     def ag(out, a, w, bias, flags, rank, world, rows, timeout, err, raster, swizzle, config):
-        out.copy_(a.float() @ w.float().t() * (1.5 if config == 2 else 1.0))
+        out.copy_(a.float() @ w.float().t() * (1.5 if config == WRONG["ag"] else 1.0))
 
     def rs(out, a, w, bias, src, flags, seg_rows, rank, peer, timeout, err, raster, swizzle, config):
-        if config != 2:  # config 2 of rs writes nothing
+        if config != WRONG["rs"]:  # writes nothing
             out.copy_(a.float() @ w.float().t() + src.float())
 
     def events_ms(run, spin=False):
@@ -273,7 +303,7 @@ def test_bench_shape_on_fakes(fake_gpu, op):
     labels = set(r["variants"])
     assert r["own"]["label"] in labels and r["served"] in labels
     wrong = {lab for lab, v in r["variants"].items() if not v["ok"]}
-    assert wrong == {lab for lab in labels if lab.startswith("c2/")} != set()
+    assert wrong == {lab for lab in labels if lab.startswith(f"c{WRONG[op]}/")} != set()
     assert all(("error" in r["variants"][lab]) == (op == "rs") for lab in wrong)  # rs: output left NaN
     assert all(v["ms"]["loop"] is None for lab, v in r["variants"].items() if lab in wrong)
     assert all(r["best"][t]["label"] not in wrong for t in ("loop", "graph", "spin"))
@@ -283,6 +313,32 @@ def test_bench_shape_on_fakes(fake_gpu, op):
     key, entries = K.entries_from_bench({"device": "x", "sm_count": 132, "dtype": "bf16", "out_dtype": "bf16",
                                          "results": [r]})
     assert list(entries) == [K.entry_key(op, 256, 512, 256, "bf16")]
+
+
+def test_bench_pdl_both_on_fakes(fake_gpu, monkeypatch):
+    """--pdl 0,1: every variant twice, the switch set by each copy's first launcher, the PDL-off
+    copies labelled and summarised apart, and never a tuned choice."""
+    seen = []
+    monkeypatch.setattr(torch.ops.flux, "set_fused_pdl", seen.append, raising=False)
+    bench = _bench_module()
+    args = bench.parse_args(["--op", "ag", "--shapes", "256x256x512", "--quick", "--pdl", "0,1"])
+    assert args.pdl_list == [1, 0]
+    rec = bench.problems(args)[0]
+    r = bench.bench_shape(rec, args, torch.bfloat16, torch.bfloat16, 132, torch.device("cpu"))
+    plain = {lab for lab in r["variants"] if "/pdl" not in lab}
+    assert {lab + "/pdl0" for lab in plain} == set(r["variants"]) - plain
+    assert all(r["variants"][lab]["pdl"] == (0 if "/pdl0" in lab else 1) for lab in r["variants"])
+    assert set(seen) == {True, False} and seen[-1] is True  # the process default restored
+    assert r["by_pdl"]["0"]["own"]["label"] == r["own"]["label"] + "/pdl0"
+    summ = bench.summarize([r])
+    assert "geomean_best_over_cublas_pdl0" in summ["ag"]["graph"]
+    bench.print_table([r], summ)
+    _, entries = K.entries_from_bench({"device": "x", "sm_count": 132, "dtype": "bf16", "out_dtype": "bf16",
+                                       "results": [r]})
+    assert all("/pdl" not in e["choice"] and not any("/pdl" in lab for lab in e["loop_ms"])
+               for e in entries.values())
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--pdl", "2"])
 
 
 def test_tune_on_fakes(fake_gpu):

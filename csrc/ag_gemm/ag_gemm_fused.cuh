@@ -9,7 +9,7 @@
 // rank's rows run first, so the transfers hide behind them.
 //
 // Configurations (tile, cluster, schedule) x dtype variants (bf16 or fp16 inputs; output in the
-// input dtype or fp32): the table flux/ops/fused_configs.py, from which setup.py generates one
+// input dtype or fp32): the table flux/fused_configs.py, from which setup.py generates one
 // translation unit per instantiation (they compile in parallel) and the dispatch
 // (ag_fused_dispatch). A row-major, weight [N, K] (nn.Linear), fp32 accumulation, per-column
 // bias in the epilogue; the autotuner chooses among them.
@@ -29,7 +29,7 @@ struct AgFusedArgs : FusedGemmLaunch {
 };
 
 // Launches the instantiation (config, dtype variant) where it was built (false otherwise); the
-// generated dispatch (setup.py, from flux/ops/fused_configs.py).
+// generated dispatch (setup.py, from flux/fused_configs.py).
 bool ag_fused_dispatch(int config, int dtype, const AgFusedArgs& a);
 
 }  // namespace flux

@@ -205,6 +205,13 @@ std::tuple<at::Tensor, at::Tensor> Runtime::ag_fused(const Plan& p, const at::Te
   // once the persistent GEMM runs).
   gather_into_workspace(p, a, shard, kFlagChannel, cur);
   if (push_before_fused_) join(cur, comm_);  // ranks sharing a GPU: a same-GPU copy needs SMs
+  // The kernel may be launched with programmatic dependent launch (fused_pdl). What precedes it
+  // on `cur` is the own shard's copy, an event wait (the barrier) and the flags' memset, and,
+  // further back, kernels (the weight/bias copies, a previous call): PDL only relaxes a
+  // kernel -> kernel edge, the copy, memset and event wait stay full dependencies, and
+  // whatever kernel it may overlap is waited for (griddepcontrol.wait) before the kernel's
+  // first global access: its producer warps' loads, and the tile scheduler's first flag read
+  // (ag_tile_scheduler.hpp), which comes before the kernel's own wait.
   ag_gemm_fused_(res, full, w, b, flags, r, W, rows, timeout_ms_, reinterpret_cast<int64_t>(error_record_), p.raster,
                  p.swizzle > 0 ? p.swizzle : fused_swizzle(W * rows, p.n), p.config);
   at::Tensor out = res;

@@ -8,12 +8,14 @@
 //     after the copy-engine push of that shard (csrc/ag_gemm/ag_gemm_plan.cpp), whose fence makes
 //     the shard visible to the TMA loads issued after the wait. The wait is bounded: past
 //     timeout_ns the kernel records the missing rank in host-mapped memory and traps
-//     (common/flag_wait.cuh).
+//     (common/flag_wait.cuh). Under programmatic dependent launch the first flag read waits for
+//     the preceding grids first (wait_flag).
 // The kernels call initial_work_tile_info, both fetch_next_work overloads and (ping-pong)
 // get_current_work on this type, so all of them are overridden; everything else is CUTLASS's.
 #pragma once
 
 #include "common/flag_wait.cuh"
+#include "cutlass/arch/grid_dependency_control.h"
 #include "cutlass/gemm/kernel/sm90_tile_scheduler.hpp"
 #include "cutlass/gemm/kernel/tile_scheduler.hpp"
 
@@ -133,6 +135,12 @@ class AgTileScheduler : public cutlass::gemm::kernel::detail::PersistentTileSche
   }
 
   CUTLASS_DEVICE void wait_flag(int src) const {
+    // The kernels ask for their first tile before their own griddepcontrol.wait (and the
+    // cooperative kernel's consumer warps never execute one): under programmatic dependent
+    // launch a flag read here could see the value of a previous call before the kernels ahead
+    // of this one in the stream have finished. Waiting for them first is idempotent, and a
+    // no-op without PDL.
+    cutlass::arch::wait_on_dependent_grids();
     wait_flag_bounded(ag_.flags + src, ag_.timeout_ns, ag_.error, ag_.rank, src);
   }
 };

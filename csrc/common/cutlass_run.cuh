@@ -11,6 +11,8 @@
 
 namespace flux {
 
+bool fused_pdl();  // common/fused_gemm.cuh
+
 inline cutlass::KernelHardwareInfo hardware_info(int device) {
   cutlass::KernelHardwareInfo hw;
   hw.device_id = device;
@@ -44,7 +46,15 @@ void run_cutlass_gemm(const char* op, const typename Gemm::Arguments& args, cons
                "CUTLASS initialize failed");
     smem_limit_set<Gemm>(device) = true;
   }
-  FLUX_CHECK(gemm.run(stream) == cutlass::Status::kSuccess, op, "CUTLASS launch failed");
+#if defined(CUTLASS_ENABLE_GDC_FOR_SM90)
+  // The sm_90a code waits on the preceding grid (fused_gemm.cuh); code of another target built
+  // alongside (FLUX_CUDA_ARCH) would not.
+  const bool pdl = fused_pdl() && at::cuda::getDeviceProperties(device)->major == 9;
+#else
+  const bool pdl = false;  // the kernels have no griddepcontrol.wait: an early start would be unsafe
+#endif
+  FLUX_CHECK(gemm.run(stream, /*cuda_adapter=*/nullptr, pdl) == cutlass::Status::kSuccess, op,
+             "CUTLASS launch failed");
   FLUX_CHECK_LAUNCH();
 }
 

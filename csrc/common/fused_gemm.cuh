@@ -2,7 +2,7 @@
 // once by each op's dispatcher, the dtype variants they are built for, and (with FLUX_WITH_SM90)
 // the CUTLASS 3.x sm90 GEMM type they are built from, which differ only in the source C, the
 // epilogue wrapper and the tile scheduler. Which (config, dtype) instantiations exist is the
-// table flux/ops/fused_configs.py; setup.py generates their translation units and dispatch.
+// table flux/fused_configs.py; setup.py generates their translation units and dispatch.
 #pragma once
 
 #include <optional>
@@ -29,7 +29,7 @@ struct FusedGemmLaunch {
   at::TensorOptions byte_options;  // for a CUTLASS workspace, if one is needed
 };
 
-// The dtype variants, numbered as flux/ops/fused_configs.py DTYPES: inputs -> output (fp32
+// The dtype variants, numbered as flux/fused_configs.py DTYPES: inputs -> output (fp32
 // accumulation; the bias and a source C are in the output dtype).
 enum FusedDtype : int { kBf16 = 0, kFp16 = 1, kBf16Fp32 = 2, kFp16Fp32 = 3 };
 inline const char* fused_dtype_name(int d) {
@@ -38,6 +38,17 @@ inline const char* fused_dtype_name(int d) {
 }
 // The instantiations compiled into flux._C, "op:config:dtype" separated by spaces (generated).
 std::string fused_kernels_built();
+
+// Whether the fused GEMMs are launched with programmatic dependent launch (process-wide,
+// default on; torch.ops.flux.set_fused_pdl). Under PDL a fused kernel may start while the
+// kernel before it in the stream finishes: its prologue (barrier and pipeline setup, TMA
+// descriptor prefetch) overlaps that kernel's tail, and it executes griddepcontrol.wait before
+// its first global memory access (CUTLASS's producer warps, the AG scheduler's flag reads).
+// Only kernel -> kernel stream edges are relaxed; memsets, stream writes and event waits stay
+// full dependencies. Without CUTLASS_ENABLE_GDC_FOR_SM90 (setup.py sets it) the kernels have
+// no such wait, and the switch is ignored.
+bool fused_pdl();
+void set_fused_pdl(bool enabled);
 
 // The variant of (input, output) dtypes, or -1 where none is defined.
 inline int fused_dtype_of(at::ScalarType in, at::ScalarType out) {

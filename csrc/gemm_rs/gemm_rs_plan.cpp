@@ -234,6 +234,13 @@ at::Tensor Runtime::rs_fused(const Plan& p, const at::Tensor& input, const at::T
     // the push is a copy that needs SMs, and this kernel would hold them all while it waits for
     // the neighbour's push, which waits the same way: the pushes go before the kernel.
     if (push_before_fused_) join(cur, comm_);
+    // Launched with programmatic dependent launch where fused_pdl: the kernel before it on `cur`
+    // is the previous block's GEMM (cuBLAS, or the previous step's fused kernel, whose output
+    // rows the push reads after an event) and may still be finishing when this one starts; the
+    // kernel waits for it (griddepcontrol.wait) in its producer warps before any load, the
+    // epilogue's segment-flag waits come after that wait (SegmentWaitEpilogue::load), and its
+    // stores follow its loads. The flags' memset and the event waits are no kernels: PDL does
+    // not relax them.
     gemm_rs_fused_(dst, a_blocks[step - 1], w, last ? bias16 : std::nullopt, rows_of(inbox, (step - 1) * rows, rows),
                    rows_of(flags, (step - 1) * nseg, nseg), seg_rows, r, prev, timeout_ms_,
                    reinterpret_cast<int64_t>(error_record_), p.raster, p.swizzle > 0 ? p.swizzle : 1, p.config);

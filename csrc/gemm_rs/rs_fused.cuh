@@ -13,7 +13,7 @@
 // warps finish tile t before tile t+1's mainloop). The decomposed strategy's separate
 // reduction pass disappears.
 //
-// Configurations x dtype variants: the table flux/ops/fused_configs.py, from which setup.py
+// Configurations x dtype variants: the table flux/fused_configs.py, from which setup.py
 // generates one translation unit per instantiation and the dispatch (rs_fused_dispatch).
 // A row-major, weight [N, K] (nn.Linear), bf16 or fp16, fp32 accumulation, D = acc + C + bias
 // rounded once to the output dtype (the inputs' or fp32), in which C (the peer's partial) and
@@ -36,7 +36,7 @@ struct RsFusedArgs : FusedGemmLaunch {
 };
 
 // Launches the instantiation (config, dtype variant) where it was built (false otherwise); the
-// generated dispatch (setup.py, from flux/ops/fused_configs.py).
+// generated dispatch (setup.py, from flux/fused_configs.py).
 bool rs_fused_dispatch(int config, int dtype, const RsFusedArgs& a);
 
 }  // namespace flux

@@ -15,7 +15,8 @@ The configurations are those of the table flux/fused_configs.py that are built f
 (``kernel_configs``).
 
 CLI (one GPU): python -m flux.autotune.kernels --grid models [--op ag|rs] [--ship]; or, without a GPU,
-from a bench/bench_fused_gemm.py JSON: python -m flux.autotune.kernels --from-bench FILE [--ship]
+from a bench/bench_fused_gemm.py JSON: python -m flux.autotune.kernels --from-bench FILE [--configs SPEC]
+[--ship] (SPEC: a FLUX_KERNELS value, default "default": only what that build holds is chosen).
 """
 import argparse
 import hashlib
@@ -264,19 +265,53 @@ def tune(op: str, m: int, n: int, k: int, dtype=torch.bfloat16, out_dtype=None, 
     return entry
 
 
-def entries_from_bench(doc: dict) -> Tuple[str, Dict[str, dict]]:
-    """(GPU cache key, entries) from bench/bench_fused_gemm.py's JSON: the same choice as
-    ``tune`` from the bench's loop and graph timings of each shape (no GPU needed)."""
+def _allowed(spec: str, dtype, out_dtype) -> Dict[str, Dict[int, KernelConfig]]:
+    """The configurations a FLUX_KERNELS-style ``spec`` builds for the dtype pair, by op and id."""
+    from flux import fused_configs as table
+
+    variant = next(v for v, io in table.DTYPE_IO.items() if io == (_dt(dtype), _dt(out_dtype)))
+    ids = {(op, cid) for op, cid, d in table.select(spec) if d == variant}
+    out: Dict[str, Dict[int, KernelConfig]] = {op: {} for op in OPS}
+    for op, cid in sorted(ids):
+        c = table.config(op, cid)
+        (tm, tn, tk), (cm, cn) = c.tile, c.cluster
+        out[op][cid] = KernelConfig(op, cid, tm, tn, tk, cm, cn, c.schedule, ((_dt(dtype), _dt(out_dtype)),))
+    return out
+
+
+def entries_from_bench(doc: dict, configs: str = "default") -> Tuple[str, Dict[str, dict]]:
+    """(GPU cache key, entries) from bench/bench_fused_gemm.py's JSON, choosing among the
+    configurations that ``configs`` (a FLUX_KERNELS value; default: the table's default build)
+    builds for the JSON's dtypes: a choice must be built to be used. Per shape the variant
+    (config, raster, swizzle) whose worse ratio to cuBLAS, loop or graph, is least (raw times
+    where the JSON has no cuBLAS timing); the analytic default over the same set unless the best
+    beats it by more than MARGIN. No GPU needed."""
     key = f"kernels|{doc['device']}|sm{doc['sm_count']}"
+    allowed = _allowed(configs, doc["dtype"], doc["out_dtype"])
     entries = {}
     for r in doc["results"]:
-        loop = {lab: v["ms"]["loop"] for lab, v in r["variants"].items() if v["ok"]}
-        if not any(t is not None for t in loop.values()):
+        cfgs = allowed[_op(r["op"])]
+        ok = {lab: v for lab, v in r["variants"].items()  # "<label>/pdl0": a copy timed without PDL
+              if re.fullmatch(r"c\d+/r\d+/s\d+", lab) and v["ok"] and v["config"] in cfgs
+              and v["tile"] == cfgs[v["config"]].desc and v["ms"].get("loop") is not None}
+        if not ok:
             continue
-        graph = {lab: v["ms"]["graph"] for lab, v in r["variants"].items() if v["ok"]}
-        descs = {v["config"]: v["tile"] for v in r["variants"].values()}
-        entries[entry_key(r["op"], r["m"], r["n"], r["k"], doc["dtype"], doc["out_dtype"])] = make_entry(
-            loop, graph, r["own"]["label"], descs)
+        ref = (r.get("cublas") or {}).get("ms") or {}
+
+        def score(v):
+            ratios = [v["ms"][t] / (ref.get(t) or 1.0) for t in ("loop", "graph") if v["ms"].get(t) is not None]
+            return max(ratios)
+        scores = {lab: score(v) for lab, v in ok.items()}
+        best = min(scores, key=scores.get)
+        default = label(*analytic_config(r["op"], m_bucket(r["m"]), r["n"], r["k"], doc["dtype"], doc["out_dtype"],
+                                         doc["sm_count"], list(cfgs.values())))
+        if default in scores and scores[best] >= scores[default] * (1 - MARGIN):
+            best = default
+        entries[entry_key(r["op"], r["m"], r["n"], r["k"], doc["dtype"], doc["out_dtype"])] = {
+            "choice": best, "config": cfgs[parse_label(best)[0]].desc, "default": default,
+            "vs_cublas": round(scores[best], 4),
+            "loop_ms": {lab: v["ms"]["loop"] for lab, v in ok.items()},
+            "graph_ms": {lab: v["ms"]["graph"] for lab, v in ok.items() if v["ms"].get("graph") is not None}}
     return key, entries
 
 
@@ -294,11 +329,14 @@ def main(argv=None) -> int:
     p.add_argument("--ship", action="store_true", help="write into flux/autotune/shipped/ instead of the user cache")
     p.add_argument("--from-bench", default=None, metavar="JSON",
                    help="make the entries from bench/bench_fused_gemm.py's output instead of timing (no GPU)")
+    p.add_argument("--configs", default="default", metavar="SPEC",
+                   help="--from-bench: choose among the configurations this FLUX_KERNELS value builds "
+                        "(default: the table's default build)")
     args = p.parse_args(argv)
     directory = cache_mod.SHIPPED_DIR if args.ship else None
     if args.from_bench:
         with open(args.from_bench) as f:
-            key, entries = entries_from_bench(json.load(f))
+            key, entries = entries_from_bench(json.load(f), args.configs)
         cache = KernelCache(key, directory)
         cache.user = {**(cache.shipped if args.ship else cache.user), **entries}
         print(f"wrote {len(entries)} entries to {cache.save()}")
