@@ -376,21 +376,21 @@ class _Streams:
         """The side stream waits for the caller's stream (everything queued on it so far, or up to
         ``event``) and may then read ``tensors``, made there."""
         if self.cuda:
-            if event is None:
-                self.side.wait_stream(self.main)
-            else:
-                self.side.wait_event(event)
-            _record(tensors, self.side)
+            self._wait(self.side, self.main, tensors, event)
 
     def main_waits(self, tensors, event=None) -> None:
         """The caller's stream waits for the side stream (all of it, or up to ``event``) and may
         then read ``tensors``, made there."""
         if self.cuda:
-            if event is None:
-                self.main.wait_stream(self.side)
-            else:
-                self.main.wait_event(event)
-            _record(tensors, self.main)
+            self._wait(self.main, self.side, tensors, event)
+
+    @staticmethod
+    def _wait(waiter, other, tensors, event) -> None:
+        if event is None:
+            waiter.wait_stream(other)
+        else:
+            waiter.wait_event(event)
+        _record(tensors, waiter)
 
 
 __all__ = ["FluxDispatcher", "MoE", "swiglu"]

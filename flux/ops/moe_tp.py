@@ -287,13 +287,20 @@ def _weight_fields(sig: Signature, weight: torch.Tensor, layout: str, k_in: int,
     return n
 
 
-def _signature_ag(x, topk_idx, weight, group, layout, strategy, why) -> Signature:
-    sig = Signature(OP)
-    for name, t in (("x", x), ("topk_idx", topk_idx), ("weight", weight)):
+def _tensors_and_layout(sig: Signature, layout: str, **tensors) -> bool:
+    """Records a failure unless every argument is a tensor (False), else the layout field (True)."""
+    for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             sig.fail(f"{name} must be a tensor, got {type(t).__name__}")
-            return sig
+            return False
     sig.add("weight_layout", WEIGHT_LAYOUTS.index(layout) if layout in WEIGHT_LAYOUTS else -1)
+    return True
+
+
+def _signature_ag(x, topk_idx, weight, group, layout, strategy, why) -> Signature:
+    sig = Signature(OP)
+    if not _tensors_and_layout(sig, layout, x=x, topk_idx=topk_idx, weight=weight):
+        return sig
     sig.add("x.dtype", dtype_code(x.dtype))
     sig.add("x.dim()", x.dim())
     sig.add("T_l (x.shape[0])", x.shape[0] if x.dim() >= 1 else -1)
@@ -331,11 +338,8 @@ def _signature_rs(h, weight, routing, topk_weights, group, layout, strategy, why
         sig.fail("routing must be the TpMoeRouting returned by flux.ag_scatter_grouped_mm, got "
                  f"{type(routing).__name__}")
         return sig
-    for name, t in (("h", h), ("weight", weight), ("topk_weights", topk_weights)):
-        if not isinstance(t, torch.Tensor):
-            sig.fail(f"{name} must be a tensor, got {type(t).__name__}")
-            return sig
-    sig.add("weight_layout", WEIGHT_LAYOUTS.index(layout) if layout in WEIGHT_LAYOUTS else -1)
+    if not _tensors_and_layout(sig, layout, h=h, weight=weight, topk_weights=topk_weights):
+        return sig
     sig.add("h.dtype", dtype_code(h.dtype))
     sig.add("topk_weights.dtype", dtype_code(topk_weights.dtype))
     sig.add("weight.dim()", weight.dim())
