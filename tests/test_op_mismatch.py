@@ -118,6 +118,18 @@ for _op in ("ag_gemm", "gemm_rs", "moe_dispatch"):
     case(f"skip-{_op}", worlds=WORLDS)(_skip_case(_op))
 
 
+@case("skip-unplanned-cuda-group", worlds=(2,))
+def _skip_unplanned_cuda_group(rank, world):
+    """A CUDA group on which no call can be planned (no flux._C or no symmetric workspace), stood in
+    for by a gloo group whose header path is the CUDA groups': a repeated call still exchanges the
+    bounded header, so a rank that skips it makes its peer fail within FLUX_CHECK_TIMEOUT_S."""
+    from flux.ops import _checks
+
+    _checks._carries_header = lambda group: False  # as on an NCCL group
+    assert _checks._header_every_call(dist.group.WORLD)  # no flux._C here: nothing can plan
+    return _skip_case("ag_gemm")(rank, world)
+
+
 @case("skip-peer-in-another-op", worlds=(2,))
 def _peer_in_other_op(rank, world):
     """On CUDA groups a first call's store exchange and an MoE op's header all-gather cannot meet;
@@ -178,6 +190,11 @@ def batch(tmp_path_factory):
 def test_mismatched_ops(batch, world, pair):
     msgs = batch(world).assert_ok(f"mismatch-{pair}")
     assert all(m == msgs[0] for m in msgs), f"the ranks' messages differ: {msgs}"
+
+
+def test_skipped_call_on_an_unplanned_cuda_group(batch):
+    msgs = batch(2).assert_ok("skip-unplanned-cuda-group")
+    assert msgs[1] is None and msgs[0]
 
 
 def test_peer_in_another_op_is_named(batch):

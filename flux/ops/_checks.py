@@ -16,10 +16,10 @@ FLUX_CHECK_TIMEOUT_S (default 60): past it each waiting rank posts which op it i
 peers' posts, and raises naming the ranks that did not arrive and the ops they are in, if any.
 The store never synchronises the GPU, creates no process group and can never be matched against
 an op's own data movement. A signature that passed is remembered per group (the set is the same
-on every rank), so a CUDA group's repeated calls make no store traffic. Calls on CUDA groups
-that no plan serves (no flux._C, no symmetric memory) and whose signature is remembered are
-bounded only by the process group's own timeout; FLUX_CHECK_EVERY_CALL=1 exchanges the full
-signature on every call (and makes no plans), bounding every call by FLUX_CHECK_TIMEOUT_S.
+on every rank), so a planning CUDA group's repeated calls make no store traffic; a CUDA group
+that cannot plan (no flux._C, no symmetric memory) exchanges the bounded header on every call,
+as gloo groups do. FLUX_CHECK_EVERY_CALL=1 exchanges the full signature on every call (and
+makes no plans).
 After a timeout the group's collectives may be out of step: recreate it.
 """
 import datetime
@@ -237,6 +237,18 @@ def _carries_header(group: dist.ProcessGroup) -> bool:
     return "gloo" in str(dist.get_backend(group)).lower()
 
 
+def _header_every_call(group: dist.ProcessGroup) -> bool:
+    """Whether check_collectively exchanges the bounded header on every call, not only a problem's
+    first: on gloo groups, and on CUDA groups where no call can be planned (no flux._C, or no
+    symmetric workspace for the group). A call skips its check only where a plan serves it, whose
+    entry barrier (FLUX_TIMEOUT_MS) then bounds a peer that skipped the call."""
+    if _carries_header(group):
+        return True
+    from flux.runtime import symm
+
+    return symm.why_unavailable(group) is not None
+
+
 def _headers_agree(values: Tuple[int, ...], group: dist.ProcessGroup, sig: Optional["Signature"] = None) -> bool:
     """Exchange every rank's header through the store (bounded): True when every rank's is the
     same and none reports an error; raises when the ops differ."""
@@ -254,16 +266,16 @@ def check_collectively(sig: Signature, group: dist.ProcessGroup) -> None:
     """Raise the same FluxInputError on every rank if any rank's signature has an error, the
     ranks called different ops, or the signatures differ; return normally on every rank otherwise.
 
-    On gloo groups every call first exchanges its header through the store (bounded): a rank
-    whose call differs from its peers' is found at once, on every rank, whether or not the
-    peers' call was checked before; all ranks then make the full exchange, which names the field
-    that differs. (On CUDA groups the entry barrier of every planned call carries the same check:
-    flux/ops/_plans.py.)"""
+    On gloo groups, and on CUDA groups that cannot plan (``_header_every_call``), every call first
+    exchanges its header through the store (bounded): a rank whose call differs from its peers' is
+    found at once, on every rank, whether or not the peers' call was checked before; all ranks then
+    make the full exchange, which names the field that differs. (On CUDA groups that plan, the
+    entry barrier of every planned call carries the same check: flux/ops/_plans.py.)"""
     values = sig.values()
     ranks = tuple(dist.get_process_group_ranks(group))
     every = envs.CHECK_EVERY_CALL.get()
     known = values in _validated.get(ranks, ())
-    if not every and _carries_header(group):
+    if not every and _header_every_call(group):
         if _headers_agree(values, group, sig) and known:
             return
     elif not every and known:
@@ -344,7 +356,7 @@ def skips_exchange_if_valid(sig: Signature, group: dist.ProcessGroup) -> bool:
     FLUX_CHECK_EVERY_CALL off. Then peers making the same call without an error skip it too, and a
     rank with a local error must report it some other way than the store exchange, which its
     peers would never join (flux/ops/moe.py's deferred verdict does)."""
-    if envs.CHECK_EVERY_CALL.get() or _carries_header(group):
+    if envs.CHECK_EVERY_CALL.get() or _header_every_call(group):
         return False
     values = (0,) + tuple(sig.values()[1:])
     return values in _validated.get(tuple(dist.get_process_group_ranks(group)), ())
