@@ -30,7 +30,8 @@ def _no_traceback(out):
     launcher print its own (ChildFailedError), which is not the command's."""
     import re
 
-    frames = [line for line in out.splitlines() if line.strip().startswith(f'File "{REPO}')]
+    frames = [line for line in out.splitlines()
+              if line.strip().startswith(f'File "{REPO}') and "site-packages" not in line]  # a venv inside the repo
     errors = [m for m in re.findall(r"^(?:[\w.]+\.)?(\w+(?:Error|Exception))\b", out, re.M)
               if m != "ChildFailedError"]
     assert not frames and not errors, out[-4000:]
