@@ -331,13 +331,17 @@ def layer_case(args, bench, layer, tokens, topk, dev, dtype, rank, tol):
     g = torch.randn(tokens, layer.hidden, generator=gen, device=dev).to(dtype)
     params = list(layer.parameters())
 
-    def step():
-        for p in params:
-            p.grad = None
-        x.grad = None
-        y = layer(x)
-        y.backward(g)
-        return y
+    def fwd_bwd(module):
+        def run():
+            for p in params:
+                p.grad = None
+            x.grad = None
+            y = module(x)
+            y.backward(g)
+            return y
+        return run
+
+    step = fwd_bwd(layer)
 
     out = {}
     for name, disp in (("a2a", AllToAllDispatcher()), ("flux", FluxDispatcher())):
@@ -350,15 +354,7 @@ def layer_case(args, bench, layer, tokens, topk, dev, dtype, rank, tol):
         res[name] = timed(bench, step, args, graph=False)
     layer.dispatcher = FluxDispatcher()
     if args.reference == "grouped" and dist.get_world_size() == 1 and bench.cuda:
-        ref = grouped_reference_layer(layer)
-
-        def ref_step():
-            for p in params:
-                p.grad = None
-            x.grad = None
-            y = ref(x)
-            y.backward(g)
-            return y
+        ref_step = fwd_bwd(grouped_reference_layer(layer))
 
         try:  # recorded, not raised: the flux layer's figures above stand whatever happens here
             y = ref_step().detach()

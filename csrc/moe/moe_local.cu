@@ -497,6 +497,15 @@ at::Tensor moe_local_rows(const at::Tensor& x, const at::Tensor& pair_row, const
   return out;
 }
 
+// The routing weights' data ([T * K] float32 on the GPU), or nullptr where none are given.
+inline const float* weights_ptr(const std::optional<at::Tensor>& weights, int64_t pairs, const char* op) {
+  if (!weights.has_value()) return nullptr;
+  FLUX_CHECK(weights->is_cuda() && weights->scalar_type() == at::kFloat && weights->is_contiguous() &&
+                 weights->numel() == pairs,
+             op, "weights must be a contiguous float32 CUDA tensor of T * K entries");
+  return weights->data_ptr<float>();
+}
+
 at::Tensor moe_local_combine(const at::Tensor& y, const std::optional<at::Tensor>& weights, const at::Tensor& pair_row,
                              int64_t k) {
   constexpr const char* op = "moe_local_combine";
@@ -505,13 +514,7 @@ at::Tensor moe_local_combine(const at::Tensor& y, const std::optional<at::Tensor
                  pair_row.is_contiguous() && pair_row.numel() % k == 0,
              op, "pair_row must be a contiguous int64 CUDA tensor of T * K entries, K in [1, ", kMaxTopk, "]");
   const int64_t t = pair_row.numel() / k, h = y.size(1);
-  const float* w = nullptr;
-  if (weights.has_value()) {
-    FLUX_CHECK(weights->is_cuda() && weights->scalar_type() == at::kFloat && weights->is_contiguous() &&
-                   weights->numel() == t * k,
-               op, "weights must be a contiguous float32 CUDA tensor of T * K entries");
-    w = weights->data_ptr<float>();
-  }
+  const float* w = weights_ptr(weights, t * k, op);
   const c10::cuda::CUDAGuard guard(y.device());
   at::Tensor out = at::empty({t, h}, y.options());
   if (t == 0 || h == 0) return out;
@@ -551,13 +554,7 @@ std::vector<at::Tensor> moe_local_combine_backward(const at::Tensor& grad_out, c
   FLUX_CHECK(k >= 1 && k <= kMaxTopk && idx_ok(pair_row) && idx_ok(send_pairs) && pair_row.numel() == t * k, op,
              "pair_row ([T * K], K in [1, ", kMaxTopk, "]) and send_pairs must be contiguous int64 tensors on "
              "grad_out's device");
-  const float* w = nullptr;
-  if (weights.has_value()) {
-    FLUX_CHECK(weights->is_cuda() && weights->scalar_type() == at::kFloat && weights->is_contiguous() &&
-                   weights->numel() == t * k,
-               op, "weights must be a contiguous float32 CUDA tensor of T * K entries");
-    w = weights->data_ptr<float>();
-  }
+  const float* w = weights_ptr(weights, t * k, op);
   if (y.has_value()) {
     check_rows(*y, "y (rows)", op);
     FLUX_CHECK(y->size(0) == rows && y->size(1) == h && y->scalar_type() == grad_out.scalar_type(), op,
