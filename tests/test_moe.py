@@ -614,7 +614,7 @@ def _forced_strategy(rank, world):
 
 @case("moe-deferred-local-error", worlds=WORLDS)
 def _deferred_local_error(rank, world):
-    """The bounded variant on a CUDA group (no per-call header; simulated on gloo): after a call
+    """The bounded variant on a CUDA group that plans (no per-call header; simulated on gloo): after a call
     whose signature was checked, rank 1's next call has a local error (topk_weights of the wrong
     shape) with the same signature fields. Its peers skip the store exchange, so rank 1 must not
     wait there: its error travels in the device verdict, every rank's handle.check() raises the
@@ -626,6 +626,7 @@ def _deferred_local_error(rank, world):
     e, h, k, cap = 2 * world, 4, 2, 4
     x, idx, w = make_inputs(31, rank, cap, h, k, e, dtype=F32)
     with mock.patch.object(_checks, "_carries_header", lambda g: False), \
+            mock.patch.object(_checks, "_header_every_call", lambda g: False), \
             mock.patch.object(moe_ops.strategies, "cuda_group", lambda g: True):
         _checks.reset_cache()
         recv_x, counts, handle = flux.moe_dispatch(x, idx, w, e, max_tokens_per_rank=cap)  # checked, remembered
