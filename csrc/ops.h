@@ -64,9 +64,9 @@ void moe_recv_sum_(at::Tensor& out, const std::optional<at::Tensor>& weights, co
                    int64_t n_send, at::Tensor& done, int64_t ws_base, int64_t pads_dev, int64_t world, int64_t rank,
                    int64_t rows_off, int64_t channel, int64_t timeout_ms);
 
-// MoE at one rank (csrc/moe/moe_local.cu; flux/ops/_moe_local.py): the dispatch's layout and
-// rows ({recv, info [E + 1], pair_row [T * K], send_pairs}), the rows of the unbounded
-// variant, the weighted combine and its backward ({dy, dw}).
+// MoE at one rank (csrc/moe/moe_local.cu; flux/ops/moe/local.py): the dispatch's layout and
+// rows ({recv, counts [E], verdict [1], pair_row [T * K], send_pairs, info [E + 1]}), the rows of
+// the unbounded variant, the weighted combine and its backward ({dy, dw}).
 std::vector<at::Tensor> moe_local_dispatch(const at::Tensor& x, const at::Tensor& topk_idx, int64_t num_experts,
                                            int64_t capacity, int64_t host_code, bool zero_pad);
 at::Tensor moe_local_rows(const at::Tensor& x, const at::Tensor& pair_row, const at::Tensor& send_pairs,

@@ -30,8 +30,10 @@ TORCH_LIBRARY(flux, m) {
         "int timeout_ms, bool zero_pad=True, int tok_off=-1) -> ()");
   m.def("moe_recv_sum_(Tensor(a!) out, Tensor? weights, Tensor pair_pos, int n_send, Tensor(b!) done, int ws_base, "
         "int pads_dev, int world, int rank, int rows_off, int channel, int timeout_ms) -> ()");
-  // MoE at one rank, the `local` strategy (csrc/moe/moe_local.cu): layout + rows of a dispatch
-  // (capacity -1: unbounded, recv empty until moe_local_rows), the weighted combine, and its backward.
+  // MoE at one rank, the `local` strategy (csrc/moe/moe_local.cu): layout + rows of a dispatch in
+  // one entry, [recv, counts, verdict, pair_row, send_pairs, info] (capacity -1: unbounded, recv
+  // empty until moe_local_rows), the weighted combine (y in recv_x's layout, weights of any
+  // floating dtype), and its backward.
   m.def("moe_local_dispatch(Tensor x, Tensor topk_idx, int num_experts, int capacity, int host_code, "
         "bool zero_pad) -> Tensor[]");
   m.def("moe_local_rows(Tensor x, Tensor pair_row, Tensor send_pairs, int rows) -> Tensor");

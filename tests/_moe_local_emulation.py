@@ -50,10 +50,10 @@ def dispatch(x, topk_idx, num_experts, capacity, host_code, zero_pad):
         pair_row[order] = row
         send_pairs[row] = order
     if capacity >= 0:
-        recv = _gather(x, send_pairs, k, num_experts * capacity)
+        recv = _gather(x, send_pairs, k, num_experts * capacity).view(num_experts, capacity, x.shape[1])
     else:
         recv = x.new_empty((0, x.shape[1]))
-    return [recv, info, pair_row, send_pairs]
+    return [recv, info[:num_experts], info[num_experts:], pair_row, send_pairs, info]
 
 
 def rows(x, pair_row, send_pairs, n_rows):
@@ -67,6 +67,7 @@ def rows(x, pair_row, send_pairs, n_rows):
 
 
 def combine(y, weights, pair_row, k):
+    y = y.reshape(-1, y.shape[-1])  # recv_x's layout, any leading dimensions
     t = pair_row.numel() // k
     pos = pair_row.view(t, k)
     out = torch.zeros((t, y.shape[1]), dtype=torch.float32)
@@ -74,18 +75,19 @@ def combine(y, weights, pair_row, k):
     for j in range(k):
         r = pos[:, j]
         valid = r >= 0
-        w = torch.ones(t) if weights is None else weights.view(t, k)[:, j].float()
+        w = torch.ones(t) if weights is None else weights.reshape(t, k)[:, j].float()
         w = torch.where(valid, w, torch.zeros(()))
         out += w[:, None] * ext[torch.where(valid, r, y.shape[0])]
     return out.to(y.dtype)
 
 
 def combine_backward(grad_out, weights, pair_row, send_pairs, y, k):
+    y = None if y is None else y.reshape(-1, y.shape[-1])
     t, n = grad_out.shape[0], grad_out.shape[0] * k
     valid = (send_pairs >= 0) & (send_pairs < n)
     tok = torch.where(valid, torch.div(send_pairs, k, rounding_mode="floor"), t)
     g = torch.cat([grad_out, grad_out.new_zeros((1, grad_out.shape[1]))]).float()[tok]
-    w = torch.ones(n) if weights is None else weights.float()
+    w = torch.ones(n) if weights is None else weights.reshape(-1).float()
     wr = torch.where(valid, torch.cat([w, torch.zeros(1)])[torch.where(valid, send_pairs, n)], torch.zeros(()))
     dy = (g * wr[:, None]).to(grad_out.dtype)
     if y is None:

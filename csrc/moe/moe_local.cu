@@ -382,6 +382,8 @@ bool aligned16(const at::Tensor& t, int64_t row_bytes) {
 
 // The three layout kernels (see the top of the file). Returns (info [E + 1], pair_row [T * K],
 // send_pairs [E * C] bounded, [T * K] unbounded: its first sum(counts) entries hold the rows).
+// info is the head of one allocation whose tail is the kernels' scratch (one allocation fewer
+// per call; the scratch lives as long as info, a few hundred bytes).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> local_layout(const at::Tensor& topk_idx, int64_t num_experts,
                                                             int64_t capacity, int64_t host_code, cudaStream_t stream) {
   constexpr const char* op = "moe_local_dispatch";
@@ -397,14 +399,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> local_layout(const at::Tensor& to
   const int64_t blocks64 = std::max<int64_t>(1, (n + kPairsPerBlock - 1) / kPairsPerBlock);
   FLUX_CHECK(blocks64 <= moe_launch::kMaxGridX, op, "T * K = ", n, " pairs is too many for one dispatch");
   const int blocks = static_cast<int>(blocks64);
-  at::Tensor info = at::empty({num_experts + 1}, i64);
+  // info (int64 [E + 1]), then the scratch: the expert starts (int64 [E]), the block counts (then
+  // offsets, int32 [blocks, E]) and the block codes (int32 [blocks]).
+  const int64_t blk_ints = static_cast<int64_t>(blocks) * (num_experts + 1);
+  at::Tensor info_scratch = at::empty({2 * num_experts + 1 + (blk_ints + 1) / 2}, i64);
+  at::Tensor info = info_scratch.narrow(0, 0, num_experts + 1);
   at::Tensor pair_row = at::empty({n}, i64);
   at::Tensor send_pairs = at::empty({capacity >= 0 ? num_experts * capacity : n}, i64);
-  // Scratch, one allocation: the expert starts (int64 [E]), then the block counts (then offsets,
-  // int32 [blocks, E]) and the block codes (int32 [blocks]).
-  const int64_t blk_ints = static_cast<int64_t>(blocks) * (num_experts + 1);
-  at::Tensor scratch = at::empty({num_experts + (blk_ints + 1) / 2}, i64);
-  int64_t* start = scratch.data_ptr<int64_t>();
+  int64_t* start = info_scratch.data_ptr<int64_t>() + num_experts + 1;
   int* blk_counts = reinterpret_cast<int*>(start + num_experts);
   int* blk_code = blk_counts + static_cast<int64_t>(blocks) * num_experts;
   const int e = static_cast<int>(num_experts);
@@ -460,11 +462,17 @@ void check_rows(const at::Tensor& t, const char* what, const char* op) {
 
 }  // namespace
 
-std::vector<at::Tensor> moe_local_dispatch(const at::Tensor& x, const at::Tensor& topk_idx, int64_t num_experts,
+// Returns [recv, counts, verdict, pair_row, send_pairs, info]: recv [E, C, H] bounded, [0, H]
+// unbounded (the caller sizes it with moe_local_rows after its one host read of info); counts
+// (info[:E]) and verdict (info[E:], [1]) are views of info, so that the bounded caller uses the
+// outputs as they come (no slicing or reshaping on the host per call).
+std::vector<at::Tensor> moe_local_dispatch(const at::Tensor& x_in, const at::Tensor& topk_idx_in, int64_t num_experts,
                                            int64_t capacity, int64_t host_code, bool zero_pad) {
   constexpr const char* op = "moe_local_dispatch";
+  const at::Tensor x = x_in.contiguous();
+  const at::Tensor topk_idx = topk_idx_in.contiguous();
   check_rows(x, "x", op);
-  FLUX_CHECK(topk_idx.device() == x.device() && topk_idx.size(0) == x.size(0), op,
+  FLUX_CHECK(topk_idx.device() == x.device() && topk_idx.dim() == 2 && topk_idx.size(0) == x.size(0), op,
              "topk_idx must have x's tokens, on x's device");
   const c10::cuda::CUDAGuard guard(x.device());
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
@@ -472,17 +480,18 @@ std::vector<at::Tensor> moe_local_dispatch(const at::Tensor& x, const at::Tensor
   at::Tensor recv;
   if (capacity >= 0) {
     const int64_t rows = num_experts * capacity;
-    recv = at::empty({rows, x.size(1)}, x.options());
+    recv = at::empty({num_experts, capacity, x.size(1)}, x.options());
     launch_rows(op, x, pair_row, send_pairs, topk_idx.size(1), zero_pad ? rows : 0, recv, stream);
   } else {
     recv = at::empty({0, x.size(1)}, x.options());  // the unbounded caller sizes it after reading the counts
   }
-  return {recv, info, pair_row, send_pairs};
+  return {recv, info.narrow(0, 0, num_experts), info.narrow(0, num_experts, 1), pair_row, send_pairs, info};
 }
 
-at::Tensor moe_local_rows(const at::Tensor& x, const at::Tensor& pair_row, const at::Tensor& send_pairs,
+at::Tensor moe_local_rows(const at::Tensor& x_in, const at::Tensor& pair_row, const at::Tensor& send_pairs,
                           int64_t rows) {
   constexpr const char* op = "moe_local_rows";
+  const at::Tensor x = x_in.contiguous();
   check_rows(x, "x", op);
   auto idx_ok = [&](const at::Tensor& t) {
     return t.is_cuda() && t.scalar_type() == at::kLong && t.is_contiguous() && t.device() == x.device();
@@ -497,24 +506,34 @@ at::Tensor moe_local_rows(const at::Tensor& x, const at::Tensor& pair_row, const
   return out;
 }
 
-// The routing weights' data ([T * K] float32 on the GPU), or nullptr where none are given.
-inline const float* weights_ptr(const std::optional<at::Tensor>& weights, int64_t pairs, const char* op) {
-  if (!weights.has_value()) return nullptr;
-  FLUX_CHECK(weights->is_cuda() && weights->scalar_type() == at::kFloat && weights->is_contiguous() &&
+// The routing weights as the kernels read them (float32, contiguous, T * K entries, on `like`'s
+// device): the caller's tensor itself where it is that already (no copy), else a converted copy;
+// undefined where none are given.
+at::Tensor weights_f32(const std::optional<at::Tensor>& weights, int64_t pairs, const at::Tensor& like,
+                       const char* op) {
+  if (!weights.has_value()) return at::Tensor();
+  FLUX_CHECK(weights->device() == like.device() && at::isFloatingType(weights->scalar_type()) &&
                  weights->numel() == pairs,
-             op, "weights must be a contiguous float32 CUDA tensor of T * K entries");
-  return weights->data_ptr<float>();
+             op, "weights must be a floating tensor of T * K entries on the rows' device");
+  return weights->to(at::kFloat).contiguous();
 }
 
-at::Tensor moe_local_combine(const at::Tensor& y, const std::optional<at::Tensor>& weights, const at::Tensor& pair_row,
-                             int64_t k) {
+// The rows of a recv_x-layout tensor ([..., H], any leading dimensions) as contiguous [S, H].
+at::Tensor as_rows(const at::Tensor& t, const char* what, const char* op) {
+  FLUX_CHECK(t.is_cuda() && t.dim() >= 2, op, what, " must be a CUDA tensor of at least 2 dimensions");
+  return t.reshape({-1, t.size(-1)}).contiguous();
+}
+
+at::Tensor moe_local_combine(const at::Tensor& y_in, const std::optional<at::Tensor>& weights,
+                             const at::Tensor& pair_row, int64_t k) {
   constexpr const char* op = "moe_local_combine";
-  check_rows(y, "y (rows)", op);
+  const at::Tensor y = as_rows(y_in, "y", op);
   FLUX_CHECK(k >= 1 && k <= kMaxTopk && pair_row.is_cuda() && pair_row.scalar_type() == at::kLong &&
                  pair_row.is_contiguous() && pair_row.numel() % k == 0,
              op, "pair_row must be a contiguous int64 CUDA tensor of T * K entries, K in [1, ", kMaxTopk, "]");
   const int64_t t = pair_row.numel() / k, h = y.size(1);
-  const float* w = weights_ptr(weights, t * k, op);
+  const at::Tensor w32 = weights_f32(weights, t * k, y, op);
+  const float* w = w32.defined() ? w32.data_ptr<float>() : nullptr;
   const c10::cuda::CUDAGuard guard(y.device());
   at::Tensor out = at::empty({t, h}, y.options());
   if (t == 0 || h == 0) return out;
@@ -542,11 +561,15 @@ at::Tensor moe_local_combine(const at::Tensor& y, const std::optional<at::Tensor
   return out;
 }
 
-std::vector<at::Tensor> moe_local_combine_backward(const at::Tensor& grad_out, const std::optional<at::Tensor>& weights,
+std::vector<at::Tensor> moe_local_combine_backward(const at::Tensor& grad_out_in,
+                                                   const std::optional<at::Tensor>& weights,
                                                    const at::Tensor& pair_row, const at::Tensor& send_pairs,
-                                                   const std::optional<at::Tensor>& y, int64_t k) {
+                                                   const std::optional<at::Tensor>& y_in, int64_t k) {
   constexpr const char* op = "moe_local_combine_backward";
+  const at::Tensor grad_out = grad_out_in.contiguous();
   check_rows(grad_out, "grad_out", op);
+  std::optional<at::Tensor> y;
+  if (y_in.has_value()) y = as_rows(*y_in, "y (rows)", op);
   const int64_t t = grad_out.size(0), h = grad_out.size(1), rows = send_pairs.numel();
   auto idx_ok = [&](const at::Tensor& x) {
     return x.is_cuda() && x.scalar_type() == at::kLong && x.is_contiguous() && x.device() == grad_out.device();
@@ -554,9 +577,9 @@ std::vector<at::Tensor> moe_local_combine_backward(const at::Tensor& grad_out, c
   FLUX_CHECK(k >= 1 && k <= kMaxTopk && idx_ok(pair_row) && idx_ok(send_pairs) && pair_row.numel() == t * k, op,
              "pair_row ([T * K], K in [1, ", kMaxTopk, "]) and send_pairs must be contiguous int64 tensors on "
              "grad_out's device");
-  const float* w = weights_ptr(weights, t * k, op);
+  const at::Tensor w32 = weights_f32(weights, t * k, grad_out, op);
+  const float* w = w32.defined() ? w32.data_ptr<float>() : nullptr;
   if (y.has_value()) {
-    check_rows(*y, "y (rows)", op);
     FLUX_CHECK(y->size(0) == rows && y->size(1) == h && y->scalar_type() == grad_out.scalar_type(), op,
                "y must be [rows, H] in grad_out's dtype");
   }

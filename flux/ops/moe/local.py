@@ -46,12 +46,6 @@ def fits(num_experts, topk_idx) -> bool:
             and topk_idx.dim() == 2 and 1 <= topk_idx.shape[1] <= _MAX_TOPK)
 
 
-def _weights32(weights: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    if weights is None:
-        return None
-    return weights.detach().reshape(-1).to(torch.float32).contiguous()
-
-
 class LocalStrategy:
     """See the module docstring; the methods follow flux/ops/moe/strategies.py's strategy protocol."""
 
@@ -63,14 +57,12 @@ class LocalStrategy:
         """``(recv_x, counts, send_pairs, recv_dest, counts_host or None, verdict, code)``.
         Unbounded: the counts and the verdict are read on the host (one synchronisation) and
         ``code`` is that int (the caller raises when nonzero, before the rows move: recv_x is then
-        None); bounded: nothing is read, code None."""
-        h = x.shape[1]
-        recv, info, pair_row, send_pairs = torch.ops.flux.moe_local_dispatch(
-            x.contiguous(), topk_idx.contiguous(), num_experts, -1 if capacity is None else capacity, host_code,
-            zero_pad)
-        counts, verdict = info[:num_experts], info[num_experts:]
+        None); bounded: nothing is read, code None, and the kernels' outputs are used as they
+        come (recv_x ``[E, C, H]``, counts and verdict views of one tensor: no host work)."""
+        recv, counts, verdict, pair_row, send_pairs, info = torch.ops.flux.moe_local_dispatch(
+            x, topk_idx, num_experts, -1 if capacity is None else capacity, host_code, zero_pad)
         if capacity is not None:
-            return recv.view(num_experts, capacity, h), counts, send_pairs, pair_row, None, verdict, None
+            return recv, counts, send_pairs, pair_row, None, verdict, None
         host = info.tolist()  # the one host read: sizes recv_x
         code = host[num_experts]
         if code:
@@ -78,7 +70,7 @@ class LocalStrategy:
         counts_host = host[:num_experts]
         rows = sum(counts_host)
         send_pairs = send_pairs[:rows]
-        recv = torch.ops.flux.moe_local_rows(x.contiguous(), pair_row, send_pairs, rows)
+        recv = torch.ops.flux.moe_local_rows(x, pair_row, send_pairs, rows)
         return recv, counts, send_pairs, pair_row, counts_host, verdict, 0
 
     @staticmethod
@@ -110,19 +102,22 @@ class LocalStrategy:
 
     @staticmethod
     def combine(y, weights, handle, need_returned):
-        """(out ``[T, H]``, y's rows ``[S, H]`` (a view of y) or None)."""
+        """(out ``[T, H]``, y's rows ``[S, H]`` (a view of y) or None). One C++ entry: the kernel
+        takes y in recv_x's layout and the weights in their own dtype (converted to fp32 there
+        only where they are not fp32 already); grad mode is off or no input needs a gradient
+        here (the callers: the autograd.Function's forward, plain tensors, the dispatcher op)."""
+        out = torch.ops.flux.moe_local_combine(y, weights, handle.recv_dest, handle.topk)
+        if not need_returned:
+            return out, None
         rows = y.reshape(-1, y.shape[-1])
-        if not rows.is_contiguous():
-            rows = rows.contiguous()
-        out = torch.ops.flux.moe_local_combine(rows, _weights32(weights), handle.recv_dest, handle.topk)
-        return out, (rows if need_returned else None)
+        return out, (rows if rows.is_contiguous() else rows.contiguous())
 
     @staticmethod
     def combine_backward(grad_out, weights, y_rows, handle, need_w):
         """(d y in recv_x's layout, d topk_weights ``[T, K]`` fp32 or None): one pass over the
         rows; y_rows ``[S, H]`` (the forward's rows) when need_w."""
         dy, dw = torch.ops.flux.moe_local_combine_backward(
-            grad_out.contiguous(), _weights32(weights), handle.recv_dest, handle.send_pairs, y_rows if need_w else None,
-            handle.topk)
+            grad_out, None if weights is None else weights.detach(), handle.recv_dest, handle.send_pairs,
+            y_rows if need_w else None, handle.topk)
         grad_w = dw.view(handle.num_tokens, handle.topk) if need_w else None
         return dy.view(*handle.recv_shape[:-1], dy.shape[-1]), grad_w

@@ -98,21 +98,22 @@ def _dispatch_impl(x, topk_idx, topk_weights, num_experts, group, capacity, *, d
     variant on CUDA groups). ``fp8``: x is quantised and moved as packed byte rows, and recv_x
     is the received byte rows (uint8 ``[..., _packed_width(H)]``; ``_unpack_fp8`` splits them).
     ``zero_pad=False``: the bounded variant may leave recv_x's rows past the counts unwritten."""
+    if _LOCAL_PLANS and defer_verdict is None and (strategy is None or strategy == "local"):
+        plan = _LOCAL_PLANS.get(_local_plan_key(x, topk_idx, topk_weights, num_experts, group, capacity, fp8))
+        if plan is not None:  # the hot path: a lookup, one C++ entry, the handle
+            return _run_local(LocalStrategy, x, topk_idx, topk_weights, num_experts, group, capacity, plan.defer,
+                              fp8, zero_pad, 0, plan.meta)
     bounded = capacity is not None
+    plannable = defer_verdict is None  # only the public functions' own choice is remembered
     if defer_verdict is None:
         defer_verdict = bounded and cuda_group(group)
-    if _LOCAL_PLANS and strategy in (None, "local"):
-        key = _local_plan_key(x, topk_idx, topk_weights, num_experts, group, capacity, defer_verdict, fp8)
-        if key is not None and key in _LOCAL_PLANS:
-            return _run_local(LocalStrategy, x, topk_idx, topk_weights, num_experts, group, capacity, defer_verdict,
-                              fp8, zero_pad, 0)
     sig = _signature(x, topk_idx, topk_weights, num_experts, group, capacity, fp8)
     name = strategy or _choose_strategy(x, group, bounded, num_experts, topk_idx)
     sig.add("strategy", STRATEGIES.index(name))
     impl = _STRATEGY_IMPLS[name]
     if getattr(impl, "checks_data", False):
         return _dispatch_local(impl, sig, x, topk_idx, topk_weights, num_experts, group, capacity, defer_verdict,
-                               fp8, zero_pad)
+                               fp8, zero_pad, plannable)
     # A strategy with dispatch_bounded exchanges the data verdict along with the rows.
     fused = bounded and hasattr(impl, "dispatch_bounded")
     host_code, local, any_error = 0, None, None
@@ -145,11 +146,13 @@ def _dispatch_impl(x, topk_idx, topk_weights, num_experts, group, capacity, *, d
     return recv_x, counts, handle
 
 
-def _dispatch_local(impl, sig, x, topk_idx, topk_weights, num_experts, group, capacity, defer, fp8, zero_pad):
+def _dispatch_local(impl, sig, x, topk_idx, topk_weights, num_experts, group, capacity, defer, fp8, zero_pad,
+                    plannable=False):
     """_dispatch_impl for a strategy whose kernels compute the data verdict (``local``: one rank):
     the signature is checked alone (check_collectively: no peer, nothing to exchange once it was
     seen), the ids and duplicates by the layout kernels: read with the counts (unbounded, which
-    raises before any row moves) or reported through ``handle.check()`` (bounded, deferred)."""
+    raises before any row moves) or reported through ``handle.check()`` (bounded, deferred).
+    ``plannable``: a valid call leaves a plan (_LOCAL_PLANS) that serves the calls like it."""
     host_code, clean = 0, sig.error is None
     if capacity is not None and defer:
         host_code, local = _deferred_host_code(sig, x, group, capacity)
@@ -161,55 +164,69 @@ def _dispatch_local(impl, sig, x, topk_idx, topk_weights, num_experts, group, ca
         if capacity is not None and sig.error is None and x.shape[0] > capacity:
             sig.fail(f"x has T = {x.shape[0]} tokens, more than max_tokens_per_rank = {capacity}")
         check_collectively(sig, group)
-    if clean and host_code == 0:  # the call's plan is valid: later calls like it skip the checks above
-        key = _local_plan_key(x, topk_idx, topk_weights, num_experts, group, capacity, defer, fp8)
+    plan = _LocalPlan(defer, impl.name, capacity is not None)
+    if plannable and clean and host_code == 0:  # the call's plan is valid: later calls like it skip the checks
+        key = _local_plan_key(x, topk_idx, topk_weights, num_experts, group, capacity, fp8)
         if key is not None:
-            _LOCAL_PLANS.add(key)
-    return _run_local(impl, x, topk_idx, topk_weights, num_experts, group, capacity, defer, fp8, zero_pad, host_code)
+            _LOCAL_PLANS[key] = plan
+    return _run_local(impl, x, topk_idx, topk_weights, num_experts, group, capacity, defer, fp8, zero_pad, host_code,
+                      plan.meta)
 
 
-# Keys (_local_plan_key) of local dispatches whose host-side checks passed (the group object itself,
-# not its id, which a later group could reuse): a call with the same key
-# passes them too (it differs only in T, within the same bounds, and in the data, which the layout
-# kernels check every call), so it goes straight to the kernels.
-_LOCAL_PLANS = set()
-_LOCAL_META = {}  # bounded calls' meta tensor (the strategy index only), shared: nobody writes it
+class _LocalPlan:
+    """What a checked local dispatch leaves for the calls like it: whether the verdict is deferred
+    (the bounded variant on a CUDA group), and the bounded handles' meta tensor (the strategy
+    index only; shared, nobody writes it)."""
+
+    __slots__ = ("defer", "meta")
+
+    def __init__(self, defer: bool, name: str, bounded: bool):
+        self.defer = defer
+        self.meta = torch.tensor([STRATEGIES.index(name)], dtype=torch.int64) if bounded else None
 
 
-def _local_plan_key(x, topk_idx, topk_weights, num_experts, group, capacity, defer, fp8):
+# Plans (_LocalPlan) of local dispatches whose host-side checks passed, by _local_plan_key (the
+# group object itself, not its id, which a later group could reuse): a call with the same key
+# passes those checks too (it differs only in T, within the same bounds, and in the data, which
+# the layout kernels check every call), so it goes straight to the kernels.
+_LOCAL_PLANS = {}
+
+
+def _local_plan_key(x, topk_idx, topk_weights, num_experts, group, capacity, fp8):
     """What the host-side checks of a local dispatch depend on (all but T and the data), or None
-    for arguments that always take the checked path."""
+    for arguments that always take the checked path (not plain tensors, shapes that are not
+    ``[T, H]`` / ``[T, K]`` / ``[T, K]``, T > C, a num_experts or C that is not an int). A
+    forced strategy (FLUX_STRATEGY_MOE, read live) is part of it."""
     if type(x) is not torch.Tensor or type(topk_idx) is not torch.Tensor or type(topk_weights) is not torch.Tensor:
         return None
-    if x.dim() != 2 or topk_idx.dim() != 2 or topk_weights.dim() != 2:
+    xs, s = x.shape, topk_idx.shape
+    if len(xs) != 2 or len(s) != 2 or xs[0] != s[0] or topk_weights.shape != s or type(num_experts) is not int:
         return None
-    t = x.shape[0]
-    return (group, x.dtype, x.device, torch.cuda.current_device() if x.is_cuda else -1, x.shape[1],
-            topk_idx.dtype, topk_idx.device,
-            topk_idx.shape[1], topk_weights.dtype, topk_weights.device, topk_weights.shape == topk_idx.shape,
-            topk_idx.shape[0] == t, num_experts, capacity, capacity is None or t <= capacity, defer, fp8,
-            _forced())
+    if capacity is not None and (type(capacity) is not int or xs[0] > capacity):
+        return None
+    return (group, num_experts, capacity, fp8, x.dtype, x.device, xs[1], s[1], topk_idx.dtype, topk_idx.device,
+            topk_weights.dtype, topk_weights.device, torch.cuda.current_device() if x.is_cuda else -1, _forced())
 
 
-def _run_local(impl, x, topk_idx, topk_weights, num_experts, group, capacity, defer, fp8, zero_pad, host_code):
-    """The kernels of a checked local dispatch, the verdict, the handle."""
-    rows = _pack_fp8(x) if fp8 else x
+def _run_local(impl, x, topk_idx, topk_weights, num_experts, group, capacity, defer, fp8, zero_pad, host_code, meta):
+    """The kernels of a checked local dispatch, the verdict, the handle (``meta``: the bounded
+    handles' shared meta tensor)."""
     recv_x, counts, send_pairs, recv_dest, counts_host, verdict, code = impl.dispatch_local(
-        rows, topk_idx, num_experts, capacity, host_code, zero_pad)
-    if capacity is not None and not defer:  # a verdict that is not deferred is read (a synchronisation)
-        code = int(verdict[0])
+        _pack_fp8(x) if fp8 else x, topk_idx, num_experts, capacity, host_code, zero_pad)
+    h = x.shape[1]
+    if capacity is not None:
+        if not defer and int(verdict[0]):  # a verdict that is not deferred is read (a synchronisation)
+            raise FluxInputError(f"{OP}: invalid arguments on rank {dist.get_rank(group)}: "
+                                 + (_data_message(topk_idx, num_experts) or "invalid topk_idx"))
+        return recv_x, counts, MoeHandle(group, impl.name, num_experts, x.shape[0], topk_idx.shape[1], h, capacity,
+                                         topk_weights, send_pairs, recv_dest, meta, verdict,
+                                         (num_experts, capacity, h), fp8)
     if code:
         raise FluxInputError(f"{OP}: invalid arguments on rank {dist.get_rank(group)}: "
                              + (_data_message(topk_idx, num_experts) or "invalid topk_idx"))
-    if counts_host is None:
-        meta = _LOCAL_META.get(impl.name)
-        if meta is None:
-            meta = _LOCAL_META[impl.name] = torch.tensor([STRATEGIES.index(impl.name)], dtype=torch.int64)
-    else:
-        meta = torch.tensor([STRATEGIES.index(impl.name)] + counts_host, dtype=torch.int64)
-    h = x.shape[1]
+    meta = torch.tensor([STRATEGIES.index(impl.name)] + counts_host, dtype=torch.int64)
     handle = MoeHandle(group, impl.name, num_experts, x.shape[0], topk_idx.shape[1], h, capacity, topk_weights,
-                       send_pairs, recv_dest, meta, verdict, tuple(recv_x.shape[:-1]) + (h,), fp8)
+                       send_pairs, recv_dest, meta, verdict, (recv_x.shape[0], h), fp8)
     return recv_x, counts, handle
 
 
