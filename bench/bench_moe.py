@@ -22,6 +22,15 @@ Per cell, each timed after --warmup calls:
                              dispatch also with zero_pad=False (rows past the counts unwritten)
   dispatch / combine, a2a    the baseline below, loop mode (it reads counts on the host, so it
                              cannot be captured)
+  host us                    the bounded dispatch and combine and the unbounded combine (the calls
+                             that read nothing on the host): host time per call of repeat calls of
+                             the cell's problem after the warm-up (every timed call takes the
+                             planned hot path), enqueued in batches of 20 back to back behind a GPU
+                             spin that outlasts them (no call waits for the GPU), median over
+                             --host-calls calls; at world size 1 (the ``local`` strategy) also the
+                             C++ entry alone (torch.ops.flux.moe_local_dispatch / moe_local_combine
+                             with the same arguments, ``entry_host_us``): the floor of the public
+                             call, the rest being its Python
   layer fwd+bwd              flux.nn.MoE (SwiGLU experts, --ffn, unbounded dispatch; its own
                              router on random inputs) forward and y.backward(g), gradients set to
                              None first, with flux's dispatcher and with the baseline: the same
@@ -58,8 +67,10 @@ correctness run, as their timings are those of one GPU time-sliced between proce
 """
 import argparse
 import os
+import statistics
 import subprocess
 import sys
+import time
 
 os.environ["NCCL_NVLS_ENABLE"] = "0"  # never NVLink multicast
 os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
@@ -257,6 +268,8 @@ def parse_args(argv=None):
                    help="grouped: also time the layer users write with stock PyTorch (torch._grouped_mm, same "
                         "weights) and its grouped GEMMs alone (the floor); world size 1")
     p.add_argument("--no-host", action="store_true", help="skip the host-time measurements")
+    p.add_argument("--host-calls", type=int, default=200,
+                   help=f"calls timed on the host per measurement, in batches of {HOST_BATCH} behind a GPU spin")
     p.add_argument("--out", default=None, help="JSON path (rank 0)")
     args = p.parse_args(argv)
     # Sizes not given: the GPU grid, or smoke sizes with --cpu (the GPU sizes would compute on the
@@ -300,16 +313,43 @@ def gbps(nbytes, ms):
     return None if ms is None or ms <= 0 else nbytes / (ms * 1e-3) / 1e9
 
 
-def timed(bench, step, args, graph, host=False):
-    """loop ms; graph ms (graph); host us per call, enqueued behind a GPU spin (host: calls that
-    do not read the device on the host)."""
+HOST_BATCH = 20  # calls per batch behind one GPU spin (host mode)
+
+
+def host_us(step, calls):
+    """Median host us per call of ``step`` (repeat calls, after the caller's warm-up): batches of
+    HOST_BATCH calls back to back, enqueued behind a GPU spin of 2 ms + 0.5 ms per call, which
+    outlasts them, so that no call waits for the GPU; the maximum over the ranks."""
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    cycles_per_us = getattr(props, "clock_rate", 1_980_000) / 1e3  # kHz: torch.cuda._sleep counts cycles
+    samples = []
+    torch.cuda.synchronize()
+    for _ in range(max(1, calls // HOST_BATCH)):
+        torch.cuda._sleep(int((2000 + 500 * HOST_BATCH) * cycles_per_us))
+        for _ in range(HOST_BATCH):
+            t0 = time.perf_counter()
+            step()
+            samples.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+    t = torch.tensor([statistics.median(samples) * 1e6], dtype=torch.float64, device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t[0])
+
+
+def timed(bench, step, args, graph, host=False, entry=None):
+    """loop ms; graph ms (graph); host us per call of repeat calls (host: calls that do not read
+    the device on the host; see host_us), and of ``entry`` (the C++ entry alone) where given."""
     for _ in range(args.warmup):
         step()
     res = {"loop_ms": bench.loop_ms(step)}
     if graph:
         res["graph_ms"], res["graph_status"] = bench.graph_ms(step)
     if host and not args.no_host and bench.cuda:
-        res["host_us"] = bench.host_ms(step) * 1e3
+        step()  # after the graph capture (its own memory pool): the outputs' blocks back in the allocator's cache
+        res["host_us"] = host_us(step, args.host_calls)
+        if entry is not None:
+            entry()
+            res["entry_host_us"] = host_us(entry, args.host_calls)
     return res
 
 
@@ -413,10 +453,11 @@ def _commit():
 
 def layer_table(records):
     """World size 1: the layer's forward+backward (loop ms) against the stock grouped-GEMM layer and
-    its GEMMs alone; the bounded dispatch and combine in graph replay and host us per call."""
+    its GEMMs alone; the bounded dispatch and combine in graph replay and host us per repeat call
+    (in parentheses: the C++ entry alone)."""
     lines = [f"{'T':>5} {'H':>5} {'K':>2} {'E':>3} | {'flux':>7} {'stock':>7} {'gemms':>7} {'stock/flux':>10} "
-             f"{'flux/gemms':>10} | {'bnd disp graph us':>17} {'host us':>7} | "
-             f"{'bnd comb graph us':>17} {'host us':>7}"]
+             f"{'flux/gemms':>10} | {'bnd disp graph us':>17} {'host us (C++)':>13} | "
+             f"{'bnd comb graph us':>17} {'host us (C++)':>13}"]
     for r in records:
         if r.get("status") != "ok":
             continue
@@ -430,11 +471,15 @@ def layer_table(records):
             v = (b.get(op) or {}).get(key)
             return "-" if v is None else f"{v * (1e3 if key.endswith('_ms') else 1):.1f}"
 
+        def host(op):
+            return f"{us(op, 'host_us')} ({us(op, 'entry_host_us')})"
+
         lines.append(f"{r['tokens']:>5} {r['hidden']:>5} {r['topk']:>2} {r['experts']:>3} | {_f(f):>7} {_f(s):>7} "
                      f"{_f(g):>7} {ratio(s, f):>10} {ratio(f, g):>10} | {us('dispatch', 'graph_ms'):>17} "
-                     f"{us('dispatch', 'host_us'):>7} | {us('combine', 'graph_ms'):>17} {us('combine', 'host_us'):>7}")
+                     f"{host('dispatch'):>13} | {us('combine', 'graph_ms'):>17} {host('combine'):>13}")
     lines.append("layer: flux.nn.MoE forward+backward, loop ms; stock: the same layer in stock PyTorch "
-                 "(--reference grouped); gemms: its grouped GEMMs alone")
+                 "(--reference grouped); gemms: its grouped GEMMs alone; host us: repeat calls (the hot path), "
+                 "batches behind a GPU spin, median")
     return "\n".join(lines)
 
 
@@ -496,10 +541,15 @@ def cell(args, bench, rec, group, rank, world, dev, dtype, itemsize, tol, layers
         check_same(bench, "bounded dispatched rows, zero_pad=False", [torch.where(keep, nr, 0), nc.float()],
                    [fr, fc.float()], 0.0)
         del nr, nc, keep
-        rec["flux_bounded"] = {"dispatch": timed(bench, fx_dispatch(tokens), args, graph=True, host=True),
+        entry_d = entry_c = None
+        if fbh.strategy == "local":  # the C++ entries of the public calls, with the same arguments
+            entry_d = lambda: torch.ops.flux.moe_local_dispatch(x, idx, experts, tokens, 0, True)  # noqa: E731
+            entry_c = lambda: torch.ops.flux.moe_local_combine(fr, w, fbh.recv_dest, topk)  # noqa: E731
+        rec["flux_bounded"] = {"dispatch": timed(bench, fx_dispatch(tokens), args, graph=True, host=True,
+                                                 entry=entry_d),
                                "dispatch_nopad": timed(bench, fx_dispatch(tokens, zero_pad=False), args, graph=True),
                                "combine": timed(bench, lambda: flux.moe_combine(fr, fbh), args, graph=True,
-                                                host=True)}
+                                                host=True, entry=entry_c)}
         rec["bounded_status"] = "ok"
         del fr, fc, fbh, br, bc
     for name in ("flux", "a2a", "flux_bounded"):

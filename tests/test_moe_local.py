@@ -248,6 +248,109 @@ def test_opcheck_and_compile_path(group):
     assert torch.equal(out, flux.moe_combine_ref(recv, idx, w, e, max_tokens_per_rank=64))
 
 
+def _flux_frames(fn):
+    """(fn's result, the Python frames of flux's own code that the call enters)."""
+    root = os.path.dirname(os.path.abspath(flux.__file__))
+    frames = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(root):
+            frames.append(frame.f_code.co_name)
+    sys.setprofile(profile)
+    try:
+        out = fn()
+    finally:
+        sys.setprofile(None)
+    return out, frames
+
+
+# Python frames of flux's code in a repeat bounded call at world size 1 (the hot path: the public
+# function, resolve_group, call_mode, _dispatch_impl, the plan key and its live read of
+# FLUX_STRATEGY_MOE (3 frames), _run_local, dispatch_local; combine: the public function, its local
+# check, call_mode, _combine_impl, kernel_dtype, LocalStrategy.combine). A first call runs dozens
+# more (the signature, the checks, the choice).
+_HOT_FRAMES = {"dispatch": 10, "combine": 6}
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_repeat_calls_take_the_hot_path(group, grad):
+    """After a problem's first call, bounded calls like it (T up to C, new data each call) run no
+    check on the host and no Python per step (a bounded number of flux frames), and give the
+    reference's rows, counts, combine and gradients exactly."""
+    gen = torch.Generator().manual_seed(19)
+    e, k, h, cap = 16, 4, 128, 64
+    w_dtype = torch.float32
+
+    def inputs(t):
+        x, idx, w = _ints((t, h), gen), _routing(t, e, k, gen), _weights(t, k, gen).to(w_dtype)
+        if grad:
+            x.requires_grad_()
+            w.requires_grad_()
+        return x, idx, w
+
+    flux.moe_dispatch(*inputs(cap), e, max_tokens_per_rank=cap)  # the first call: checked, planned
+    checked = mock.patch.object(moe_ops.strategies, "_signature",
+                                side_effect=AssertionError("a repeat call took the checked path"))
+    for t in (cap, 40, 1, cap):
+        x, idx, w = inputs(t)
+        with checked:
+            (recv, counts, handle), frames = _flux_frames(lambda: flux.moe_dispatch(x, idx, w, e,
+                                                                                    max_tokens_per_rank=cap))
+            out, cframes = _flux_frames(lambda: flux.moe_combine(recv, handle))
+        extra = ("forward",) if grad else ()  # the autograd.Function's forward
+        assert len(frames) <= _HOT_FRAMES["dispatch"] + len(extra), frames
+        assert len(cframes) <= _HOT_FRAMES["combine"] + len(extra), cframes
+        handle.check()
+        ref_recv, ref_counts = flux.moe_dispatch_ref(x.detach(), idx, w.detach(), e, max_tokens_per_rank=cap)
+        assert torch.equal(recv, ref_recv) and torch.equal(counts, ref_counts)
+        assert torch.equal(out, flux.moe_combine_ref(recv.detach(), idx, w.detach(), e, max_tokens_per_rank=cap))
+        if grad:  # out[t] = sum over valid k of w[t, k] * x[t]: its gradients, exact with these values
+            g = _ints((t, h), gen)
+            out.backward(g)
+            valid = (idx >= 0).float()
+            assert torch.equal(x.grad, (g.float() * (w.detach() * valid).sum(1, keepdim=True)).to(x.dtype))
+            assert torch.equal(w.grad, (g.float() * x.detach().float()).sum(1, keepdim=True) * valid)
+
+
+def test_host_cost_ratio(group):
+    """The host cost of flux's Python around the kernels in a repeat bounded call, as a ratio to
+    a plain ATen sequence of the same size timed in the same process (what the C++ entry itself
+    does per dispatch: four allocations and two views, through the dispatcher): the kernels'
+    entries are replaced by functions that return their outputs, computed once, so that only
+    the Python layers are timed. Minimum over interleaved rounds of 200 calls each; bounds with a
+    margin over what the hot path takes (dispatch ~0.9, combine ~0.3 of the sequence; a call that
+    checked its arguments on the host again, or reshaped and converted them in Python, takes
+    1.7 and 1.0)."""
+    import time
+
+    gen = torch.Generator().manual_seed(23)
+    t, e, k, h = 64, 8, 4, 128
+    x, idx, w = _ints((t, h), gen), _routing(t, e, k, gen), _weights(t, k, gen)
+    recv, _, handle = flux.moe_dispatch(x, idx, w, e, max_tokens_per_rank=t)
+    outs = torch.ops.flux.moe_local_dispatch(x, idx, e, t, 0, True)
+    cout = torch.ops.flux.moe_local_combine(recv, w, handle.recv_dest, k)
+    a = torch.empty(16)
+
+    def aten_sequence():
+        torch.empty(0), torch.empty(0), torch.empty(0), torch.empty(0), a.narrow(0, 0, 8), a.narrow(0, 8, 1)
+
+    calls = {"aten": aten_sequence, "dispatch": lambda: flux.moe_dispatch(x, idx, w, e, max_tokens_per_rank=t),
+             "combine": lambda: flux.moe_combine(recv, handle)}
+    best = dict.fromkeys(calls, float("inf"))
+    with mock.patch.object(torch.ops.flux, "moe_local_dispatch", lambda *args: outs), \
+            mock.patch.object(torch.ops.flux, "moe_local_combine", lambda *args: cout):
+        for _ in range(30):
+            for name, fn in calls.items():
+                t0 = time.perf_counter()
+                for _ in range(200):
+                    fn()
+                best[name] = min(best[name], time.perf_counter() - t0)
+    ratio = {name: round(v / best["aten"], 2) for name, v in best.items()}
+    assert ratio["dispatch"] <= 1.4 and ratio["combine"] <= 0.7, (
+        f"host time of a repeat call over the plain ATen sequence's: {ratio} "
+        f"(us per call: { {n: round(v / 200 * 1e6, 1) for n, v in best.items()} })")
+
+
 @gpu_only
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("f", [256, 6])  # vectorised and element-wise paths
