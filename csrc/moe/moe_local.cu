@@ -521,7 +521,9 @@ at::Tensor weights_f32(const std::optional<at::Tensor>& weights, int64_t pairs, 
 // The rows of a recv_x-layout tensor ([..., H], any leading dimensions) as contiguous [S, H].
 at::Tensor as_rows(const at::Tensor& t, const char* what, const char* op) {
   FLUX_CHECK(t.is_cuda() && t.dim() >= 2, op, what, " must be a CUDA tensor of at least 2 dimensions");
-  return t.reshape({-1, t.size(-1)}).contiguous();
+  int64_t rows = 1;  // not reshape({-1, H}), which has no answer for H = 0
+  for (int64_t d = 0; d + 1 < t.dim(); ++d) rows *= t.size(d);
+  return t.reshape({rows, t.size(-1)}).contiguous();
 }
 
 at::Tensor moe_local_combine(const at::Tensor& y_in, const std::optional<at::Tensor>& weights,

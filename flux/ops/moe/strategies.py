@@ -26,10 +26,11 @@ from flux.runtime import group_device, group_name, resolve_group
 from flux.runtime.groups import cuda_group
 
 STRATEGY_ENV = "FLUX_STRATEGY_MOE"  # forces a strategy (the same on every rank, or the check fails)
+_FORCED_VAR = envs.VARS[STRATEGY_ENV]  # read live, also on the hot path (a plan key holds it)
 
 
 def _forced() -> str:
-    return envs.forced_strategy("moe") or ""
+    return _FORCED_VAR.get() or ""
 
 
 _STRATEGY_IMPLS = {"all_to_all": _AllToAll, "symm": SymmStrategy, "local": LocalStrategy}
@@ -205,7 +206,8 @@ def _local_plan_key(x, topk_idx, topk_weights, num_experts, group, capacity, fp8
     if capacity is not None and (type(capacity) is not int or xs[0] > capacity):
         return None
     return (group, num_experts, capacity, fp8, x.dtype, x.device, xs[1], s[1], topk_idx.dtype, topk_idx.device,
-            topk_weights.dtype, topk_weights.device, torch.cuda.current_device() if x.is_cuda else -1, _forced())
+            topk_weights.dtype, topk_weights.device, torch.cuda.current_device() if x.is_cuda else -1,
+            _FORCED_VAR.get())
 
 
 def _run_local(impl, x, topk_idx, topk_weights, num_experts, group, capacity, defer, fp8, zero_pad, host_code, meta):
