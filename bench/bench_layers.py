@@ -194,7 +194,28 @@ class Bench:
                 samples.append((time.perf_counter() - t0) * 1e3 / self.args.steps)
         return self.max_all(statistics.median(samples))
 
+    HOST_BATCH = 20  # host_us: calls per batch behind one GPU spin
+
+    def host_us(self, step, calls):
+        """Median host us per call of repeat calls of ``step`` (after the caller's warm-up): batches
+        of HOST_BATCH calls back to back, enqueued behind a GPU spin of 2 ms + 0.5 ms per call that
+        outlasts them, so that no call waits for the GPU; the maximum over the ranks."""
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        cycles_per_us = getattr(props, "clock_rate", 1_980_000) / 1e3  # kHz; torch.cuda._sleep counts cycles
+        samples = []
+        torch.cuda.synchronize()
+        for _ in range(max(1, calls // self.HOST_BATCH)):
+            torch.cuda._sleep(int((2000 + 500 * self.HOST_BATCH) * cycles_per_us))
+            for _ in range(self.HOST_BATCH):
+                t0 = time.perf_counter()
+                step()
+                samples.append(time.perf_counter() - t0)
+            torch.cuda.synchronize()
+        return self.max_all(statistics.median(samples) * 1e6)
+
     def host_ms(self, step):
+        """Median over --rounds of one call's host ms, each enqueued behind a GPU spin right after a
+        synchronize (a call from an idle host; host_us times repeat calls)."""
         samples = []
         for _ in range(self.args.rounds):
             if self.cuda:

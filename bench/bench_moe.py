@@ -22,15 +22,9 @@ Per cell, each timed after --warmup calls:
                              dispatch also with zero_pad=False (rows past the counts unwritten)
   dispatch / combine, a2a    the baseline below, loop mode (it reads counts on the host, so it
                              cannot be captured)
-  host us                    the bounded dispatch and combine and the unbounded combine (the calls
-                             that read nothing on the host): host time per call of repeat calls of
-                             the cell's problem after the warm-up (every timed call takes the
-                             planned hot path), enqueued in batches of 20 back to back behind a GPU
-                             spin that outlasts them (no call waits for the GPU), median over
-                             --host-calls calls; at world size 1 (the ``local`` strategy) also the
-                             C++ entry alone (torch.ops.flux.moe_local_dispatch / moe_local_combine
-                             with the same arguments, ``entry_host_us``): the floor of the public
-                             call, the rest being its Python
+  host us                    bounded dispatch and combine, unbounded combine: repeat calls after the
+                             warm-up (the planned hot path), batches behind a GPU spin (Bench.host_us),
+                             median; at world size 1 also the C++ entry alone (``entry_host_us``)
   layer fwd+bwd              flux.nn.MoE (SwiGLU experts, --ffn, unbounded dispatch; its own
                              router on random inputs) forward and y.backward(g), gradients set to
                              None first, with flux's dispatcher and with the baseline: the same
@@ -67,10 +61,8 @@ correctness run, as their timings are those of one GPU time-sliced between proce
 """
 import argparse
 import os
-import statistics
 import subprocess
 import sys
-import time
 
 os.environ["NCCL_NVLS_ENABLE"] = "0"  # never NVLink multicast
 os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
@@ -269,7 +261,7 @@ def parse_args(argv=None):
                         "weights) and its grouped GEMMs alone (the floor); world size 1")
     p.add_argument("--no-host", action="store_true", help="skip the host-time measurements")
     p.add_argument("--host-calls", type=int, default=200,
-                   help=f"calls timed on the host per measurement, in batches of {HOST_BATCH} behind a GPU spin")
+                   help="calls timed on the host per measurement, in batches of 20 behind a GPU spin")
     p.add_argument("--out", default=None, help="JSON path (rank 0)")
     args = p.parse_args(argv)
     # Sizes not given: the GPU grid, or smoke sizes with --cpu (the GPU sizes would compute on the
@@ -313,32 +305,9 @@ def gbps(nbytes, ms):
     return None if ms is None or ms <= 0 else nbytes / (ms * 1e-3) / 1e9
 
 
-HOST_BATCH = 20  # calls per batch behind one GPU spin (host mode)
-
-
-def host_us(step, calls):
-    """Median host us per call of ``step`` (repeat calls, after the caller's warm-up): batches of
-    HOST_BATCH calls back to back, enqueued behind a GPU spin of 2 ms + 0.5 ms per call, which
-    outlasts them, so that no call waits for the GPU; the maximum over the ranks."""
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    cycles_per_us = getattr(props, "clock_rate", 1_980_000) / 1e3  # kHz: torch.cuda._sleep counts cycles
-    samples = []
-    torch.cuda.synchronize()
-    for _ in range(max(1, calls // HOST_BATCH)):
-        torch.cuda._sleep(int((2000 + 500 * HOST_BATCH) * cycles_per_us))
-        for _ in range(HOST_BATCH):
-            t0 = time.perf_counter()
-            step()
-            samples.append(time.perf_counter() - t0)
-        torch.cuda.synchronize()
-    t = torch.tensor([statistics.median(samples) * 1e6], dtype=torch.float64, device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t[0])
-
-
 def timed(bench, step, args, graph, host=False, entry=None):
     """loop ms; graph ms (graph); host us per call of repeat calls (host: calls that do not read
-    the device on the host; see host_us), and of ``entry`` (the C++ entry alone) where given."""
+    the device on the host; Bench.host_us), and of ``entry`` (the C++ entry alone) where given."""
     for _ in range(args.warmup):
         step()
     res = {"loop_ms": bench.loop_ms(step)}
@@ -346,10 +315,10 @@ def timed(bench, step, args, graph, host=False, entry=None):
         res["graph_ms"], res["graph_status"] = bench.graph_ms(step)
     if host and not args.no_host and bench.cuda:
         step()  # after the graph capture (its own memory pool): the outputs' blocks back in the allocator's cache
-        res["host_us"] = host_us(step, args.host_calls)
+        res["host_us"] = bench.host_us(step, args.host_calls)
         if entry is not None:
             entry()
-            res["entry_host_us"] = host_us(entry, args.host_calls)
+            res["entry_host_us"] = bench.host_us(entry, args.host_calls)
     return res
 
 

@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node=2 bench/profile_host.py --out host.json
     torchrun --nproc_per_node=2 bench/profile_host.py --shapes ag:4096x8192x14336,rs:4096x14336x8192
+    torchrun --nproc_per_node=1 bench/profile_host.py --shapes moe:128x8x8x7168,moe:4096x64x8x7168
 
 For each shape (M gathered, N (AG) or K (RS) scaled with the world size, as bench_ops.py) and
 method, bf16, random inputs: 'seq' (NCCL all-gather then torch.mm, or torch.mm then NCCL
@@ -15,6 +16,7 @@ profiler's own cost inflates what it records; the unprofiled median is the figur
 breakdown says where it goes. Rank 0 prints per method: host µs, then the API calls and ATen
 ops by total µs per call (count per call in brackets). JSON (--out): everything, per rank.
 
+``moe:TxExKxH``: the bounded MoE dispatch and combine, their C++ entries and a gather (moe_methods).
 With FLUX_GLOO_CUDA=1 the ranks may share one GPU (flux's test mode: gloo, no NCCL): 'seq' is
 then left out, as gloo moves CUDA tensors through host copies, and 'mm' (torch.mm of the same
 GEMM alone, the floor of every method's host cost) takes its place. The strategies' host time is
@@ -49,7 +51,8 @@ DEFAULT_SHAPES = "ag:4096x8192x14336,ag:16384x8192x4096,ag:128x8192x14336,rs:409
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma-separated op:MxKxN (op: ag or rs; M gathered)")
+    p.add_argument("--shapes", default=DEFAULT_SHAPES,
+                   help="comma-separated op:MxKxN (op: ag or rs; M gathered) or moe:TxExKxH")
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--out", default=None)
     return p.parse_args(argv)
@@ -127,6 +130,29 @@ def methods(op, m, k, n, world, group, shared=False):
     return out
 
 
+def moe_methods(t, e, k, h, group):
+    """[(name, zero-argument callable)] of ``moe:TxExKxH`` (T tokens per rank, E experts, top-K,
+    hidden H, uniform routing): flux.moe_dispatch and flux.moe_combine of the bounded variant (C = T),
+    repeat calls (their plan made); at world size 1 (the ``local`` strategy) their C++ entries alone
+    with the same arguments ('dispatch entry', 'combine entry'); and 'gather' (``x[rows]`` of the
+    T * K rows: one ATen op with the dispatch's output size, the floor of its host cost)."""
+    import flux
+
+    g = torch.Generator(device="cuda").manual_seed(1234 + dist.get_rank())
+    x = torch.randn(t, h, device="cuda", generator=g).to(torch.bfloat16)
+    idx = torch.rand(t, e, device="cuda", generator=g).topk(k, dim=-1).indices
+    w = torch.rand(t, k, device="cuda", generator=g).softmax(-1)
+    recv, _, handle = flux.moe_dispatch(x, idx, w, e, group=group, max_tokens_per_rank=t)
+    rows = torch.div(idx.reshape(-1).sort(stable=True).indices, k, rounding_mode="floor")
+    out = [("gather", lambda: x[rows]),
+           ("dispatch", lambda: flux.moe_dispatch(x, idx, w, e, group=group, max_tokens_per_rank=t)),
+           ("combine", lambda: flux.moe_combine(recv, handle))]
+    if handle.strategy == "local":
+        out += [("dispatch entry", lambda: torch.ops.flux.moe_local_dispatch(x, idx, e, t, 0, True)),
+                ("combine entry", lambda: torch.ops.flux.moe_local_combine(recv, w, handle.recv_dest, k))]
+    return out
+
+
 def main():
     args = parse_args()
     shared = os.environ.get("FLUX_GLOO_CUDA") == "1"  # ranks sharing GPUs: gloo (see the docstring)
@@ -140,9 +166,13 @@ def main():
     results = []
     for spec in args.shapes.split(","):
         op, shape = spec.split(":")
-        m, k, n = (int(x) for x in shape.split("x"))
-        n, k = per_rank_shape("ag_gemm" if op == "ag" else "gemm_rs", m, k, n, world)
-        for name, fn in methods(op, m, k, n, world, group, shared):
+        if op == "moe":
+            cases = moe_methods(*(int(x) for x in shape.split("x")), group)
+        else:
+            m, k, n = (int(x) for x in shape.split("x"))
+            n, k = per_rank_shape("ag_gemm" if op == "ag" else "gemm_rs", m, k, n, world)
+            cases = methods(op, m, k, n, world, group, shared)
+        for name, fn in cases:
             for _ in range(5):
                 fn()
             torch.cuda.synchronize()
