@@ -215,20 +215,17 @@ def _run_local(impl, x, topk_idx, topk_weights, num_experts, group, capacity, de
     handles' shared meta tensor)."""
     recv_x, counts, send_pairs, recv_dest, counts_host, verdict, code = impl.dispatch_local(
         _pack_fp8(x) if fp8 else x, topk_idx, num_experts, capacity, host_code, zero_pad)
-    h = x.shape[1]
-    if capacity is not None:
-        if not defer and int(verdict[0]):  # a verdict that is not deferred is read (a synchronisation)
-            raise FluxInputError(f"{OP}: invalid arguments on rank {dist.get_rank(group)}: "
-                                 + (_data_message(topk_idx, num_experts) or "invalid topk_idx"))
-        return recv_x, counts, MoeHandle(group, impl.name, num_experts, x.shape[0], topk_idx.shape[1], h, capacity,
-                                         topk_weights, send_pairs, recv_dest, meta, verdict,
-                                         (num_experts, capacity, h), fp8)
+    if capacity is not None and not defer:  # a verdict that is not deferred is read (a synchronisation)
+        code = int(verdict[0])
     if code:
         raise FluxInputError(f"{OP}: invalid arguments on rank {dist.get_rank(group)}: "
                              + (_data_message(topk_idx, num_experts) or "invalid topk_idx"))
-    meta = torch.tensor([STRATEGIES.index(impl.name)] + counts_host, dtype=torch.int64)
+    h = x.shape[1]
+    if capacity is None:
+        meta = torch.tensor([STRATEGIES.index(impl.name)] + counts_host, dtype=torch.int64)
+    shape = (num_experts, capacity, h) if capacity is not None else (recv_x.shape[0], h)
     handle = MoeHandle(group, impl.name, num_experts, x.shape[0], topk_idx.shape[1], h, capacity, topk_weights,
-                       send_pairs, recv_dest, meta, verdict, (recv_x.shape[0], h), fp8)
+                       send_pairs, recv_dest, meta, verdict, shape, fp8)
     return recv_x, counts, handle
 
 
