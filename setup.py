@@ -181,6 +181,25 @@ def _default_jobs():
     return max(1, cpus)
 
 
+def _loaded_libstdcxx():
+    """The path of the libstdc++ shared library this process (torch imported) has loaded, or None.
+
+    Some toolchains link libstdc++ statically into shared objects. flux._C then holds a second copy
+    whose locale facets were never set up, and the first number formatted into an error message
+    (TORCH_CHECK's text) crashes the process. Naming torch's own libstdc++ on the link line
+    resolves every reference to it, so that one copy serves the process.
+    """
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.split()[-1] if len(line.split()) >= 6 else ""
+                if os.path.basename(path).startswith("libstdc++.so"):
+                    return path
+    except OSError:
+        pass
+    return None
+
+
 def _short_progress(cpp_extension):
     """torch runs ninja with -v: every progress line is a whole compiler command. Run it without
     -v and with a short description per file ("flux: [3/25, 95.2 s] nvcc ag_fused_c5_bf16.cu").
@@ -281,6 +300,7 @@ def _cuda_extension():
         extra_compile_args={"cxx": ["-O3", "-std=c++20", "-DNDEBUG", "-fvisibility=hidden",
                                     *(["-DFLUX_WITH_SM90"] if with_sm90 else [])],
                             "nvcc": nvcc_flags},
+        extra_link_args=[lib] if (lib := _loaded_libstdcxx()) else [],
         py_limited_api=False,
     )
     cmdclass = {"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)}

@@ -114,3 +114,21 @@ def test_bench_cpu_defaults_are_smoke_sizes(script, tmp_path):
     assert rc == 0, text[-4000:]
     _no_traceback(text)
     assert out.exists(), text[-4000:]
+
+
+def test_built_extension_loads_the_shared_libstdcxx():
+    """Where flux._C is built (pip install with CUDA): it loads libstdc++ as a shared library,
+    the one torch uses. A static copy inside it (what some toolchains link by default) crashes the
+    process on the first number formatted into an error message; setup.py names the loaded
+    libstdc++ on the link line (_loaded_libstdcxx)."""
+    import importlib.util
+    import shutil
+
+    spec = importlib.util.find_spec("flux._C")
+    if spec is None or not spec.origin:
+        pytest.skip("flux._C is not built (FLUX_BUILD_CUDA=0 or no CUDA toolchain)")
+    readelf = shutil.which("readelf")
+    if readelf is None:
+        pytest.skip("readelf (binutils) is not installed")
+    dynamic = subprocess.run([readelf, "-d", spec.origin], capture_output=True, text=True).stdout
+    assert "libstdc++.so" in dynamic, f"{spec.origin} does not load libstdc++.so:\n{dynamic}"

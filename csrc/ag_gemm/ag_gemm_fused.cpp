@@ -55,9 +55,7 @@ void ag_gemm_fused_(at::Tensor& out, const at::Tensor& a_full, const at::Tensor&
   a.rank = (int)rank;
   a.world = (int)world;
   a.rows_per_rank = (int)rows_per_rank;
-  FLUX_CHECK(ag_fused_dispatch((int)config, dtype, a), op, "configuration ", config, " for ",
-             fused_dtype_name(dtype), " is not built into flux._C (built: ", fused_kernels_built(),
-             "; FLUX_KERNELS selects them at build time)");
+  check_fused_built(ag_fused_dispatch((int)config, dtype, a), op, config, dtype);
 }
 
 }  // namespace flux

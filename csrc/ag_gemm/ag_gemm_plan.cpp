@@ -56,6 +56,16 @@ void Runtime::gather_into_workspace(const Plan& p, const at::Tensor& a, size_t b
   copy(buffer(rank_) + rank_ * bytes, a.data_ptr(), bytes, cur);
 }
 
+Runtime::AgOperands Runtime::ag_operands(const Plan& p, const at::Tensor& input, const char* op) const {
+  check_workspace(p, op);
+  AgOperands o;
+  o.a = input.view({-1, p.k});
+  o.shard = p.rows * p.k * o.a.element_size();
+  o.slots = view(buffer(rank_), {world_ * p.rows, p.k}, o.a.scalar_type());
+  o.cur = at::cuda::getCurrentCUDAStream(device_.index()).stream();
+  return o;
+}
+
 std::tuple<at::Tensor, at::Tensor> Runtime::ag_sequential(const Plan& p, const at::Tensor& input,
                                                           const at::Tensor& weight,
                                                           const std::optional<at::Tensor>& bias,
@@ -77,15 +87,12 @@ std::tuple<at::Tensor, at::Tensor> Runtime::ag_decomposed(const Plan& p, const a
                                                           const std::optional<at::Tensor>& bias,
                                                           const std::optional<at::Tensor>& out_arg) {
   constexpr const char* op = "ag_gemm decomposed";
-  check_workspace(p, op);
   FLUX_CHECK(world_ <= 64, op, "at most 64 ranks");
+  const auto [a, slots, shard, cur] = ag_operands(p, input, op);  // slots: rows of rank s at s * rows, pushed by s
   const int64_t W = world_, r = rank_, rows = p.rows, k = p.k;
-  at::Tensor a = input.view({-1, k});
-  const size_t es = a.element_size(), shard = rows * k * es;
-  at::Tensor slots = view(buffer(r), {W * rows, k}, a.scalar_type());  // rows of rank s at s * rows, pushed by s
+  const size_t es = a.element_size();
   at::Tensor out = output(out_arg, W * rows, p.n, a, p.out_dtype);
   const int64_t lead = lead_rows(p, W);
-  cudaStream_t cur = at::cuda::getCurrentCUDAStream(device_.index()).stream();
 
   // comm: the entry barrier (after the current stream's work so far: every peer's earlier reads
   // of our workspace are done once it passes), then a push of the shard into slot r of every
@@ -162,13 +169,9 @@ std::tuple<at::Tensor, at::Tensor> Runtime::ag_oneshot(const Plan& p, const at::
                                                        const at::Tensor& weight,
                                                        const std::optional<at::Tensor>& bias,
                                                        const std::optional<at::Tensor>& out_arg) {
-  check_workspace(p, "ag_gemm oneshot");
-  const int64_t W = world_, r = rank_, rows = p.rows, k = p.k;
-  at::Tensor a = input.view({-1, k});
-  const size_t shard = rows * k * a.element_size();
-  at::Tensor slots = view(buffer(r), {W * rows, k}, a.scalar_type());
+  const auto [a, slots, shard, cur] = ag_operands(p, input, "ag_gemm oneshot");
+  const int64_t W = world_, r = rank_, rows = p.rows;
   at::Tensor out = output(out_arg, W * rows, p.n, a, p.out_dtype);
-  cudaStream_t cur = at::cuda::getCurrentCUDAStream(device_.index()).stream();
   gather_into_workspace(p, a, shard, kDataChannel, cur);
   for (int64_t step = 1; step < W; ++step) wait_signal(cur, (r - step + W) % W, kDataChannel);
   gemm_into(out, slots, weight, bias, p.nk);
@@ -180,13 +183,9 @@ std::tuple<at::Tensor, at::Tensor> Runtime::ag_oneshot(const Plan& p, const at::
 std::tuple<at::Tensor, at::Tensor> Runtime::ag_fused(const Plan& p, const at::Tensor& input, const at::Tensor& weight,
                                                      const std::optional<at::Tensor>& bias,
                                                      const std::optional<at::Tensor>& out_arg) {
-  check_workspace(p, "ag_gemm fused");
-  const int64_t W = world_, r = rank_, rows = p.rows, k = p.k;
-  at::Tensor a = input.view({-1, k});
-  const size_t shard = rows * k * a.element_size();
-  at::Tensor full = view(buffer(r), {W * rows, k}, a.scalar_type());
+  const auto [a, full, shard, cur] = ag_operands(p, input, "ag_gemm fused");
+  const int64_t W = world_, r = rank_, rows = p.rows;
   at::Tensor flags = own_pad_slots(kFlagChannel * W, W);
-  cudaStream_t cur = at::cuda::getCurrentCUDAStream(device_.index()).stream();
   // TMA needs 16-byte aligned bases: a caller's tensors at odd offsets go through aligned copies
   // (a rank-local choice: the signals are the same either way).
   const bool out_aligned = out_arg.has_value() && is_aligned(out_arg->data_ptr(), 16);

@@ -11,6 +11,8 @@
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 
+#include "common/check.h"
+
 namespace flux {
 
 // out[m, n] = a[m, k] @ weight[n, k]^T (+ bias[n]) and the kernel's signalling.
@@ -55,6 +57,13 @@ inline int fused_dtype_of(at::ScalarType in, at::ScalarType out) {
   if (in == at::kBFloat16) return out == at::kBFloat16 ? kBf16 : out == at::kFloat ? kBf16Fp32 : -1;
   if (in == at::kHalf) return out == at::kHalf ? kFp16 : out == at::kFloat ? kFp16Fp32 : -1;
   return -1;
+}
+
+// Raises, naming the op, the configuration and the dtype variant, where the generated dispatch
+// found no such instantiation (launched false).
+inline void check_fused_built(bool launched, const char* op, int64_t config, int dtype) {
+  FLUX_CHECK(launched, op, "configuration ", config, " for ", fused_dtype_name(dtype),
+             " is not built into flux._C (built: ", fused_kernels_built(), "; FLUX_KERNELS selects them at build time)");
 }
 
 // The common part of the launch arguments, from tensors the dispatcher has checked.

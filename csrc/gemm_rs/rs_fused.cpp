@@ -53,9 +53,7 @@ void gemm_rs_fused_(at::Tensor& out, const at::Tensor& a, const at::Tensor& weig
   args.rows_per_segment = (int)rows_per_segment;
   args.rank = (int)rank;
   args.peer = (int)peer;
-  FLUX_CHECK(rs_fused_dispatch((int)config, dtype, args), op, "configuration ", config, " for ",
-             fused_dtype_name(dtype), " is not built into flux._C (built: ", fused_kernels_built(),
-             "; FLUX_KERNELS selects them at build time)");
+  check_fused_built(rs_fused_dispatch((int)config, dtype, args), op, config, dtype);
 }
 
 }  // namespace flux

@@ -10,6 +10,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <initializer_list>
 #include <mutex>
 #include <unordered_map>
 #include <utility>
@@ -55,6 +57,26 @@ void check(const char* op, const char* kernel, void (*fn)(Args...), int64_t grid
              attr.maxThreadsPerBlock);
   FLUX_CHECK(attr.sharedSizeBytes + dyn_smem <= smem_cap, op, "internal launch error: ", kernel, " needs ",
              attr.sharedSizeBytes, " + ", dyn_smem, " bytes of shared memory per block, over ", smem_cap);
+}
+
+// Calls launch(V{}) with the widest of int4, int32_t and char that divides the row size and
+// every address in addrs (the row kernels move V-sized pieces of each row).
+template <typename F>
+void by_vector(int64_t row_bytes, std::initializer_list<uintptr_t> addrs, F&& launch) {
+  auto ok = [&](uintptr_t a) {
+    if (row_bytes % a != 0) return false;
+    for (auto x : addrs) {
+      if (x % a != 0) return false;
+    }
+    return true;
+  };
+  if (ok(16)) {
+    launch(int4{});
+  } else if (ok(4)) {
+    launch(int32_t{});
+  } else {
+    launch(char{});
+  }
 }
 
 }  // namespace moe_launch

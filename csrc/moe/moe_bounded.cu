@@ -40,6 +40,7 @@
 
 #include "common/check.h"
 #include "common/sync.cuh"
+#include "moe/launch.h"
 #include "ops.h"
 
 namespace flux {
@@ -361,23 +362,6 @@ void check_i64(const at::Tensor& t, int64_t n, const char* op, const char* name)
              " must be a contiguous int64 CUDA tensor of ", n, " elements");
 }
 
-template <typename F>
-void by_vector(int64_t row_bytes, std::initializer_list<uintptr_t> addrs, F&& launch) {
-  auto ok = [&](uintptr_t a) {
-    if (row_bytes % a != 0) return false;
-    for (auto x : addrs) {
-      if (x % a != 0) return false;
-    }
-    return true;
-  };
-  if (ok(16)) {
-    launch(int4{});
-  } else if (ok(4)) {
-    launch(int32_t{});
-  } else {
-    launch(char{});
-  }
-}
 
 }  // namespace
 
@@ -437,7 +421,7 @@ void moe_send_(const at::Tensor& src, const std::optional<at::Tensor>& order, in
   const c10::cuda::CUDAGuard guard(src.device());
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const int blocks = blocks_for(std::max(n, tokens * world));
-  by_vector(row_bytes == 0 ? 16 : row_bytes, {reinterpret_cast<uintptr_t>(src.data_ptr()), (uintptr_t)rows_off},
+  moe_launch::by_vector(row_bytes == 0 ? 16 : row_bytes, {reinterpret_cast<uintptr_t>(src.data_ptr()), (uintptr_t)rows_off},
             [&](auto vec) {
               using Vec = decltype(vec);
               send_kernel<Vec><<<blocks, 256, 0, stream>>>(
@@ -479,7 +463,7 @@ void moe_recv_pack_(at::Tensor& out, const std::optional<at::Tensor>& recv_code,
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   auto ptr = [](const std::optional<at::Tensor>& t) { return t.has_value() ? t->data_ptr<int64_t>() : nullptr; };
   const int blocks = blocks_for(rows);
-  by_vector(row_bytes, {reinterpret_cast<uintptr_t>(out.data_ptr()), (uintptr_t)(ws_base + rows_off)}, [&](auto vec) {
+  moe_launch::by_vector(row_bytes, {reinterpret_cast<uintptr_t>(out.data_ptr()), (uintptr_t)(ws_base + rows_off)}, [&](auto vec) {
     using Vec = decltype(vec);
     recv_pack_kernel<Vec><<<blocks, 256, 0, stream>>>(
         static_cast<char*>(out.data_ptr()), row_bytes, ptr(recv_code), ptr(counts_out), ptr(verdict), ptr(counts_in),

@@ -24,6 +24,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include "common/check.h"
+#include "moe/launch.h"
 #include "ops.h"
 
 namespace flux {
@@ -111,23 +112,15 @@ void moe_scatter_rows_(const at::Tensor& src, const std::optional<at::Tensor>& s
   auto ptrs = reinterpret_cast<char* const*>(ptrs_dev);
   // Widest vector that the row size and every address allow (workspace bases are
   // allocation-granularity aligned, so the offsets decide).
-  auto aligned = [&](int64_t a) {
-    return row_bytes % a == 0 && dst_offset_bytes % a == 0 && reinterpret_cast<uintptr_t>(s) % a == 0 &&
-           reinterpret_cast<uintptr_t>(lo) % a == 0;
-  };
-  auto launch = [&](auto vec) {
-    using Vec = decltype(vec);
-    scatter_rows_kernel<Vec><<<blocks, 256, 0, stream>>>(s, sr, dst_ranks.data_ptr<int64_t>(), dst_rows.data_ptr<int64_t>(),
-                                                          tg, ptrs, n, row_bytes, dst_offset_bytes, tag_offset_bytes, lo,
-                                                          rank, src.size(0), local_rows, dst_rows_cap);
-  };
-  if (aligned(16)) {
-    launch(int4{});
-  } else if (aligned(4)) {
-    launch(int32_t{});
-  } else {
-    launch(char{});
-  }
+  moe_launch::by_vector(row_bytes, {(uintptr_t)dst_offset_bytes, reinterpret_cast<uintptr_t>(s),
+                                    reinterpret_cast<uintptr_t>(lo)},
+                        [&](auto vec) {
+                          using Vec = decltype(vec);
+                          scatter_rows_kernel<Vec><<<blocks, 256, 0, stream>>>(
+                              s, sr, dst_ranks.data_ptr<int64_t>(), dst_rows.data_ptr<int64_t>(), tg, ptrs, n,
+                              row_bytes, dst_offset_bytes, tag_offset_bytes, lo, rank, src.size(0), local_rows,
+                              dst_rows_cap);
+                        });
   FLUX_CHECK_LAUNCH();
 }
 

@@ -192,6 +192,15 @@ class Runtime {
   at::Tensor view(void* p, at::IntArrayRef sizes, at::ScalarType dtype) const;
   at::Tensor own_pad_slots(int64_t first, int64_t count) const;  // int32 slots of this rank's pad
   void check_workspace(const Plan& plan, const char* op) const;
+  // What the AG strategies over the workspace start from (after check_workspace): the input as
+  // [rows, k], this rank's workspace as [W * rows, k] (rank s's rows at s * rows), the bytes of
+  // one shard and the current stream.
+  struct AgOperands {
+    at::Tensor a, slots;
+    size_t shard = 0;
+    cudaStream_t cur = nullptr;
+  };
+  AgOperands ag_operands(const Plan& p, const at::Tensor& input, const char* op) const;
 
   std::string group_name_;
   int64_t rank_, world_;

@@ -7,8 +7,8 @@ and, through flux/ops/_opdef.py, the custom op, its out= variant, the fakes and 
 
 The two families are each other's backward: a gradient reaches the other family through
 ``GEMM_OPS[name].public``, filled in when its module is imported (flux/ops/__init__.py
-imports both), so neither op module imports the other. The plain hot path stays in each
-public function itself (a lookup and one C++ entry), with nothing of this module on it.
+imports both), so neither op module imports the other. The hot path (``public_call``) is a
+lookup and one C++ entry.
 """
 import functools
 from typing import Callable, Dict, Optional, Tuple
@@ -20,7 +20,7 @@ from flux import autotune
 from flux.autotune.space import Candidate
 from flux.ops import _plans
 from flux.ops._checks import FluxInputError, Signature, check_collectively
-from flux.ops._common import (check_gemm_args, check_out_arg, check_same_device, choose_and_check, refuse_capture,
+from flux.ops._common import (call_mode, check_gemm_args, check_out_arg, check_same_device, choose_and_check, refuse_capture,
                               weight_nk_shape)
 from flux.ops._opdef import define_op
 from flux.runtime import group_device, group_from_name, group_name, resolve_group
@@ -113,15 +113,30 @@ class GemmOp:
         return _plans.run_and_remember(self.name, cand, input, weight, bias, group, weight_layout, out_dtype,
                                        gathered, out, reference)
 
+    def _planned(self, input, weight, bias, group, weight_layout, out_dtype, gathered, out):
+        """The result of this problem's plan, run from C++, or None where no plan serves it."""
+        rt = _plans.hot_runtime(group)
+        if rt is None:
+            return None
+        return rt.call(self.code, input, weight, bias, out, LAYOUT.get(weight_layout, -1), DTYPE.get(out_dtype, -2),
+                       gathered)
+
     def forward(self, input, weight, bias, group, weight_layout, out_dtype, gathered=False, out=None):
         """The plan of this problem if there is one, else the slow path."""
-        rt = _plans.hot_runtime(group)
-        if rt is not None:
-            r = rt.call(self.code, input, weight, bias, out, LAYOUT.get(weight_layout, -1), DTYPE.get(out_dtype, -2),
-                        gathered)
+        r = self._planned(input, weight, bias, group, weight_layout, out_dtype, gathered, out)
+        return r if r is not None else self.slow(input, weight, bias, group, weight_layout, out_dtype, gathered, out)
+
+    def public_call(self, input, weight, bias, group, weight_layout, out_dtype, gathered, out):
+        """The public function's body. Hot path: a plan made by an earlier call of the same problem,
+        enqueued from C++; anything it does not serve goes to ``call``."""
+        mode = call_mode(input, weight, bias, out)
+        if mode == 0:
+            r = self._planned(input, weight, bias, group, weight_layout, out_dtype, gathered, out)
             if r is not None:
-                return r
-        return self.slow(input, weight, bias, group, weight_layout, out_dtype, gathered, out)
+                if out is not None:
+                    return out
+                return (r if gathered else r[0]) if self.gathers else r
+        return self.call(mode, input, weight, bias, group, weight_layout, out_dtype, gathered, out)
 
     def call(self, mode: int, input, weight, bias, group, weight_layout, out_dtype, gathered, out):
         """A public call that its plan did not serve (mode: flux.ops._common.call_mode)."""

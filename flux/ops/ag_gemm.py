@@ -25,8 +25,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from flux.ops import _plans
-from flux.ops._common import call_mode, deliver, local_gemm, weight_nk_shape
+from flux.ops._common import deliver, local_gemm, weight_nk_shape
 from flux.ops._gemm_op import GEMM_OPS, GemmOp
 from flux.runtime import (all_gather_dim0, reduce_scatter_dim0, resolve_group, traceable_all_gather_dim0,
                           traceable_reduce_scatter_dim0)
@@ -80,7 +79,6 @@ def _grads(needs, grad_out, grad_gathered, input, weight, gathered, group, layou
 _AG = GemmOp(NAME, reference=_sequential, gathers=True, grads=_grads,
              out_shape=lambda input, n, world: (input.shape[0] * world, *input.shape[1:-1], n),
              check=lambda sig, input, group: None, rows=lambda local_rows, world: local_rows * world)
-_CODE, _LAYOUT, _DTYPE = _AG.code, _plans.LAYOUT_CODES, _plans.DTYPE_CODES
 STRATEGIES = _AG.strategies
 available_strategies = _AG.available_strategies
 
@@ -139,15 +137,6 @@ def ag_gemm(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
         FluxInputError, on every rank of the group alike and before any data moves, when
         the arguments are invalid on some rank or differ between ranks.
     """
-    # Hot path: a plan made by an earlier call of the same problem, enqueued from C++.
-    rt = _plans.hot_runtime(group)
-    mode = call_mode(input, weight, bias, out)
-    if rt is not None and mode == 0:
-        r = rt.call(_CODE, input, weight, bias, out, _LAYOUT.get(weight_layout, -1), _DTYPE.get(out_dtype, -2),
-                    return_gathered)
-        if r is not None:
-            return out if out is not None else (r if return_gathered else r[0])
-    return _AG.call(mode, input, weight, bias, group, weight_layout, out_dtype, return_gathered, out)
-
+    return _AG.public_call(input, weight, bias, group, weight_layout, out_dtype, return_gathered, out)
 
 _AG.public = ag_gemm

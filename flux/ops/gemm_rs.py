@@ -27,9 +27,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from flux.ops import _plans
 from flux.ops._checks import FluxInputError  # noqa: F401
-from flux.ops._common import call_mode, deliver, local_gemm, weight_nk_shape
+from flux.ops._common import deliver, local_gemm, weight_nk_shape
 from flux.ops._gemm_op import GEMM_OPS, GemmOp
 from flux.runtime import reduce_scatter_dim0, resolve_group
 
@@ -96,7 +95,6 @@ def _grads(needs, grad_out, grad_gathered, input, weight, gathered, group, layou
 _RS = GemmOp(NAME, reference=_sequential, gathers=False, grads=_grads, check=_check,
              out_shape=lambda input, n, world: (input.shape[0] // world, *input.shape[1:-1], n),
              rows=lambda local_rows, world: local_rows)
-_CODE, _LAYOUT, _DTYPE = _RS.code, _plans.LAYOUT_CODES, _plans.DTYPE_CODES
 STRATEGIES = _RS.strategies
 available_strategies = _RS.available_strategies
 
@@ -147,14 +145,6 @@ def gemm_rs(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
         FluxInputError, on every rank of the group alike and before any data moves, when
         the arguments are invalid on some rank or differ between ranks.
     """
-    # Hot path: a plan made by an earlier call of the same problem, enqueued from C++.
-    rt = _plans.hot_runtime(group)
-    mode = call_mode(input, weight, bias, out)
-    if rt is not None and mode == 0:
-        r = rt.call(_CODE, input, weight, bias, out, _LAYOUT.get(weight_layout, -1), _DTYPE.get(out_dtype, -2), False)
-        if r is not None:
-            return out if out is not None else r
-    return _RS.call(mode, input, weight, bias, group, weight_layout, out_dtype, False, out)
-
+    return _RS.public_call(input, weight, bias, group, weight_layout, out_dtype, False, out)
 
 _RS.public = gemm_rs
