@@ -248,6 +248,27 @@ def test_opcheck_and_compile_path(group):
     assert torch.equal(out, flux.moe_combine_ref(recv, idx, w, e, max_tokens_per_rank=64))
 
 
+@pytest.mark.parametrize("cap", [None, 48])
+def test_strided_inputs_and_weight_dtypes(group, cap):
+    """x, topk_idx, topk_weights and y as strided views, the weights in bf16 and fp64: the kernels'
+    entries make them contiguous and fp32 themselves (no copy in Python); the same rows and sums
+    as the reference, exactly (the weights' values are exact in every dtype used)."""
+    gen = torch.Generator().manual_seed(29)
+    t, e, k, h = 40, 8, 2, 128
+    x = _ints((t, 2 * h), gen)[:, ::2]
+    idx = _routing(t, e, k, gen).t().contiguous().t()
+    for w_dtype in (torch.bfloat16, torch.float64):
+        w = _weights(t, k, gen).to(w_dtype).t().contiguous().t()
+        assert not (x.is_contiguous() or idx.is_contiguous() or w.is_contiguous())
+        recv, counts, handle = flux.moe_dispatch(x, idx, w, e, max_tokens_per_rank=cap)
+        ref_recv, ref_counts = flux.moe_dispatch_ref(x, idx, w, e, max_tokens_per_rank=cap)
+        assert torch.equal(recv, ref_recv) and torch.equal(counts, ref_counts)
+        y = (torch.cat([recv, recv], dim=-1) * 2)[..., ::2]  # strided, in recv_x's layout
+        assert not y.is_contiguous()
+        out = flux.moe_combine(y, handle)
+        assert torch.equal(out, flux.moe_combine_ref(y.contiguous(), idx, w, e, max_tokens_per_rank=cap))
+
+
 def _flux_frames(fn):
     """(fn's result, the Python frames of flux's own code that the call enters)."""
     root = os.path.dirname(os.path.abspath(flux.__file__))
