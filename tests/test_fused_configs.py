@@ -290,18 +290,18 @@ def test_gpu_unbuilt_instantiation_fails_by_name():
 _MISSING_CHILD = r"""
 import sys, torch
 import flux  # noqa: F401  (loads flux._C)
-op, cid = sys.argv[1], int(sys.argv[2])
+op, cid, missing = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 dev = torch.device("cuda")
 m, k, n = 256, 8192, 1280
 a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
 w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
 out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
 if op == "ag":  # rank 0 of 2: rank 1's rows never arrive
-    flags = torch.tensor([1, 0], device=dev, dtype=torch.int32)
+    flags = torch.tensor([1, 1 - missing], device=dev, dtype=torch.int32)
     torch.ops.flux.ag_gemm_fused_(out, a, w, None, flags, 0, 2, m // 2, 300, 0, 1, 1, cid)
 else:  # the last of 4 segments of the peer's partial never arrives
     src = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
-    flags = torch.tensor([1, 1, 1, 0], device=dev, dtype=torch.int32)
+    flags = torch.tensor([1, 1, 1, 1 - missing], device=dev, dtype=torch.int32)
     torch.ops.flux.gemm_rs_fused_(out, a, w, None, src, flags, m // 4, 0, 1, 300, 0, 1, 1, cid)
 try:
     torch.cuda.synchronize()
@@ -316,16 +316,16 @@ except RuntimeError as e:
 def test_gpu_stream_k_waits_for_missing_rows(op):
     """A stream-K kernel whose problem splits K (few tiles, deep K) with one shard (AG) or one
     segment of the source (RS) never announced does not complete: its wait expires and traps
-    (the kernel read no rows that had not arrived). In a child process, whose CUDA context the
-    trap ends."""
+    (the kernel read no rows that had not arrived); with every flag set the same call completes.
+    In child processes, whose CUDA context the trap ends."""
     import subprocess
     import sys
 
     built = sorted(t for t in _BUILT if t[0] == op and t[2] == "bf16" and fc.config(op, t[1]).scheduler == "streamk")
     if not built:
         pytest.skip(f"no {op} stream-K bf16 instantiation built (FLUX_KERNELS=streamk builds them)")
-    res = subprocess.run([sys.executable, "-c", _MISSING_CHILD, op, str(built[0][1])], capture_output=True, text=True,
-                         timeout=300, cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")})
-    log = res.stdout + res.stderr[-3000:]
-    assert "TRAPPED" in res.stdout or (res.returncode != 0 and "COMPLETED" not in res.stdout), log
+    for missing, expect in ((0, "COMPLETED"), (1, "TRAPPED")):
+        res = subprocess.run([sys.executable, "-c", _MISSING_CHILD, op, str(built[0][1]), str(missing)],
+                             capture_output=True, text=True, timeout=300, cwd=ROOT,
+                             env={**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")})
+        assert expect in res.stdout, f"{op}:{built[0][1]} missing={missing}:\n{res.stdout}{res.stderr[-3000:]}"
