@@ -129,12 +129,13 @@ def _generate_fused_sources(with_sm90):
         (tm, tn, tk), (cm, cn) = cfg.tile, cfg.cluster
         kernel_sched, epi_sched = _SCHEDULES[cfg.schedule]
         src_in, src_out = table["DTYPE_IO"][dtype]
+        stream_k = ", /*StreamK=*/true" if cfg.scheduler == "streamk" else ""  # the alias's default: false
         text = (
             f"{_HEADER}// {op} configuration {cid}: {cfg.describe()}; {src_in} inputs, {src_out} output.\n"
             f"#define {macro}\n#include \"{header}\"\n\nnamespace flux {{\n\n"
             f"void {name}(const {args_t}& a) {{\n"
             f"  {launch}<{alias}<{_DTYPE_ENUM[dtype]}, cute::Shape<cute::_{tm}, cute::_{tn}, cute::_{tk}>,\n"
-            f"      cute::Shape<cute::_{cm}, cute::_{cn}, cute::_1>, {kernel_sched}, {epi_sched}>>(a);\n"
+            f"      cute::Shape<cute::_{cm}, cute::_{cn}, cute::_1>, {kernel_sched}, {epi_sched}{stream_k}>>(a);\n"
             f"}}\n\n}}  // namespace flux\n")
         rel = os.path.join(GENERATED, name + ".cu")
         _write_if_changed(os.path.join(ROOT, rel), text)

@@ -14,9 +14,9 @@ fits in L2. --pdl 0,1: each fused variant also without programmatic dependent la
 own, best and summary are the PDL-on ones, "by_pdl" and "*_pdl0" the others). No GPU: one line, exit 1.
 JSON (--out, stable): {"format": 1, "command", "commit", "device", "sm_count", "torch", "cuda",
  "dtype", "out_dtype", "timings": ["loop", "graph", "spin"], "configs": {op: {"source", "list": [{"id",
- "tile", "dtypes"}]}}, "results": [{"op", "m", "n", "k", "layers", "flop", "input_sets",
- "calls_per_sample", "rounds", "tolerance", "cublas" (rs: and "cublas_add"): {"ms": {timing: ms},
- "tflops": {timing: TFLOP/s}, "rel_err"}, "own" (the analytic default): {"label", "ms", "tflops",
+ "tile" (".../sk": stream-K), "scheduler", "describe", "dtypes"}]}}, "results": [{"op", "m", "n", "k",
+ "layers", "flop", "input_sets", "calls_per_sample", "rounds", "tolerance", "cublas" (rs: and "cublas_add"):
+ {"ms": {timing: ms}, "tflops": {timing: TFLOP/s}, "rel_err"}, "own" (the analytic default): {"label", "ms", "tflops",
  "vs_cublas": {timing: ratio}}, "served" (choose_config's label: tuned cache, else analytic), "best":
  {timing: {"label", "ms", "vs_cublas"}}, "variants": {"c<id>/r<raster>/s<swizzle>": {"config",
  "raster", "swizzle", "tile", "pdl", "ms", "tflops", "rel_err", "ok", "error"?}}, "by_pdl"?: {"0": {"own",
@@ -321,6 +321,7 @@ def main(argv=None):
 def _document(args, ops, results, sm, dtype):
     """The JSON document of the shapes measured so far (written after each shape, so that a run
     stopped early keeps what it measured)."""
+    from flux import fused_configs as FC
     from flux.autotune import kernels as K
     summ = summarize(results)
     doc = {"format": 1, "command": "python " + " ".join(shlex.quote(a) for a in sys.argv), "commit": commit(),
@@ -329,7 +330,8 @@ def _document(args, ops, results, sm, dtype):
            "out_dtype": "fp32" if args.out_dtype == "fp32" else args.dtype,
            "timings": list(TIMINGS), "pdl": getattr(args, "pdl_list", [1]),
            "configs": {op: {"source": K.config_source(op),
-                            "list": [{"id": c.id, "tile": c.desc, "dtypes": [list(p) for p in c.dtypes]}
+                            "list": [{"id": c.id, "tile": c.desc, "scheduler": c.scheduler,
+                                      "describe": FC.config(op, c.id).describe(), "dtypes": [list(p) for p in c.dtypes]}
                                      for c in K.kernel_configs(op)]} for op in ops},
            "results": results, "summary": summ}
     if args.out:

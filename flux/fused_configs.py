@@ -4,8 +4,11 @@ Each op ("ag": fused AllGather+GEMM, csrc/ag_gemm/; "rs": fused GEMM+ReduceScatt
 csrc/gemm_rs/) has configurations, each a CUTLASS sm90 warp-specialized persistent GEMM: a tile
 of M x N x K elements, a cluster of CTAs (cluster_m x cluster_n), and a schedule ("cooperative":
 two consumer warpgroups split each tile's rows, tile_m >= 128; "pingpong": each consumer
-warpgroup runs whole tiles, alternating, which suits 64-row tiles and small problems). Every
-configuration is built for its ``default`` dtype variants; ``FLUX_KERNELS=all`` builds all four.
+warpgroup runs whole tiles, alternating, which suits 64-row tiles and small problems), and a tile
+scheduler ("persistent": one CTA per tile, whole K; "streamk": CUTLASS's stream-K scheduler,
+cooperative only, which splits K among CTAs where there are fewer tiles than SMs and reduces the
+partial accumulators in a workspace before the tile's one epilogue). Every configuration is built
+for its ``default`` dtype variants; ``FLUX_KERNELS=all`` builds all four.
 
 dtype variants (inputs -> output; fp32 accumulation always; bias and, for "rs", the peer's
 partial folded in, are in the output dtype): bf16, fp16, bf16_fp32, fp16_fp32.
@@ -14,8 +17,9 @@ setup.py reads this file by path (no import of flux, no torch) and generates one
 unit per (op, config, dtype) and the dispatch over them; ``torch.ops.flux.fused_kernels_built()``
 says which were compiled (``built()`` below). Configuration ids are stable: tuned choices name them.
 
-FLUX_KERNELS (build setting): "default", "all", "minimal" (config 0 of each op, bf16), or a comma
-list of those and of terms op:id[:dtype] with "*" wildcards, e.g. "default,ag:*:fp16".
+FLUX_KERNELS (build setting): "default", "all", "minimal" (config 0 of each op, bf16), "streamk"
+(every stream-K configuration, bf16), or a comma list of those and of terms op:id[:dtype] with "*"
+wildcards, e.g. "default,ag:*:fp16".
 """
 from typing import NamedTuple
 
@@ -32,6 +36,7 @@ class FusedConfig(NamedTuple):
     cluster: tuple  # (cluster_m, cluster_n) CTAs
     schedule: str  # "cooperative" | "pingpong"
     default: tuple  # dtype variants built by default
+    scheduler: str = "persistent"  # "persistent" | "streamk" (cooperative only)
 
     @property
     def tile_m(self):
@@ -43,17 +48,21 @@ class FusedConfig(NamedTuple):
 
     def describe(self):
         m, n, k = self.tile
-        return f"{m}x{n}x{k} tile, cluster {self.cluster[0]}x{self.cluster[1]}, {self.schedule}"
+        sk = ", stream-K" if self.scheduler == "streamk" else ""
+        return f"{m}x{n}x{k} tile, cluster {self.cluster[0]}x{self.cluster[1]}, {self.schedule}{sk}"
 
 
 C = FusedConfig
 F = ("bf16", "fp16", "bf16_fp32")  # the dtypes of each op's general-purpose configuration (ag 0, rs 3)
-# Ids 0..3 (ag) and 0..2 (rs) keep their meaning across releases; new shapes get new ids.
-# The default set (12 instantiations, about 15 minutes on 2 cores at ~1.7 CPU-minutes each) is
-# the greedy choice over an H200 measurement of every bf16 configuration on the model grid
-# (bench/results/fused_gemm-h200-grid-bf16.json): each configuration added where it most lowered
-# the geometric mean over the shapes of the best built one's time relative to cuBLAS, in loop and
-# in graph timing. The others are built with FLUX_KERNELS=all or by name.
+# Ids keep their meaning across releases; new shapes get new ids.
+# The default set (13 instantiations, ~1.7 CPU-minutes of nvcc each: under 15 minutes on 2 cores) is
+# the greedy choice over an H200 measurement of every bf16 persistent configuration on the model
+# grid (bench/results/fused_gemm-h200-grid-bf16.json): each configuration added where it most
+# lowered the geometric mean over the shapes of the best built one's time relative to cuBLAS, in
+# loop and in graph timing; plus one stream-K configuration per op for the shapes with fewer tiles
+# than SMs, in place of ag 8 (64x256 ping-pong: the shipped choices that name it lose 0.4% in
+# geometric mean, at most 11%, to the best other default configuration). The others are built
+# with FLUX_KERNELS=all or by name ("streamk" below: every stream-K configuration, bf16).
 CONFIGS = {
     "ag": (
         C(0, (128, 256, 64), (2, 1), "cooperative", F),
@@ -64,10 +73,14 @@ CONFIGS = {
         C(5, (128, 192, 64), (1, 1), "cooperative", BF16),  # N = 1536, 2304, 3072: whole tiles
         C(6, (128, 256, 64), (1, 2), "cooperative", ()),
         C(7, (64, 128, 64), (1, 1), "pingpong", ()),  # few rows, narrow N: 2x the tiles of 128x128
-        C(8, (64, 256, 64), (1, 1), "pingpong", BF16),  # few rows, wide N
+        C(8, (64, 256, 64), (1, 1), "pingpong", ()),  # few rows, wide N
         C(9, (128, 64, 64), (1, 1), "pingpong", BF16),  # few rows, narrow N
         C(10, (128, 128, 64), (1, 2), "pingpong", ()),
         C(11, (64, 128, 128), (1, 1), "pingpong", ()),
+        # Stream-K: fewer tiles than SMs and deep K (256..1024 rows of the narrow layers).
+        C(12, (128, 128, 64), (1, 1), "cooperative", BF16, "streamk"),
+        C(13, (128, 256, 64), (1, 1), "cooperative", (), "streamk"),
+        C(14, (128, 128, 64), (2, 1), "cooperative", (), "streamk"),
     ),
     "rs": (
         C(0, (128, 256, 64), (2, 1), "cooperative", ()),
@@ -78,9 +91,23 @@ CONFIGS = {
         C(5, (64, 128, 64), (1, 1), "pingpong", BF16),  # few rows per rank
         C(6, (128, 128, 64), (2, 1), "pingpong", BF16),
         C(7, (128, 192, 64), (1, 1), "cooperative", ()),
+        C(8, (128, 128, 64), (1, 1), "cooperative", BF16, "streamk"),
+        C(9, (128, 256, 64), (1, 1), "cooperative", (), "streamk"),
+        C(10, (128, 128, 64), (2, 1), "cooperative", (), "streamk"),
     ),
 }
 OPS = tuple(CONFIGS)
+SCHEDULERS = ("persistent", "streamk")
+
+
+def _check_schedulers():
+    for op, cfgs in CONFIGS.items():
+        for c in cfgs:  # CUTLASS's sm90 ping-pong kernel has no stream-K variant
+            if c.scheduler not in SCHEDULERS or (c.scheduler == "streamk" and c.schedule != "cooperative"):
+                raise ValueError(f"flux.fused_configs: {op} configuration {c.id}: bad scheduler {c.scheduler!r}")
+
+
+_check_schedulers()
 
 
 def config(op, cid):
@@ -98,9 +125,12 @@ def _expand(term):
         return {(op, c.id, d) for op in OPS for c in CONFIGS[op] for d in c.default}
     if term == "minimal":
         return {(op, 0, "bf16") for op in OPS}
+    if term == "streamk":
+        return {(op, c.id, "bf16") for op in OPS for c in CONFIGS[op] if c.scheduler == "streamk"}
     parts = term.split(":")
     if not 1 <= len(parts) <= 3 or parts[0] not in OPS:
-        raise ValueError(f"FLUX_KERNELS: bad term {term!r} (default, all, minimal or op:id[:dtype], op in {OPS})")
+        raise ValueError(f"FLUX_KERNELS: bad term {term!r} (default, all, minimal, streamk or op:id[:dtype], "
+                         f"op in {OPS})")
     op, cid, dt = parts[0], (parts[1:] or ["*"])[0], (parts[2:] or ["*"])[0]
     ids = [c.id for c in CONFIGS[op]] if cid == "*" else [int(cid)]
     dts = DTYPES if dt == "*" else [dt]

@@ -28,13 +28,24 @@ def test_table_is_consistent():
             assert c.schedule == "pingpong" or m >= 128, c
             assert c.cluster in ((1, 1), (2, 1), (1, 2)), c
             assert set(c.default) <= set(fc.DTYPES), c
+            # CUTLASS's sm90 stream-K scheduler runs in the cooperative kernel only.
+            assert c.scheduler in fc.SCHEDULERS and (c.scheduler == "persistent" or c.schedule == "cooperative"), c
+            assert ("stream-K" in c.describe()) == (c.scheduler == "streamk"), c
     assert fc.config("ag", 0).tile == (128, 256, 64) and fc.config("rs", 99) is None
+    # Ids keep their meaning: the fields before `scheduler` unchanged, the old ones persistent.
+    assert fc.config("ag", 4) == fc.FusedConfig(4, (128, 128, 64), (1, 1), "cooperative", ())
+    assert fc.config("rs", 3).scheduler == "persistent" and fc.config("rs", 8).scheduler == "streamk"
 
 
 def test_select_and_parse():
     default = fc.select("default")
-    assert ("ag", 0, "bf16") in default and ("rs", 3, "bf16_fp32") in default and len(default) == 12
+    assert ("ag", 0, "bf16") in default and ("rs", 3, "bf16_fp32") in default and len(default) == 13
     assert not any(op == "rs" and i == 0 for op, i, _ in default)
+    # One stream-K configuration per op, bf16, in the default build.
+    sk = [(op, i, d) for op, i, d in default if fc.config(op, i).scheduler == "streamk"]
+    assert sk == [("ag", 12, "bf16"), ("rs", 8, "bf16")]
+    assert fc.select("streamk") == [("ag", 12, "bf16"), ("ag", 13, "bf16"), ("ag", 14, "bf16"),
+                                    ("rs", 8, "bf16"), ("rs", 9, "bf16"), ("rs", 10, "bf16")]
     assert len(fc.select("all")) == sum(len(v) for v in fc.CONFIGS.values()) * len(fc.DTYPES)
     assert fc.select("minimal") == [("ag", 0, "bf16"), ("rs", 0, "bf16")]
     assert fc.select("ag:2") == [("ag", 2, d) for d in fc.DTYPES]
@@ -58,16 +69,21 @@ def test_setup_generates_one_unit_per_instantiation(tmp_path, monkeypatch):
     os.makedirs(tmp_path / "flux")
     with open(os.path.join(ROOT, "flux", "fused_configs.py")) as f:
         (tmp_path / "flux" / "fused_configs.py").write_text(f.read())
-    monkeypatch.setenv("FLUX_KERNELS", "minimal,ag:7:fp16_fp32")
+    monkeypatch.setenv("FLUX_KERNELS", "minimal,ag:7:fp16_fp32,rs:8:bf16")
     sources = scope["_generate_fused_sources"](True)
     names = sorted(os.path.basename(s) for s in sources)
-    assert names == ["ag_fused_c0_bf16.cu", "ag_fused_c7_fp16_fp32.cu", "fused_dispatch.cpp", "rs_fused_c0_bf16.cu"]
+    assert names == ["ag_fused_c0_bf16.cu", "ag_fused_c7_fp16_fp32.cu", "fused_dispatch.cpp", "rs_fused_c0_bf16.cu",
+                     "rs_fused_c8_bf16.cu"]
     dispatch = (tmp_path / "build" / "flux_generated" / "fused_dispatch.cpp").read_text()
     assert "case 0: ag_fused_c0_bf16(a); return true;" in dispatch
     assert f"case {7 * 4 + 3}: ag_fused_c7_fp16_fp32(a); return true;" in dispatch
-    assert '"ag:0:bf16 ag:7:fp16_fp32 rs:0:bf16"' in dispatch
+    assert f"case {8 * 4}: rs_fused_c8_bf16(a); return true;" in dispatch
+    assert '"ag:0:bf16 ag:7:fp16_fp32 rs:0:bf16 rs:8:bf16"' in dispatch
     unit = (tmp_path / "build" / "flux_generated" / "ag_fused_c7_fp16_fp32.cu").read_text()
     assert "kFp16Fp32" in unit and "cute::_64, cute::_128, cute::_64" in unit and "Pingpong" in unit
+    assert "StreamK" not in unit  # persistent units keep their text (and their build)
+    unit = (tmp_path / "build" / "flux_generated" / "rs_fused_c8_bf16.cu").read_text()
+    assert "stream-K" in unit and "KernelTmaWarpSpecializedCooperative" in unit and "/*StreamK=*/true>>(a);" in unit
     # Without an sm_90a target nothing is instantiated, and stale units are removed.
     assert [os.path.basename(s) for s in scope["_generate_fused_sources"](False)] == ["fused_dispatch.cpp"]
     assert os.listdir(tmp_path / "build" / "flux_generated") == ["fused_dispatch.cpp"]
@@ -95,8 +111,10 @@ _BUILT = _gpu_built()
 gpu = pytest.mark.skipif(_BUILT is None, reason="needs flux._C with the sm_90a fused kernels and an H100/H200")
 _TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # (M, K, N): whole tiles; ragged M, N (partial tiles on every side) and K not a multiple of 64;
-# rows of one shard thinner than a tile (tiles spanning two shards in AG, two segments in RS).
-_SHAPES = ((512, 512, 512), (328, 392, 1288), (96, 256, 2312))
+# rows of one shard thinner than a tile (tiles spanning two shards in AG, two segments in RS);
+# few tiles and deep K (20 to 40 tiles on 132 SMs: stream-K configurations split K, and their
+# partial accumulators are reduced before the one epilogue that adds the bias and RS's source).
+_SHAPES = ((512, 512, 512), (328, 392, 1288), (96, 256, 2312), (256, 8192, 1280))
 
 
 def _case(op, cid, dtype):
@@ -135,7 +153,7 @@ def test_gpu_ag_fused(op, cid, dtype):
         m = m // world * world
         a = torch.randn(m, k, device=dev, dtype=din)
         w = torch.randn(n, k, device=dev, dtype=din) / k ** 0.5
-        bias = torch.randn(n, device=dev, dtype=dout) if i == 1 else None
+        bias = torch.randn(n, device=dev, dtype=dout) if i in (1, 3) else None
         flags = torch.ones(world, device=dev, dtype=torch.int32)
         ref32 = a.float() @ w.float().t() + (bias.float() if bias is not None else 0)
         baseline = _cublas(a, w, dout) + (bias if bias is not None else 0)
@@ -156,7 +174,7 @@ def test_gpu_rs_fused(op, cid, dtype):
         a = torch.randn(m, k, device=dev, dtype=din)
         w = torch.randn(n, k, device=dev, dtype=din) / k ** 0.5
         src = torch.randn(m, n, device=dev, dtype=dout)  # the peer's partial, in the output dtype
-        bias = torch.randn(n, device=dev, dtype=dout) if i == 1 else None
+        bias = torch.randn(n, device=dev, dtype=dout) if i in (1, 3) else None
         seg_rows = 40  # thinner than every tile: tiles wait for two or more segments
         flags = torch.ones(-(-m // seg_rows), device=dev, dtype=torch.int32)
         ref32 = a.float() @ w.float().t() + src.float() + (bias.float() if bias is not None else 0)
@@ -205,8 +223,9 @@ def test_gpu_pdl_chain_matches_serial_launches(op):
         torch.cuda.synchronize()
         return outs
 
+    stream_k = [t for t in built if fc.config(op, t[1]).scheduler == "streamk"]
     try:
-        for _, cid, _ in built[:2]:
+        for _, cid, _ in built[:2] + stream_k[:1]:  # a stream-K one too: its reduction is deterministic
             serial, overlapped = chain(cid, False), chain(cid, True)
             for i, (a, b) in enumerate(zip(serial, overlapped)):
                 assert torch.isfinite(a).all(), f"{op}:{cid} step {i}: NaN without PDL"
@@ -266,3 +285,47 @@ def test_gpu_unbuilt_instantiation_fails_by_name():
     name = "ag_gemm_fused_" if op == "ag" else "gemm_rs_fused_"
     assert f"RAISED shape flux.{name}" in res.stdout, log
     assert f"RAISED unbuilt flux.{name}: configuration {cid} for {dtype} is not built" in res.stdout, log
+
+
+_MISSING_CHILD = r"""
+import sys, torch
+import flux  # noqa: F401  (loads flux._C)
+op, cid, missing = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+dev = torch.device("cuda")
+m, k, n = 256, 8192, 1280
+a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
+if op == "ag":  # rank 0 of 2: rank 1's rows never arrive
+    flags = torch.tensor([1, 1 - missing], device=dev, dtype=torch.int32)
+    torch.ops.flux.ag_gemm_fused_(out, a, w, None, flags, 0, 2, m // 2, 300, 0, 1, 1, cid)
+else:  # the last of 4 segments of the peer's partial never arrives
+    src = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
+    flags = torch.tensor([1, 1, 1, 1 - missing], device=dev, dtype=torch.int32)
+    torch.ops.flux.gemm_rs_fused_(out, a, w, None, src, flags, m // 4, 0, 1, 300, 0, 1, 1, cid)
+try:
+    torch.cuda.synchronize()
+    print("COMPLETED", flush=True)
+except RuntimeError as e:
+    print("TRAPPED", str(e).splitlines()[0], flush=True)
+"""
+
+
+@gpu
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_gpu_stream_k_waits_for_missing_rows(op):
+    """A stream-K kernel whose problem splits K (few tiles, deep K) with one shard (AG) or one
+    segment of the source (RS) never announced does not complete: its wait expires and traps
+    (the kernel read no rows that had not arrived); with every flag set the same call completes.
+    In child processes, whose CUDA context the trap ends."""
+    import subprocess
+    import sys
+
+    built = sorted(t for t in _BUILT if t[0] == op and t[2] == "bf16" and fc.config(op, t[1]).scheduler == "streamk")
+    if not built:
+        pytest.skip(f"no {op} stream-K bf16 instantiation built (FLUX_KERNELS=streamk builds them)")
+    for missing, expect in ((0, "COMPLETED"), (1, "TRAPPED")):
+        res = subprocess.run([sys.executable, "-c", _MISSING_CHILD, op, str(built[0][1]), str(missing)],
+                             capture_output=True, text=True, timeout=300, cwd=ROOT,
+                             env={**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")})
+        assert expect in res.stdout, f"{op}:{built[0][1]} missing={missing}:\n{res.stdout}{res.stderr[-3000:]}"

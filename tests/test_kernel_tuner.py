@@ -157,6 +157,45 @@ def test_rule_swizzle():
     assert K.predict_s(c, "ag", 8192, 5120, 8192, 8) / K.predict_s(c, "ag", 8192, 5120, 8192, 1) == pytest.approx(1.2)
 
 
+def test_rule_stream_k_for_few_tiles_and_deep_k():
+    """The stream-K configuration where the persistent choice fills under 0.8 of a wave and K is
+    deep (1024x1280x8192: 80 tiles of 128x128 on 132 SMs, 128 K tiles); the persistent one with
+    shallow K, with a wave nearly full, and with many tiles."""
+    pp, coop = _cfg(2, 128, 128, 2, 1, "pingpong"), _cfg(0, 128, 256, 2, 1)
+    sk = KC.KernelConfig("ag", 12, 128, 128, 64, 1, 1, "cooperative", scheduler="streamk")
+    cfgs = [coop, pp, sk]
+    for op in ("ag", "rs"):
+        assert K.analytic_config(op, 1024, 1280, 8192, configs=cfgs)[0] == 12
+        assert K.analytic_config(op, 256, 2560, 16384, configs=cfgs)[0] == 12
+        assert K.analytic_config(op, 1024, 1280, 1024, configs=cfgs)[0] != 12  # 16 K tiles
+        assert K.analytic_config(op, 1408, 1280, 8192, configs=cfgs)[0] != 12  # 110 tiles: 0.83 wave
+        assert K.analytic_config(op, 8192, 8192, 8192, configs=cfgs)[0] != 12
+    # Only stream-K built: it serves every shape (CUTLASS's heuristic runs whole tiles where many).
+    assert K.analytic_config("ag", 8192, 8192, 8192, configs=[sk])[0] == 12
+    assert K._should_use_stream_k(pp, 1024, 1280, 8192, 1, 132)
+    assert not K._should_use_stream_k(pp, 1024, 1280, 1984, 1, 132)  # 31 K tiles
+    # The model: split K beats one wave of whole tiles on few tiles, equals predict_s on many.
+    assert K.predict_stream_k_s(sk, "ag", 1024, 1280, 8192) < 0.75 * K.predict_s(sk, "ag", 1024, 1280, 8192)
+    assert K.predict_stream_k_s(sk, "ag", 256, 1280, 8192) < 0.4 * K.predict_s(sk, "ag", 256, 1280, 8192)
+    assert K.predict_stream_k_s(sk, "ag", 8192, 8192, 8192) == K.predict_s(sk, "ag", 8192, 8192, 8192)
+
+
+def test_stream_k_configs_in_the_default_build():
+    """The default build holds one stream-K configuration per op (bf16); the analytic default
+    picks it for the narrow layers at 256 and 1024 rows; its cached label names the scheduler."""
+    ag = {c.id: c for c in K.kernel_configs("ag", "bf16")}
+    rs = {c.id: c for c in K.kernel_configs("rs", "bf16")}
+    assert [i for i, c in ag.items() if c.stream_k] == [12] and [i for i, c in rs.items() if c.stream_k] == [8]
+    assert ag[12].desc == "128x128x64/1x1/coop/sk" and ag[4 if 4 in ag else 0].desc.count("/") == 2
+    assert 8 not in ag  # 64x256 ping-pong left the default build for it
+    assert K.analytic_config("ag", 1024, 1280, 8192)[0] == 12
+    assert K.analytic_config("ag", 256, 1280, 8192)[0] == 12
+    assert K.analytic_config("rs", 128, 4096, 7168)[0] == 8
+    assert K.analytic_config("ag", 8192, 14336, 8192)[0] != 12
+    with pytest.raises(ValueError, match="stream-K is cooperative only"):
+        KC.KernelConfig("ag", 99, 128, 128, 64, 1, 1, "pingpong", scheduler="streamk")
+
+
 def test_no_config_for_dtype_is_an_error():
     with pytest.raises(ValueError, match="no configuration built"):
         K.choose_config("ag", 1024, 4096, 4096, torch.float16, torch.float32)

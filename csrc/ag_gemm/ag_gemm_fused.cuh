@@ -40,16 +40,19 @@ bool ag_fused_dispatch(int config, int dtype, const AgFusedArgs& a);
 
 namespace flux {
 
-template <int Dtype, class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule>
+// StreamK: CUTLASS's stream-K scheduler with the same readiness wait (cooperative schedule only).
+template <int Dtype, class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule,
+          bool StreamK = false>
 using AgGemm = Sm90FusedGemm<typename FusedTypes<Dtype>::In, typename FusedTypes<Dtype>::Out, TileShape, ClusterShape,
-                             KernelSchedule, EpilogueSchedule, false, PlainEpilogue, AgSchedulerTag>;
+                             KernelSchedule, EpilogueSchedule, false, PlainEpilogue,
+                             std::conditional_t<StreamK, AgStreamKSchedulerTag, AgSchedulerTag>>;
 
 template <class G>
 void launch_ag_fused(const AgFusedArgs& a) {
   constexpr const char* op = "ag_gemm_fused_";
   typename G::Gemm::Arguments args = gemm_arguments<G>(a);
   // Along N inside bands of `swizzle` M tiles, the rotated M order (local rows first) is the
-  // order in which tile rows are first touched.
+  // order in which tile rows are first touched (persistent scheduler; stream-K keeps CUTLASS's).
   args.scheduler.flags = a.flags;
   args.scheduler.rank = a.rank;
   args.scheduler.world = a.world;

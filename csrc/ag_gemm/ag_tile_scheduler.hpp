@@ -1,5 +1,6 @@
-// Tile scheduler of the fused AllGather+GEMM kernel (csrc/ag_gemm/ag_gemm_fused.cuh): CUTLASS's
-// persistent sm90 scheduler, with two changes to the tiles it hands out.
+// Tile schedulers of the fused AllGather+GEMM kernel (csrc/ag_gemm/ag_gemm_fused.cuh): CUTLASS's
+// sm90 schedulers with changes to the work they hand out.
+// AgTileScheduler (persistent, one CTA per tile and whole K):
 //  1. Order. Tile m is served as (m + offset) mod tiles_m, offset = the first tile of this rank's
 //     block rounded down to a whole band of cluster_m * swizzle tiles (clusters and swizzle bands
 //     stay aligned): the first waves read only local rows while the peers' shards arrive.
@@ -9,12 +10,20 @@
 //     the shard visible to the TMA loads issued after the wait. The wait is bounded: past
 //     timeout_ns the kernel records the missing rank in host-mapped memory and traps
 //     (common/flag_wait.cuh). Under programmatic dependent launch the first flag read waits for
-//     the preceding grids first (wait_flag).
-// The kernels call initial_work_tile_info, both fetch_next_work overloads and (ping-pong)
-// get_current_work on this type, so all of them are overridden; everything else is CUTLASS's.
+//     the preceding grids first (AgRowWait::wait_flag).
+// AgStreamKTileScheduler (stream-K, cooperative kernel only): CUTLASS's stream-K scheduler
+// (common/stream_k_scheduler.hpp), which splits the K loops of few tiles among more CTAs, with
+// the readiness wait of 2. on every work unit it hands out (a unit covering several output tiles
+// comes back through fetch_next_work for each next one). No order change: it serves problems of
+// about one wave, whose tiles all start together. The wait guards every reader of A: a unit's
+// mainloop loads (and so the partials that the tile's last unit reduces) follow the wait.
+// The kernels ask for work through initial_work_tile_info, both fetch_next_work overloads and
+// (ping-pong) get_current_work, so these pass through the changes above (AgHandOut); everything
+// else is CUTLASS's.
 #pragma once
 
 #include "common/flag_wait.cuh"
+#include "common/stream_k_scheduler.hpp"
 #include "cutlass/arch/grid_dependency_control.h"
 #include "cutlass/gemm/kernel/sm90_tile_scheduler.hpp"
 #include "cutlass/gemm/kernel/tile_scheduler.hpp"
@@ -22,30 +31,101 @@
 namespace flux {
 
 struct AgSchedulerTag {};
+struct AgStreamKSchedulerTag {};
 
-class AgTileScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
+// The launch's part of both schedulers' arguments: flags[src] != 0 once rows
+// [src * rows_per_rank, (src + 1) * rows_per_rank) of A are in place.
+struct AgWaitArguments {
+  const uint32_t* flags = nullptr;  // [world]: this rank's "shard of rank src is here" flags
+  int rank = 0;
+  int world = 1;
+  int rows_per_rank = 1;  // M of one shard
+  int tile_m = 128;       // rows of one tile (the kernel's tile shape)
+  uint64_t timeout_ns = 0;
+  uint32_t* error = nullptr;  // host-mapped [2]: (waiting rank + 1, missing rank) on timeout
+};
+
+// The readiness wait, on device: before a tile's rows of A are read, wait for the flag of every
+// remote rank whose shard holds some of them.
+struct AgRowWait : AgWaitArguments {
+  int rows_total = 0;  // M of the whole (gathered) problem
+
+  static AgRowWait of(AgWaitArguments const& args, int rows_total) {
+    AgRowWait w;
+    static_cast<AgWaitArguments&>(w) = args;
+    w.rows_total = rows_total;
+    return w;
+  }
+
+  CUTLASS_DEVICE void wait_for_tile_rows(int m_idx) const {
+    const int row0 = m_idx * tile_m;
+    if (row0 >= rows_total) return;  // padding tile: no rows, nothing to wait for
+    const int row1 = min(row0 + tile_m, rows_total) - 1;
+    bool waited = false;
+    for (int src = row0 / rows_per_rank; src <= row1 / rows_per_rank && src < world; ++src) {
+      if (src != rank) {
+        wait_flag(src);
+        waited = true;
+      }
+    }
+    // The rows are then read by TMA (the async proxy): order the acquire above before it.
+    if (waited) fence_proxy_async_global();
+  }
+
+  CUTLASS_DEVICE void wait_flag(int src) const {
+    // The kernels ask for their first tile before their own griddepcontrol.wait (and the
+    // cooperative kernel's consumer warps never execute one): under programmatic dependent
+    // launch a flag read here could see the value of a previous call before the kernels ahead
+    // of this one in the stream have finished. Waiting for them first is idempotent, and a
+    // no-op without PDL.
+    cutlass::arch::wait_on_dependent_grids();
+    wait_flag_bounded(flags + src, timeout_ns, error, rank, src);
+  }
+};
+
+// The work requests of the cooperative and ping-pong kernels, on a CUTLASS scheduler Base:
+// what Base hands out passes through Derived::handed_out (rotation, wait), and a tile handed
+// back to Base first through Derived::taken_back (the inverse rotation).
+template <class Derived, class Base>
+class AgHandOut : public Base {
+ public:
+  using Base::Base;
+  using WorkTileInfo = typename Base::WorkTileInfo;
+
+  template <class ClusterShape>
+  CUTLASS_DEVICE WorkTileInfo initial_work_tile_info(ClusterShape cluster_shape) {
+    return self().handed_out(Base::initial_work_tile_info(cluster_shape));
+  }
+
+  CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo work_tile_info) {
+    auto [next, increment] = Base::fetch_next_work(self().taken_back(work_tile_info));
+    return cute::make_tuple(self().handed_out(next), increment);
+  }
+
+  template <class TileSchedulerPipeline, class TileSchedulerPipelineState>
+  CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo work_tile_info, TileSchedulerPipeline&,
+                                      TileSchedulerPipelineState) {
+    return fetch_next_work(work_tile_info);
+  }
+
+ private:
+  CUTLASS_DEVICE Derived const& self() const { return static_cast<Derived const&>(*this); }
+};
+
+class AgTileScheduler
+    : public AgHandOut<AgTileScheduler, cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90> {
   using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
+  using HandOut = AgHandOut<AgTileScheduler, Base>;
+  friend HandOut;
   using BaseParams = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90Params;
   using BaseArguments = Base::Arguments;
 
  public:
-  struct Arguments : BaseArguments {
-    const uint32_t* flags = nullptr;  // [world]: this rank's "shard of rank src is here" flags
-    int rank = 0;
-    int world = 1;
-    int rows_per_rank = 1;  // M of one shard
-    int tile_m = 128;       // rows of one tile (the kernel's tile shape)
-    uint64_t timeout_ns = 0;
-    uint32_t* error = nullptr;  // host-mapped [2]: (waiting rank + 1, missing rank) on timeout
-  };
+  struct Arguments : BaseArguments, AgWaitArguments {};
 
-  struct Params : BaseParams {
-    const uint32_t* flags = nullptr;
-    int rank = 0, world = 1, rows_per_rank = 1, tile_m = 128, rows_total = 0;
-    int tiles_m = 1;      // tile rows, padded to whole bands of the raster (cluster_m << log_swizzle)
+  struct Params : BaseParams, AgRowWait {
+    int tiles_m = 1;  // tile rows, padded to whole bands of the raster (cluster_m << log_swizzle)
     int offset_tiles = 0;
-    uint64_t timeout_ns = 0;
-    uint32_t* error = nullptr;
   };
 
   template <class ProblemShapeMNKL, class TileShape, class ClusterShape>
@@ -72,85 +152,90 @@ class AgTileScheduler : public cutlass::gemm::kernel::detail::PersistentTileSche
     int first = args.rank * args.rows_per_rank / args.tile_m;
     first = first / band * band;
     p.offset_tiles = first % p.tiles_m;
-    p.flags = args.flags;
-    p.rank = args.rank;
-    p.world = args.world;
-    p.rows_per_rank = args.rows_per_rank;
-    p.tile_m = args.tile_m;
-    p.rows_total = rows_total;
-    p.timeout_ns = args.timeout_ns;
-    p.error = args.error;
+    static_cast<AgRowWait&>(p) = AgRowWait::of(args, rows_total);
     return p;
   }
 
   CUTLASS_HOST_DEVICE AgTileScheduler() {}
-  CUTLASS_DEVICE explicit AgTileScheduler(Params const& params) : Base(params), ag_(params) {}
-
-  template <class ClusterShape>
-  CUTLASS_DEVICE WorkTileInfo initial_work_tile_info(ClusterShape cluster_shape) {
-    return rotate_and_wait(Base::initial_work_tile_info(cluster_shape));
-  }
+  CUTLASS_DEVICE explicit AgTileScheduler(Params const& params) : HandOut(params), ag_(params) {}
 
   // The ping-pong kernel moves on with advance_to_next_work(); get_current_work(): that path
   // must rotate and wait too. (The base's own fetch_next_work / initial_work_tile_info call
   // the base's get_current_work, not this one, so nothing is rotated twice.)
-  CUTLASS_DEVICE WorkTileInfo get_current_work() const { return rotate_and_wait(Base::get_current_work()); }
-
-  CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo work_tile_info) {
-    // The static scheduler never continues a tile (no split-K), so the base only advances.
-    auto [next, increment] = Base::fetch_next_work(unrotate(work_tile_info));
-    return cute::make_tuple(rotate_and_wait(next), increment);
-  }
-
-  template <class TileSchedulerPipeline, class TileSchedulerPipelineState>
-  CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo work_tile_info, TileSchedulerPipeline&,
-                                      TileSchedulerPipelineState) {
-    return fetch_next_work(work_tile_info);
-  }
+  CUTLASS_DEVICE WorkTileInfo get_current_work() const { return handed_out(Base::get_current_work()); }
 
  private:
   Params ag_;
 
-  CUTLASS_DEVICE WorkTileInfo unrotate(WorkTileInfo w) const {
+  // The static scheduler never continues a tile (no split-K): a tile handed back only advances.
+  CUTLASS_DEVICE WorkTileInfo taken_back(WorkTileInfo w) const {
     if (w.is_valid()) w.M_idx = (w.M_idx - ag_.offset_tiles + ag_.tiles_m) % ag_.tiles_m;
     return w;
   }
 
-  CUTLASS_DEVICE WorkTileInfo rotate_and_wait(WorkTileInfo w) const {
+  CUTLASS_DEVICE WorkTileInfo handed_out(WorkTileInfo w) const {
     if (!w.is_valid()) return w;
     w.M_idx = (w.M_idx + ag_.offset_tiles) % ag_.tiles_m;
-    const int row0 = w.M_idx * ag_.tile_m;
-    if (row0 >= ag_.rows_total) return w;  // padding tile: no rows, nothing to wait for
-    const int row1 = min(row0 + ag_.tile_m, ag_.rows_total) - 1;
-    bool waited = false;
-    for (int src = row0 / ag_.rows_per_rank; src <= row1 / ag_.rows_per_rank && src < ag_.world; ++src) {
-      if (src != ag_.rank) {
-        wait_flag(src);
-        waited = true;
-      }
-    }
-    // The rows are then read by TMA (the async proxy): order the acquire above before it.
-    if (waited) fence_proxy_async_global();
+    ag_.wait_for_tile_rows(w.M_idx);
     return w;
   }
+};
 
-  CUTLASS_DEVICE void wait_flag(int src) const {
-    // The kernels ask for their first tile before their own griddepcontrol.wait (and the
-    // cooperative kernel's consumer warps never execute one): under programmatic dependent
-    // launch a flag read here could see the value of a previous call before the kernels ahead
-    // of this one in the stream have finished. Waiting for them first is idempotent, and a
-    // no-op without PDL.
-    cutlass::arch::wait_on_dependent_grids();
-    wait_flag_bounded(ag_.flags + src, ag_.timeout_ns, ag_.error, ag_.rank, src);
+template <class TileShape, class ClusterShape>
+class AgStreamKTileScheduler
+    : public AgHandOut<AgStreamKTileScheduler<TileShape, ClusterShape>, StreamKTileScheduler<TileShape, ClusterShape>> {
+  using Base = StreamKTileScheduler<TileShape, ClusterShape>;
+  using HandOut = AgHandOut<AgStreamKTileScheduler, Base>;
+  friend HandOut;
+  using BaseArguments = typename Base::Arguments;
+  using BaseParams = typename Base::Params;
+
+ public:
+  using WorkTileInfo = typename Base::WorkTileInfo;
+  struct Arguments : BaseArguments, AgWaitArguments {};
+  struct Params : BaseParams, AgRowWait {};
+
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape problem_shape, TileShape tile_shape, ClusterShape cluster_shape,
+                                        cutlass::KernelHardwareInfo const& hw_info, Arguments const& args,
+                                        void* workspace, const uint32_t epilogue_subtile = 1,
+                                        uint32_t ktile_start_alignment_count = 1u) {
+    Params p;
+    static_cast<BaseParams&>(p) =
+        Base::to_underlying_arguments(problem_shape, tile_shape, cluster_shape, hw_info,
+                                      static_cast<BaseArguments const&>(args), workspace, epilogue_subtile,
+                                      ktile_start_alignment_count);
+    static_cast<AgRowWait&>(p) = AgRowWait::of(args, static_cast<int>(cute::get<0>(problem_shape)));
+    return p;
+  }
+
+  CUTLASS_HOST_DEVICE AgStreamKTileScheduler() {}
+  CUTLASS_DEVICE explicit AgStreamKTileScheduler(Params const& params) : HandOut(params), ag_(params) {}
+
+ private:
+  AgRowWait ag_;
+
+  CUTLASS_DEVICE WorkTileInfo taken_back(WorkTileInfo w) const { return w; }
+
+  // A separate-reduction unit (no K tiles) reads no A; waiting for its rows anyway costs one
+  // flag load per warp, since its tile's other units waited already.
+  CUTLASS_DEVICE WorkTileInfo handed_out(WorkTileInfo w) const {
+    if (w.is_valid()) ag_.wait_for_tile_rows(w.M_idx);
+    return w;
   }
 };
 
 }  // namespace flux
 
-// Route flux::AgSchedulerTag to the scheduler above in CUTLASS's kernel-level selector.
+// Route flux's tags to the schedulers above in CUTLASS's kernel-level selector.
 namespace cutlass::gemm::kernel::detail {
 template <class ArchTag, class TileShape, class ClusterShape, uint32_t SchedulerPipelineStageCount>
 struct TileSchedulerSelector<flux::AgSchedulerTag, ArchTag, TileShape, ClusterShape, SchedulerPipelineStageCount> {
   using Scheduler = flux::AgTileScheduler;
+};
+template <class ArchTag, class TileShape, class ClusterShape, uint32_t SchedulerPipelineStageCount>
+struct TileSchedulerSelector<flux::AgStreamKSchedulerTag, ArchTag, TileShape, ClusterShape,
+                             SchedulerPipelineStageCount> {
+  using Scheduler = flux::AgStreamKTileScheduler<TileShape, ClusterShape>;
 };
 }  // namespace cutlass::gemm::kernel::detail

@@ -34,22 +34,36 @@ void run_cutlass_gemm(const char* op, const typename Gemm::Arguments& args, cons
   Gemm gemm;
   FLUX_CHECK(gemm.can_implement(args) == cutlass::Status::kSuccess, op, "CUTLASS cannot run this problem (M=", m,
              " N=", n, " K=", k, ")");
+  // A workspace exists for the stream-K scheduler only (partial accumulators of the tiles whose
+  // K loop is split, and the barriers between the CTAs that share one). It comes from PyTorch's
+  // caching allocator on `stream`: a block is handed out again only in stream order, and under
+  // CUDA-graph capture from the graph's pool. (A buffer cached here would be raced by launches on
+  // other streams, or by the next launch while this one runs.)
   const size_t ws_bytes = Gemm::get_workspace_size(args);
   at::Tensor ws;
   if (ws_bytes > 0) ws = at::empty({(int64_t)ws_bytes}, byte_options);
+  void* ws_ptr = ws_bytes > 0 ? ws.data_ptr() : nullptr;
   const int device = byte_options.device().index();
-  if (ws_bytes == 0 && smem_limit_set<Gemm>(device)) {
-    // No workspace to initialise and the function attribute already set: the parameters only.
-    FLUX_CHECK(gemm.update(args, nullptr) == cutlass::Status::kSuccess, op, "CUTLASS update failed");
-  } else {
-    FLUX_CHECK(gemm.initialize(args, ws_bytes ? ws.data_ptr() : nullptr, stream) == cutlass::Status::kSuccess, op,
-               "CUTLASS initialize failed");
+  if (!smem_limit_set<Gemm>(device)) {
+    // The workspace, the parameters, and the kernel's dynamic shared memory limit.
+    FLUX_CHECK(gemm.initialize(args, ws_ptr, stream) == cutlass::Status::kSuccess, op, "CUTLASS initialize failed");
     smem_limit_set<Gemm>(device) = true;
+  } else {
+    // The function attribute already set. CUTLASS zeroes the stream-K barriers (only they need
+    // it: partials are written before they are read) with cudaMemsetAsync on `stream`, which a
+    // graph capture records as a memset node before the kernel.
+    if (ws_bytes > 0) {
+      FLUX_CHECK(Gemm::GemmKernel::initialize_workspace(args, ws_ptr, stream) == cutlass::Status::kSuccess, op,
+                 "CUTLASS workspace initialisation failed");
+    }
+    FLUX_CHECK(gemm.update(args, ws_ptr) == cutlass::Status::kSuccess, op, "CUTLASS update failed");
   }
 #if defined(CUTLASS_ENABLE_GDC_FOR_SM90)
   // The sm_90a code waits on the preceding grid (fused_gemm.cuh); code of another target built
   // alongside (FLUX_CUDA_ARCH) would not.
-  const bool pdl = fused_pdl() && at::cuda::getDeviceProperties(device)->major == 9;
+  // With a workspace the kernel follows its memset, not a kernel: nothing for PDL to overlap, and
+  // the stream-K consumer warps, which touch the workspace, never execute griddepcontrol.wait.
+  const bool pdl = fused_pdl() && ws_bytes == 0 && at::cuda::getDeviceProperties(device)->major == 9;
 #else
   const bool pdl = false;  // the kernels have no griddepcontrol.wait: an early start would be unsafe
 #endif

@@ -44,6 +44,7 @@ bool rs_fused_dispatch(int config, int dtype, const RsFusedArgs& a);
 #if defined(FLUX_WITH_SM90) && defined(FLUX_RS_FUSED_IMPL)
 
 #include "common/flag_wait.cuh"
+#include "common/stream_k_scheduler.hpp"
 
 namespace flux {
 
@@ -62,6 +63,14 @@ struct SegmentWait {
 // a tile's rows of the source C, waits (bounded) for the flags of the segments holding them.
 // The GEMM kernel names this type as its CollectiveEpilogue, so its calls of load() and
 // to_underlying_arguments() resolve here; everything else is the base's.
+// Under the stream-K scheduler (several CTAs share a tile's K loop), the cooperative kernel
+// (CUTLASS sm90_gemm_tma_warpspecialized_cooperative.hpp) calls load() only where
+// compute_epilogue() holds: for the unit that holds the tile's last K tiles (or, with separate
+// reduction, the reduction unit of one epilogue subtile, which loads only that subtile's C), so
+// the wait and the source read happen once per tile (subtile), in the CTA that stores it. Its
+// consumers first fold the other units' partial accumulators into their own (fixup(), through
+// the workspace) and then run store(), which adds beta * C once to the reduced sum; the other
+// units only write partials to the workspace and never read C.
 template <class Base>
 class SegmentWaitEpilogue : public Base {
  public:
@@ -104,10 +113,14 @@ class SegmentWaitEpilogue : public Base {
   SegmentWait wait_;
 };
 
-template <int Dtype, class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule>
+// StreamK: CUTLASS's stream-K scheduler (cooperative schedule only); the wait stays in load(), see
+// SegmentWaitEpilogue.
+template <int Dtype, class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule,
+          bool StreamK = false>
 using RsFoldGemm =
     Sm90FusedGemm<typename FusedTypes<Dtype>::In, typename FusedTypes<Dtype>::Out, TileShape, ClusterShape,
-                  KernelSchedule, EpilogueSchedule, true, SegmentWaitEpilogue, cutlass::gemm::PersistentScheduler>;
+                  KernelSchedule, EpilogueSchedule, true, SegmentWaitEpilogue,
+                  std::conditional_t<StreamK, StreamKSchedulerTag, cutlass::gemm::PersistentScheduler>>;
 
 template <class G>
 void launch_rs_fused(const RsFusedArgs& a) {

@@ -37,7 +37,8 @@ def _dt(d) -> str:
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
     """One configuration: a tile_m x tile_n x tile_k tile, a cluster_m x cluster_n cluster, a
-    schedule ('cooperative' or 'pingpong') and the (input, output) dtypes built."""
+    schedule ('cooperative' or 'pingpong'), the (input, output) dtypes built and the tile
+    scheduler ('persistent', or 'streamk': K split among CTAs where tiles are fewer than SMs)."""
     op: str
     id: int
     tile_m: int
@@ -47,17 +48,25 @@ class KernelConfig:
     cluster_n: int
     schedule: str
     dtypes: Tuple[Tuple[str, str], ...] = (("bf16", "bf16"),)
+    scheduler: str = "persistent"
 
     def __post_init__(self):
         if self.op not in OPS or self.id < 0 or self.schedule not in ("cooperative", "pingpong"):
             raise ValueError(f"KernelConfig: bad op, id or schedule: {self}")
+        if self.scheduler not in table.SCHEDULERS or (self.scheduler == "streamk" and self.schedule != "cooperative"):
+            raise ValueError(f"KernelConfig: bad scheduler (stream-K is cooperative only): {self}")
         if min(self.tile_m, self.tile_n, self.tile_k) < 16 or self.cluster_m * self.cluster_n not in (1, 2, 4):
             raise ValueError(f"KernelConfig: bad tile or cluster: {self}")
 
     @property
+    def stream_k(self) -> bool:
+        return self.scheduler == "streamk"
+
+    @property
     def desc(self) -> str:
+        """As cached choices name it: a choice applies only to the same tile, cluster, schedule and scheduler."""
         return (f"{self.tile_m}x{self.tile_n}x{self.tile_k}/{self.cluster_m}x{self.cluster_n}/"
-                f"{'pp' if self.schedule == 'pingpong' else 'coop'}")
+                f"{'pp' if self.schedule == 'pingpong' else 'coop'}{'/sk' if self.stream_k else ''}")
 
 
 def _built():
@@ -90,7 +99,7 @@ def kernel_configs(op: str, dtype=None, out_dtype=None) -> List[KernelConfig]:
         for c in table.CONFIGS[op]:
             pairs = tuple(table.DTYPE_IO[v] for v in table.DTYPES if (op, c.id, v) in built)
             if pairs:
-                cfgs.append(KernelConfig(op, c.id, *c.tile, *c.cluster, c.schedule, pairs))
+                cfgs.append(KernelConfig(op, c.id, *c.tile, *c.cluster, c.schedule, pairs, c.scheduler))
         # Kept once flux._C is loaded (its answer is final); read again until then.
         _CONFIGS[op] = (cfgs, source, _extension_loaded())
     cfgs = _CONFIGS[op][0]

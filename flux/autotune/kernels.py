@@ -60,6 +60,24 @@ def _tile_eff(c: KernelConfig) -> float:
     return 0.75
 
 
+def _grid(c: KernelConfig, m: int, n: int, swizzle: int, sm: int) -> Tuple[int, int, int, int]:
+    """(tiles_m, tiles_n, padded tiles, CTAs of one wave): tile rows and columns rounded up to
+    whole bands of cluster * swizzle tiles; the grid in whole clusters."""
+    tiles_m, tiles_n = math.ceil(m / c.tile_m), math.ceil(n / c.tile_n)
+    bm, bn = c.cluster_m * swizzle, c.cluster_n * swizzle
+    padded = math.ceil(tiles_m / bm) * bm * math.ceil(tiles_n / bn) * bn
+    return tiles_m, tiles_n, padded, (sm // (c.cluster_m * c.cluster_n)) * c.cluster_m * c.cluster_n
+
+
+def _traffic(c: KernelConfig, op: str, m: int, n: int, k: int, in_bytes: int, out_bytes: int,
+             sm: int) -> Tuple[float, int]:
+    """(seconds of one tile's epilogue at an SM's share of HBM, bytes the kernel moves through
+    HBM). The epilogue stores (and for rs first loads the peer's partial of) the tile's real rows."""
+    per_elem = out_bytes * (2 if op == "rs" else 1)
+    epilogue = min(c.tile_m, m) * c.tile_n * per_elem / (HBM_BW / sm)
+    return epilogue, (m * k + n * k) * in_bytes + m * n * per_elem
+
+
 def predict_s(c: KernelConfig, op: str, m: int, n: int, k: int, swizzle: int = 1, in_bytes: int = 2,
               out_bytes: int = 2, sm: int = 132) -> float:
     """Modelled seconds of one launch of ``c`` (raster along N). Counted: padded tiles as work
@@ -69,32 +87,84 @@ def predict_s(c: KernelConfig, op: str, m: int, n: int, k: int, swizzle: int = 1
     waves of the persistent grid, the epilogue's HBM traffic per tile (cooperative: after its
     mainloop; ping-pong: overlapped with the other warpgroup's mainloop), and the whole
     kernel's HBM traffic at a bandwidth that falls where few CTAs hold useful tiles."""
-    tiles_m, tiles_n = math.ceil(m / c.tile_m), math.ceil(n / c.tile_n)
-    bm, bn = c.cluster_m * swizzle, c.cluster_n * swizzle
-    pm, pn = math.ceil(tiles_m / bm) * bm, math.ceil(tiles_n / bn) * bn
-    ctas = (sm // (c.cluster_m * c.cluster_n)) * c.cluster_m * c.cluster_n
-    waves = math.ceil(pm * pn / ctas)
+    tiles_m, tiles_n, padded, ctas = _grid(c, m, n, swizzle, sm)
+    waves = math.ceil(padded / ctas)
     mainloop = 2.0 * c.tile_m * c.tile_n * k / (SM_FLOPS * _tile_eff(c))
-    # The epilogue stores (and for rs first loads the peer's partial of) the tile's real rows only.
-    epi_bytes = min(c.tile_m, m) * c.tile_n * (out_bytes * (2 if op == "rs" else 1))
-    epilogue = epi_bytes / (HBM_BW / sm)
+    epilogue, hbm = _traffic(c, op, m, n, k, in_bytes, out_bytes, sm)
     if c.schedule == "pingpong":
         t_compute = waves * max(mainloop, epilogue) + min(mainloop, epilogue)
     else:
         t_compute = waves * (mainloop + epilogue)
     real = tiles_m * tiles_n
-    useful = min(real, ctas) if pm * pn <= ctas else ctas * real / (pm * pn)
+    useful = min(real, ctas) if padded <= ctas else ctas * real / padded
     bw = HBM_BW * min(1.0, useful / (0.5 * ctas))  # half the SMs' loads in flight saturate HBM
-    hbm = (m * k + n * k) * in_bytes + m * n * out_bytes * (2 if op == "rs" else 1)
     return max(t_compute, hbm / bw)
+
+
+# Stream-K: where the best persistent configuration's tiles fill less than WAVE_FRACTION of one
+# wave (256..1024 rows of the narrow layers: 1024x1280 in 128x128 tiles is 80 tiles on 132 SMs),
+# the idle SMs stay idle for the whole K loop; splitting K among CTAs keeps them busy at the cost of
+# reducing fp32 partial tiles. That pays where K is deep: DEEP_K_TILES K tiles or more (K >= 2048
+# at 64-deep tiles), so that a 4-way split still leaves each CTA 8+ K tiles to fill its mainloop
+# pipeline (4-7 stages) between reductions. Between 0.8 and 1 wave the split would shorten the
+# critical path by under 20%, about what the reduction and the workspace memset cost.
+WAVE_FRACTION = 0.8
+DEEP_K_TILES = 32
+L2_BW = 5.5e12  # H100/H200 class L2 read bandwidth, where the stream-K partials are reduced
+
+
+def _should_use_stream_k(c: KernelConfig, m: int, n: int, k: int, swizzle: int, sm: int) -> bool:
+    """Whether the persistent configuration ``c`` leaves SMs idle on a deep K loop (see above)."""
+    _, _, tiles, ctas = _grid(c, m, n, swizzle, sm)
+    return tiles < WAVE_FRACTION * ctas and math.ceil(k / c.tile_k) >= DEEP_K_TILES
+
+
+def predict_stream_k_s(c: KernelConfig, op: str, m: int, n: int, k: int, swizzle: int = 1, in_bytes: int = 2,
+                       out_bytes: int = 2, sm: int = 132) -> float:
+    """Modelled seconds of a stream-K launch of ``c``: the padded tiles' K loops spread evenly
+    over the grid, then the reduction of a tile's split partials (each fp32 tile read once from
+    L2 by the CTA that finishes the tile) and its epilogue; no less than the kernel's HBM
+    traffic. More tiles than CTAs: CUTLASS's heuristic falls back to whole tiles (predict_s)."""
+    _, _, tiles, ctas = _grid(c, m, n, swizzle, sm)
+    if tiles >= ctas:
+        return predict_s(c, op, m, n, k, swizzle, in_bytes, out_bytes, sm)
+    splits = math.ceil(ctas / tiles)  # units sharing a tile's K loop, at most
+    compute = 2.0 * tiles * c.tile_m * c.tile_n * k / (ctas * SM_FLOPS * _tile_eff(c))
+    reduction = (splits - 1) * c.tile_m * c.tile_n * 4 / (L2_BW / sm)
+    epilogue, hbm = _traffic(c, op, m, n, k, in_bytes, out_bytes, sm)
+    return max(compute + reduction + epilogue, hbm / HBM_BW)
+
+
+def _swizzle(c: KernelConfig, m: int, n: int, big: bool) -> int:
+    if big:
+        tiles_m, tiles_n = math.ceil(m / c.tile_m), math.ceil(n / c.tile_n)
+        for s in (8, 4, 2):
+            if tiles_m % (c.cluster_m * s) == 0 and tiles_n % (c.cluster_n * s) == 0:
+                return s
+    return 1
+
+
+def _least(cfgs, predict, op, m, n, k, big, ib, ob, sm):
+    """(modelled seconds, id, swizzle) of least modelled time; near-ties (within 2%) go to the
+    earlier configuration of the table."""
+    best = None
+    for c in cfgs:
+        swz = _swizzle(c, m, n, big)
+        t = predict(c, op, m, n, k, swz, ib, ob, sm)
+        if best is None or t < best[0] * 0.98:
+            best = (t, c.id, swz)
+    return best
 
 
 def analytic_config(op: str, m: int, n: int, k: int, dtype="bf16", out_dtype=None, sm_count: int = 132,
                     configs: Optional[Sequence[KernelConfig]] = None) -> Tuple[int, int, int]:
-    """(config, raster, swizzle) of least modelled time; near-ties (within 2%) go to the
-    earlier configuration of the table. Swizzle: the widest band (<= 8) that pads no tile row
-    or column, where the operands exceed L2 (a band then reuses operand tiles in L2); else 1.
-    Raster 1 (along N): the order the fused strategies depend on."""
+    """(config, raster, swizzle): among the persistent configurations the one of least modelled
+    time; where it leaves SMs idle on a deep K loop (``_should_use_stream_k``) and a stream-K
+    configuration is built, the stream-K one of least modelled time instead, if that time is
+    less. Near-ties (within 2%) go to the earlier configuration of the table. Swizzle: the
+    widest band (<= 8) that pads no tile row or column, where the operands exceed L2 (a band
+    then reuses operand tiles in L2); else 1. Raster 1 (along N): the order the fused
+    strategies depend on."""
     op = _op(op)
     out_dtype = out_dtype if out_dtype is not None else dtype
     cfgs = list(configs) if configs is not None else kernel_configs(op, dtype, out_dtype)
@@ -102,18 +172,16 @@ def analytic_config(op: str, m: int, n: int, k: int, dtype="bf16", out_dtype=Non
         raise ValueError(f"fused {op}: no configuration built for {_dt(dtype)} -> {_dt(out_dtype)}")
     ib, ob = (4 if _dt(dtype) == "fp32" else 2), (4 if _dt(out_dtype) == "fp32" else 2)
     big = (m * k + n * k) * ib > (60 << 20)
-    best = None
-    for c in cfgs:
-        swz = 1
-        if big:
-            tiles_m, tiles_n = math.ceil(m / c.tile_m), math.ceil(n / c.tile_n)
-            for s in (8, 4, 2):
-                if tiles_m % (c.cluster_m * s) == 0 and tiles_n % (c.cluster_n * s) == 0:
-                    swz = s
-                    break
-        t = predict_s(c, op, m, n, k, swz, ib, ob, sm_count)
-        if best is None or t < best[0] * 0.98:
-            best = (t, c.id, swz)
+    persistent = [c for c in cfgs if not c.stream_k]
+    stream_k = [c for c in cfgs if c.stream_k]
+    best = _least(persistent, predict_s, op, m, n, k, big, ib, ob, sm_count) if persistent else None
+    if stream_k and (best is None or _should_use_stream_k(
+            next(c for c in persistent if c.id == best[1]), m, n, k, best[2], sm_count)):
+        sk = _least(stream_k, predict_stream_k_s, op, m, n, k, big, ib, ob, sm_count)
+        # Kept only if modelled faster: a 128-row stream-K tile over 32 rows, say, wastes most
+        # of its MMA work.
+        if best is None or sk[0] < best[0]:
+            best = sk
     return best[1], 1, best[2]
 
 
@@ -275,7 +343,8 @@ def _allowed(spec: str, dtype, out_dtype) -> Dict[str, Dict[int, KernelConfig]]:
     for op, cid in sorted(ids):
         c = table.config(op, cid)
         (tm, tn, tk), (cm, cn) = c.tile, c.cluster
-        out[op][cid] = KernelConfig(op, cid, tm, tn, tk, cm, cn, c.schedule, ((_dt(dtype), _dt(out_dtype)),))
+        out[op][cid] = KernelConfig(op, cid, tm, tn, tk, cm, cn, c.schedule, ((_dt(dtype), _dt(out_dtype)),),
+                                    c.scheduler)
     return out
 
 

@@ -38,9 +38,10 @@ _hot: Dict[object, object] = {}
 
 def hot_runtime(group):
     """The runtime serving ``group``'s hot path (None: the default group), or None."""
-    if group is None:
-        group = dist.group.WORLD
-    return _hot.get(group)
+    try:
+        return _hot[dist.group.WORLD if group is None else group]
+    except KeyError:
+        return None
 
 
 def forget() -> None:

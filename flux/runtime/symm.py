@@ -105,12 +105,12 @@ def why_unavailable(group: dist.ProcessGroup) -> Optional[str]:
 
     if not torch.cuda.is_available() or not cuda_kernels_available():
         return "symmetric memory is unavailable (needs CUDA and flux._C)"
-    if not cuda_group(group):  # NCCL groups (gloo ones only under FLUX_GLOO_CUDA=1, tests)
-        return "symmetric memory is unavailable (needs an NCCL group)"
     world, local = int(os.environ.get("WORLD_SIZE", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
     if spans_nodes(dist.get_process_group_ranks(group), world, local):
         return (f"the group spans hosts (WORLD_SIZE={world}, LOCAL_WORLD_SIZE={local}); symmetric memory "
                 "needs every rank of the group on one host")
+    if not cuda_group(group):  # NCCL groups (gloo ones only under FLUX_GLOO_CUDA=1, tests)
+        return "symmetric memory is unavailable (needs an NCCL group)"
     try:
         _symm_mem()
     except ImportError:
