@@ -6,6 +6,7 @@ rank, every shard "arrived"; RS: a random peer partial folded in), outputs poiso
 inputs random; the relative error against an fp32 reference must stay within twice cuBLAS's on
 the same data. Instantiations not built are skipped by name; calling one fails naming it.
 """
+import math
 import os
 
 import pytest
@@ -39,11 +40,11 @@ def test_table_is_consistent():
 
 def test_select_and_parse():
     default = fc.select("default")
-    assert ("ag", 0, "bf16") in default and ("rs", 3, "bf16_fp32") in default and len(default) == 13
+    assert ("ag", 0, "bf16") in default and ("rs", 3, "bf16_fp32") in default and len(default) == 12
     assert not any(op == "rs" and i == 0 for op, i, _ in default)
-    # One stream-K configuration per op, bf16, in the default build.
+    # One stream-K configuration, AG's, bf16, in the default build.
     sk = [(op, i, d) for op, i, d in default if fc.config(op, i).scheduler == "streamk"]
-    assert sk == [("ag", 12, "bf16"), ("rs", 8, "bf16")]
+    assert sk == [("ag", 14, "bf16")]
     assert fc.select("streamk") == [("ag", 12, "bf16"), ("ag", 13, "bf16"), ("ag", 14, "bf16"),
                                     ("rs", 8, "bf16"), ("rs", 9, "bf16"), ("rs", 10, "bf16")]
     assert len(fc.select("all")) == sum(len(v) for v in fc.CONFIGS.values()) * len(fc.DTYPES)
@@ -135,12 +136,16 @@ def _cublas(a, w, dout):
         return torch.mm(a.to(dout), w.to(dout).t())
 
 
-def _check(out, ref32, baseline, what):
+def _check(out, ref32, baseline, what, k):
+    """Relative error within twice cuBLAS's on the same data. An fp32 output is also allowed the
+    rounding of one fp32 accumulation over K (about sqrt(K) * 2^-24 relative), twice over: cuBLAS
+    may split K, which shortens its sums, where a kernel that does not runs one K-long sum."""
     assert torch.isfinite(out).all(), f"{what}: NaN/inf left in the output (tiles not written)"
     norm = ref32.norm()
     err = ((out.double() - ref32.double()).norm() / norm).item()
     base = ((baseline.double() - ref32.double()).norm() / norm).item()
-    assert err <= 2 * base + 1e-6, f"{what}: relative error {err:.3g}, cuBLAS's {base:.3g}"
+    accumulation = 2 * math.sqrt(k) * 2.0**-24 if out.dtype == torch.float32 else 0.0
+    assert err <= 2 * base + accumulation + 1e-6, f"{what}: relative error {err:.3g}, cuBLAS's {base:.3g}"
 
 
 @gpu
@@ -162,7 +167,7 @@ def test_gpu_ag_fused(op, cid, dtype):
             torch.ops.flux.ag_gemm_fused_(out, a, w, bias, flags, rank, world, m // world, 10000, 0, raster,
                                           swizzle, cid)
             torch.cuda.synchronize()
-            _check(out, ref32, baseline, f"ag:{cid}:{dtype} {m}x{k}x{n} rank {rank} raster {raster}")
+            _check(out, ref32, baseline, f"ag:{cid}:{dtype} {m}x{k}x{n} rank {rank} raster {raster}", k)
 
 
 @gpu
@@ -183,7 +188,7 @@ def test_gpu_rs_fused(op, cid, dtype):
             out = torch.full((m, n), float("nan"), device=dev, dtype=dout)
             torch.ops.flux.gemm_rs_fused_(out, a, w, bias, src, flags, seg_rows, 0, 1, 10000, 0, 1, swizzle, cid)
             torch.cuda.synchronize()
-            _check(out, ref32, baseline, f"rs:{cid}:{dtype} {m}x{k}x{n} swizzle {swizzle}")
+            _check(out, ref32, baseline, f"rs:{cid}:{dtype} {m}x{k}x{n} swizzle {swizzle}", k)
 
 
 @gpu

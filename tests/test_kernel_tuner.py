@@ -181,17 +181,17 @@ def test_rule_stream_k_for_few_tiles_and_deep_k():
 
 
 def test_stream_k_configs_in_the_default_build():
-    """The default build holds one stream-K configuration per op (bf16); the analytic default
-    picks it for the narrow layers at 256 and 1024 rows; its cached label names the scheduler."""
+    """The default build holds AG's stream-K configuration 14 (bf16) and none of RS's; the analytic
+    default picks it for the narrow AG layers at 256 and 1024 rows; its label names the scheduler."""
     ag = {c.id: c for c in K.kernel_configs("ag", "bf16")}
     rs = {c.id: c for c in K.kernel_configs("rs", "bf16")}
-    assert [i for i, c in ag.items() if c.stream_k] == [12] and [i for i, c in rs.items() if c.stream_k] == [8]
-    assert ag[12].desc == "128x128x64/1x1/coop/sk" and ag[4 if 4 in ag else 0].desc.count("/") == 2
-    assert 8 not in ag  # 64x256 ping-pong left the default build for it
-    assert K.analytic_config("ag", 1024, 1280, 8192)[0] == 12
-    assert K.analytic_config("ag", 256, 1280, 8192)[0] == 12
-    assert K.analytic_config("rs", 128, 4096, 7168)[0] == 8
-    assert K.analytic_config("ag", 8192, 14336, 8192)[0] != 12
+    assert [i for i, c in ag.items() if c.stream_k] == [14] and not [i for i, c in rs.items() if c.stream_k]
+    assert ag[14].desc == "128x128x64/2x1/coop/sk" and ag[0].desc.count("/") == 2
+    assert 8 not in ag and 12 not in ag  # 64x256 ping-pong left the default build for it
+    assert K.analytic_config("ag", 1024, 1280, 8192)[0] == 14
+    assert K.analytic_config("ag", 256, 1280, 8192)[0] == 14
+    assert not rs[K.analytic_config("rs", 128, 4096, 7168)[0]].stream_k
+    assert K.analytic_config("ag", 8192, 14336, 8192)[0] != 14
     with pytest.raises(ValueError, match="stream-K is cooperative only"):
         KC.KernelConfig("ag", 99, 128, 128, 64, 1, 1, "pingpong", scheduler="streamk")
 
@@ -270,13 +270,16 @@ def test_entries_from_bench_and_cli(tmp_path, monkeypatch):
 
 
 def test_shipped_h200_choices_are_served_and_built(monkeypatch):
-    """On an H200 every model-grid shape gets the shipped tuned choice, made from the bench JSON
-    among the default build's configurations, and that configuration is built."""
-    bench = os.path.join(REPO, "bench", "results", "fused_gemm-h200-grid-bf16.json")
-    if not os.path.exists(bench):
-        pytest.skip("no H200 bench JSON")
-    doc = json.load(open(bench))
-    key, entries = K.entries_from_bench(doc)
+    """On an H200 every model-grid shape gets the shipped tuned choice, made from the bench JSONs
+    among the default build's configurations (the stream-K run for the shapes it holds), and that
+    configuration is built."""
+    entries = {}
+    for name in ("fused_gemm-h200-grid-bf16.json", "fused_gemm-h200-streamk.json"):  # the second: M 256, 1024
+        bench = os.path.join(REPO, "bench", "results", name)
+        if not os.path.exists(bench):
+            pytest.skip(f"no H200 bench JSON {name}")
+        key, got = K.entries_from_bench(json.load(open(bench)))
+        entries.update(got)
     monkeypatch.setattr(K, "gpu_key", lambda device=None: (key, 132))
     shipped = K.KernelCache(key).shipped
     assert shipped, "no shipped kernel file for the H200"
