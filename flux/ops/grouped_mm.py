@@ -1,40 +1,17 @@
-"""Grouped GEMMs over the local experts of a mixture-of-experts layer (no communication).
+"""Grouped GEMMs over the local experts of a mixture-of-experts layer (no communication), in the
+two layouts of ``flux.moe_dispatch``:
 
-Two input layouts, those of ``flux.moe_dispatch``:
+    grouped_mm(x [R, K], w [E, N, K] or [E, K, N], counts)      (unbounded dispatch)
+        out[o_e : o_e + counts[e]] = x[o_e : o_e + counts[e]] @ W_e^T,  o_e = counts[:e].sum()
+    grouped_mm_padded(x [E, C, K], w, counts=None) -> [E, C, N]  (bounded dispatch)
+        a batched GEMM; with counts, rows at or past counts[e] count as zeros
 
-``grouped_mm(x, w, counts)``  (unbounded dispatch)
-    ``x [R, K]`` with the rows of expert e contiguous and the experts in order (expert 0's
-    ``counts[0]`` rows first); ``w [E, N, K]`` (``weight_layout="nk"``, the default: one
-    ``nn.Linear.weight`` per expert) or ``[E, K, N]`` (``"kn"``). Returns ``[R, N]``::
-
-        out[o_e : o_e + counts[e]] = x[o_e : o_e + counts[e]] @ W_e^T      (o_e = counts[:e].sum())
-
-``grouped_mm_padded(x, w, counts=None)``  (bounded dispatch, ``max_tokens_per_rank``)
-    ``x [E, C, K]``, expert e's rows first in its slab; a batched GEMM, returns ``[E, C, N]``.
-    With ``counts``, rows at or past ``counts[e]`` are ignored: they are taken as zeros, so
-    their output rows are zero and they add nothing to any gradient (whatever they hold).
-
-Implementations of ``grouped_mm`` (``grouped_mm_impl`` tells which one a call takes):
-
-  kernel   ``torch._grouped_mm`` (one CUTLASS grouped GEMM, no host synchronisation; the
-           row offsets are a cumulative sum made on the device). Taken on CUDA where torch
-           has it and runs it natively: bf16 x, w (and output), a compute capability 9.x or
-           10.x device (elsewhere torch runs a loop of its own after copying the offsets to
-           the host), and the alignment that its TMA loads need: K and N multiples of 8
-           (16-byte strides) and 16-byte aligned data pointers; x and w are made contiguous
-           first. The backward is written here, also with ``torch._grouped_mm`` (dx as
-           ``dy @ W_e``, dW as the 2-D x 2-D grouped product ``dy_e^T x_e``), on a contiguous
-           output gradient (the kernel rejects the zero-stride gradients that ``sum()``
-           makes), and the weight gradient of an expert with no rows is set to zero where
-           the kernel might leave it unwritten (reported on sm100).
-  loop     one ``torch.mm`` per expert with rows (empty experts skipped), joined with
-           ``torch.cat``; autograd as usual. Needs the counts on the host: pass
-           ``counts_host`` (``flux.moe_dispatch``'s ``handle.counts_host``) or the counts as
-           a list, else a device tensor of counts is copied to the host (a synchronisation).
-           Every other case: the CPU, other dtypes, misaligned shapes, older torch.
-
-A kernel call that raises (an older torch that refuses the arguments, say) falls back to the
-loop for that device, dtype and layout, with a warning, once.
+Two implementations (``grouped_mm_impl`` tells which a call takes): ``kernel``, torch's
+``torch._grouped_mm`` with a backward written here, where torch runs it natively (bf16, sm 9.x or
+10.x, 16-byte strides and pointers); ``loop``, one ``torch.mm`` per expert with rows, everywhere
+else (it needs the counts on the host). A kernel call that raises falls back to the loop for that
+device, dtype and layout, with a warning, once. Conditions and gradients: docs/api.md
+("Grouped GEMMs").
 """
 import warnings
 from typing import Dict, List, Optional, Sequence, Tuple, Union
