@@ -58,6 +58,7 @@ from flux.runtime import symm  # noqa: E402
 
 F64, F32, F16, BF16 = torch.float64, torch.float32, torch.float16, torch.bfloat16
 CASE_TIMEOUT_S = 240
+TIMEOUT_CASE_S = 90  # timeout_case: bound of one rank's whole run
 
 CASES = {}
 
@@ -835,6 +836,9 @@ def timeout_case(rank, world, dev, strategy="decomposed", op="ag", mode="skip"):
 
         def call():
             mod.run_strategy(strategy, prob.x, prob.w)
+    # The expected run takes seconds (the waits' 2 s bound, rank 1's 20 s sleep): a rank still here
+    # after TIMEOUT_CASE_S prints every thread's stack and exits, which the test reports.
+    faulthandler.dump_traceback_later(TIMEOUT_CASE_S, exit=True)
     call()
     torch.cuda.synchronize()
     dist.barrier()

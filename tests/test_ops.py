@@ -1005,8 +1005,7 @@ def test_gpu_diverging_call(strategy):
                OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", FLUX_TIMEOUT_MS="20000")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", f"--master_port={free_port()}",
            GPU_WORKER, f"mismatch:{strategy}"]
-    out = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=180,
-                         cwd=os.path.dirname(TESTS_DIR)).stdout
+    out = _run_bounded(cmd, env, 180, f"mismatch:{strategy} at {n} ranks")
     for r in range(n):
         m = re.search(rf"FLUXMISMATCH rank {r} raised after ([0-9.]+) s", out)
         assert m, f"rank {r} did not fail:\n{out[-4000:]}"
@@ -1014,6 +1013,41 @@ def test_gpu_diverging_call(strategy):
         assert re.search(rf"FLUXMISMATCH report rank {r}: flux: rank {r} and rank \d+ made different flux calls", out), \
             f"rank {r} did not record the differing calls:\n{out[-4000:]}"
     assert "made different flux calls" in out
+
+
+def _run_bounded(cmd, env, seconds, what):
+    """The output of ``cmd`` (torchrun and its ranks, one process group); past ``seconds`` the
+    whole group is killed and the test fails with what the ranks printed so far (a rank stuck in
+    tests/gpu_worker.py's timeout case dumps its stack before that: faulthandler)."""
+    import signal
+
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=os.path.dirname(TESTS_DIR), start_new_session=True)
+    try:
+        return proc.communicate(timeout=seconds)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out = proc.communicate()[0]
+        pytest.fail(f"{what}: not ended after {seconds} s; the ranks printed:\n{out[-6000:]}")
+
+
+def test_run_bounded_kills_the_whole_group_and_reports_its_output():
+    """The GPU timeout tests' runner (CPU): past its bound it kills torchrun's ranks too (none is
+    left holding a GPU) and fails with what they printed."""
+    import time
+
+    child = "import subprocess, sys, time; print('started', flush=True); " \
+            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"
+    assert _run_bounded([sys.executable, "-c", "print('ok')"], dict(os.environ), 30, "quick") == "ok\n"
+    t0 = time.time()
+    with pytest.raises(pytest.fail.Exception, match="slow: not ended after 2 s; the ranks printed:\nstarted"):
+        _run_bounded([sys.executable, "-c", child], dict(os.environ), 2, "slow")
+    assert time.time() - t0 < 30
+    import shutil
+
+    if shutil.which("pgrep"):
+        left = subprocess.run(["pgrep", "-f", "time.sleep[(]60[)]"], capture_output=True, text=True).stdout.split()
+        assert not left, f"processes of the killed group still run: {left}"
 
 
 def _check_timeout(strategy, world, **extra_env):
@@ -1025,9 +1059,7 @@ def _check_timeout(strategy, world, **extra_env):
                OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", FLUX_TIMEOUT_MS="2000", **extra_env)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", f"--master_port={free_port()}",
            GPU_WORKER, f"timeout:{strategy}"]
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=180,
-                          cwd=os.path.dirname(TESTS_DIR))
-    out = proc.stdout
+    out = _run_bounded(cmd, env, 180, f"timeout:{strategy} at {world} ranks")
     drop = strategy.endswith(":drop")
     for r in range(world):
         if r == 1:
