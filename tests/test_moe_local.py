@@ -75,7 +75,7 @@ def _weights(t, k, gen):
 # takes two launches (count_kernel, bounded_rows_kernel; count blocks of the whole tokens within 256
 # pairs, 252 at K = 6), past it the four-kernel path (count, scan, place, scatter_rows).
 _FUSED = [(128, 64, 8, 128, 256), (100, 8, 8, 130, 256), (0, 8, 2, 16, 256), (50, 4, 3, 64, 100),
-          (300, 16, 6, 300, 256), (200, 8, 5, 200, 100)]
+          (300, 16, 6, 300, 256), (200, 8, 5, 200, 100), (200, 100, 8, 200, 64), (300, 1024, 8, 300, 32)]
 _FOUR_KERNELS = [(72, 1024, 64, 72, 64), (300, 1024, 48, 300, 32)]  # 18 and 60 count blocks of 1024 experts
 
 

@@ -4,9 +4,10 @@
 // p = t * K + k or over the rows of recv_x:
 //
 //   layout   count_kernel  (one block per P pairs)    per-block, per-expert counts + verdict bits
+//                          (P = 256, or the whole tokens within 256: below)
 //            scan_kernel   (one block)                exclusive scans: blocks within an expert,
 //                                                     experts (unbounded) -> counts, verdict
-//            place_kernel  (one block per P pairs)    pair_row[p] (its row, -1: none) and
+//            place_kernel  (one block per 256 pairs)  pair_row[p] (its row, -1: none) and
 //                                                     send_pairs[row] = p
 //   move     scatter_rows_kernel  recv_x[pair_row[t, k]] = x[t], token-major (zeros for padding rows)
 //   bounded  bounded_rows_kernel  scan + place + move of a bounded dispatch in one launch (below)
@@ -298,7 +299,7 @@ __device__ __forceinline__ void column_sums(const int* __restrict__ blk_counts, 
   if (first >= step) return;  // threads past step * span
   for (int e = threadIdx.x % span; e < num_experts; e += span) {
     int sb = 0, st = 0;
-#pragma unroll 4
+#pragma unroll 8  // loads in flight: the sums are latency-bound reads of L2 / L1
     for (int b = first; b < blocks; b += step) {
       const int c = blk_counts[static_cast<int64_t>(b) * num_experts + e];
       st += c;
