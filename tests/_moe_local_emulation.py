@@ -36,9 +36,13 @@ def dispatch(x, topk_idx, num_experts, capacity, host_code, zero_pad):
     counts = torch.bincount(e[e >= 0], minlength=num_experts)
     if code:
         counts = torch.zeros_like(counts)
-    info = torch.cat([counts, torch.tensor([code])])
-    pair_row = torch.full((n,), -1, dtype=torch.int64)
-    send_pairs = torch.full((num_experts * capacity if capacity >= 0 else n,), n, dtype=torch.int64)
+    # info, pair_row and send_pairs: views of one tensor, as the kernels' entry returns them
+    n_rows = num_experts * capacity if capacity >= 0 else n
+    buf = torch.empty(num_experts + 1 + n + n_rows, dtype=torch.int64)
+    info, pair_row, send_pairs = buf.split([num_experts + 1, n, n_rows])
+    info.copy_(torch.cat([counts, torch.tensor([code])]))
+    pair_row.fill_(-1)
+    send_pairs.fill_(n)
     if not code:
         key = torch.where(e >= 0, e, num_experts)
         order = torch.sort(key, stable=True).indices

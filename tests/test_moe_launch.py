@@ -77,12 +77,20 @@ def test_layout_shared_memory_and_grid_for_accepted_shapes():
     assert env["kCombineThreads"] >= env["kMaxTopk"]  # combine stages a token's K rows, one per thread
     pairs = env["kPairsPerBlock"]
     shapes = [(0, 1, 1), (1, 1, 1), (64, 8, 2), (300, 64, 8), (128, 64, 8), (4096, 64, 8), (4096, 1024, 64),
-              (1, env["kMaxExperts"], env["kMaxTopk"]), (1 << 20, 256, 8)]
+              (1, env["kMaxExperts"], env["kMaxTopk"]), (1 << 20, 256, 8), (300, 16, 6), (65536, 1, 7)]
     for t, e, k in shapes:
         blocks = max(1, math.ceil(t * k / pairs))
         assert 1 <= blocks <= 2**31 - 1
         assert e * 4 + 64 <= SMEM_PER_BLOCK  # count_kernel: int32 [E] (+ its verdict word)
         assert env["kLayoutWarps"] * e * 4 <= SMEM_PER_BLOCK  # place_kernel: int32 [warps, E]
+        # bounded_rows_kernel: int32 [warps + 2, E] dynamic, int64 [kPairsPerBlock] rows and its verdict word
+        assert (env["kLayoutWarps"] + 2) * e * 4 + pairs * 8 + 64 <= SMEM_PER_BLOCK
+        # its count blocks hold whole tokens (pairs - pairs % K of them); its grid (count blocks times
+        # parts, kFusedBlocksPerSm per SM at most per count block) stays within a grid's x dimension
+        whole = pairs - pairs % k
+        fused_blocks = max(1, math.ceil(t * k / whole))
+        if fused_blocks * e <= env["kFusedCounts"]:
+            assert whole >= pairs // 2 and fused_blocks * (1 + 1024 * env["kFusedBlocksPerSm"]) <= 2**31 - 1
     # scan_kernel: int64 [kMaxExperts] totals plus cub's scan storage (a few words per warp)
     assert env["kMaxExperts"] * 8 + 64 * (env["kScanThreads"] // 32) * 8 <= SMEM_PER_BLOCK
     assert env["kScanThreads"] * env["kScanItems"] == env["kMaxExperts"]

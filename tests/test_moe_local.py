@@ -71,9 +71,16 @@ def _weights(t, k, gen):
     return (torch.randint(1, 5, (t, k), generator=gen).float() / 4).to(DEV)  # exact in fp32 sums
 
 
-@pytest.mark.parametrize("t,e,k,cap,h", [(64, 8, 2, None, 256), (300, 64, 8, None, 256), (128, 64, 8, 128, 256),
-                                         (100, 8, 8, 130, 256), (0, 8, 2, None, 256), (0, 8, 2, 16, 256),
-                                         (5, 1024, 8, None, 256), (700, 16, 4, None, 100), (50, 4, 3, 64, 100)])
+# Bounded shapes by the dispatch's kernels (csrc/moe/moe_local.cu): blocks * E <= kFusedCounts (16384)
+# takes two launches (count_kernel, bounded_rows_kernel; count blocks of the whole tokens within 256
+# pairs, 252 at K = 6), past it the four-kernel path (count, scan, place, scatter_rows).
+_FUSED = [(128, 64, 8, 128, 256), (100, 8, 8, 130, 256), (0, 8, 2, 16, 256), (50, 4, 3, 64, 100),
+          (300, 16, 6, 300, 256), (200, 8, 5, 200, 100), (200, 100, 8, 200, 64), (300, 1024, 8, 300, 32)]
+_FOUR_KERNELS = [(72, 1024, 64, 72, 64), (300, 1024, 48, 300, 32)]  # 18 and 60 count blocks of 1024 experts
+
+
+@pytest.mark.parametrize("t,e,k,cap,h", [(64, 8, 2, None, 256), (300, 64, 8, None, 256), (0, 8, 2, None, 256),
+                                         (5, 1024, 8, None, 256), (700, 16, 4, None, 100)] + _FUSED + _FOUR_KERNELS)
 @pytest.mark.parametrize("idx_dtype", [torch.int64, torch.int32])
 def test_round_trip_exact(group, t, e, k, cap, h, idx_dtype):
     # h = 100: rows of 200 bytes, the kernels' element-wise (unvectorised) paths
@@ -100,6 +107,47 @@ def test_round_trip_exact(group, t, e, k, cap, h, idx_dtype):
         assert handle.counts_host == ref_counts.tolist()
     else:
         handle.check()
+
+
+@pytest.mark.parametrize("t,e,k,cap,h", _FUSED + _FOUR_KERNELS)
+@pytest.mark.parametrize("zero_pad", [True, False])
+@pytest.mark.parametrize("data", ["valid", "bad_id", "duplicate", "host_code"])
+def test_bounded_entry_matches_emulation(group, t, e, k, cap, h, zero_pad, data):
+    """torch.ops.flux.moe_local_dispatch itself, bounded, on both of its kernel paths, against its
+    CPU statement (tests/_moe_local_emulation.py): the layout (pair_row, send_pairs with T * K on
+    padding rows), counts and verdict bit for bit, recv's rows exactly (its padding rows too with
+    zero_pad); any verdict bit (a bad id, a duplicate, the caller's host_code) leaves every count
+    zero and every pair rowless. The outputs are poisoned first (NaN rows freed before the call)."""
+    import _moe_local_emulation
+
+    if t == 0 and data in ("bad_id", "duplicate"):
+        pytest.skip("no token to make invalid")
+    gen = torch.Generator().manual_seed(t * 7 + e + k)
+    x, idx = _ints((t, h), gen), _routing(t, e, k, gen, empty_slots=k > 1)
+    if data == "bad_id":
+        idx[t // 2, k - 1] = e if t % 2 else -2
+    elif data == "duplicate":
+        idx[t - 1, k - 1] = idx[t - 1, 0] = 1
+    host_code = 16 if data == "host_code" else 0
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
+        nbytes = e * cap * h * x.element_size() + (e + 1 + t * k + e * cap) * 8  # recv, the index tensors
+        poison = torch.full((nbytes,), 0x7F, dtype=torch.uint8, device=DEV)
+        del poison  # every row and index the call returns must be written
+    recv, counts, verdict, pair_row, send_pairs, info = torch.ops.flux.moe_local_dispatch(x, idx, e, cap, host_code,
+                                                                                           zero_pad)
+    ref = _moe_local_emulation.dispatch(x.cpu(), idx.cpu(), e, cap, host_code, zero_pad)
+    assert torch.equal(info.cpu(), ref[5]) and torch.equal(counts.cpu(), ref[1]) and torch.equal(verdict.cpu(), ref[2])
+    assert (int(verdict[0]) != 0) == (data != "valid")
+    assert torch.equal(pair_row.cpu(), ref[3]) and torch.equal(send_pairs.cpu(), ref[4])
+    if data != "valid":
+        assert not counts.any() and bool((pair_row == -1).all()) and bool((send_pairs == t * k).all())
+    assert recv.shape == (e, cap, h)
+    if zero_pad:
+        assert torch.equal(recv.cpu(), ref[0])
+    else:  # the rows up to the counts
+        keep = (torch.arange(cap)[None, :] < ref[1][:, None])[..., None]
+        assert torch.equal(torch.where(keep, recv.cpu(), 0), ref[0])
 
 
 def test_fp8_dispatch_exact(group):
@@ -334,8 +382,8 @@ def test_repeat_calls_take_the_hot_path(group, grad):
 
 def test_host_cost_ratio(group):
     """The host cost of flux's Python around the kernels in a repeat bounded call, as a ratio to
-    a plain ATen sequence of the same size timed in the same process (about what the C++ entry
-    itself does per dispatch: four allocations and a few views, through the dispatcher): the
+    a plain ATen sequence of the same size timed in the same process (four allocations and two
+    views, through the dispatcher; the C++ entry itself makes two allocations and five views): the
     kernels' entries are replaced by functions that return their outputs, computed once, so that
     only the Python layers are timed. Minimum over interleaved rounds of 200 calls each; bounds
     with a margin over what the hot path takes (dispatch ~0.9, combine ~0.3 of the sequence; a

@@ -3,24 +3,39 @@
 // layout and a combine the weighted gather back. Kernels, each over the (token, slot) pairs
 // p = t * K + k or over the rows of recv_x:
 //
-//   layout   count_kernel  (one block per 256 pairs)  per-block, per-expert counts + verdict bits
+//   layout   count_kernel  (one block per P pairs)    per-block, per-expert counts + verdict bits
+//                          (P = 256, or the whole tokens within 256: below)
 //            scan_kernel   (one block)                exclusive scans: blocks within an expert,
 //                                                     experts (unbounded) -> counts, verdict
 //            place_kernel  (one block per 256 pairs)  pair_row[p] (its row, -1: none) and
 //                                                     send_pairs[row] = p
 //   move     scatter_rows_kernel  recv_x[pair_row[t, k]] = x[t], token-major (zeros for padding rows)
+//   bounded  bounded_rows_kernel  scan + place + move of a bounded dispatch in one launch (below)
 //   combine  combine_kernel       out[t] = sum_k w[t, k] * y[pair_row[t, k]]  (fp32, k = 0 first)
 //   backward combine_bwd_kernel   dy[pair_row[t, k]] = w[t, k] * dout[t], dw[t, k] = <dout[t], that row of y>
 //
 // Row order within an expert is pair order (token, then slot): a pair's rank among its block's
-// pairs of the same expert comes from __match_any_sync per warp and a scan over the block's warps;
-// the blocks' offsets from scan_kernel. So the layout is the stable sort by expert that the
-// reference strategy makes, bit for bit, and every kernel is deterministic.
+// pairs of the same expert comes from __match_any_sync per warp and a scan over the block's warps
+// (block_rank); the blocks' offsets from the column sums of the count blocks before it. So the
+// layout is the stable sort by expert that the reference strategy makes, bit for bit, and every
+// kernel is deterministic (integer sums in any order are the same sums).
 //
 // Bounded (capacity C >= 0): expert e's rows are e * C .. e * C + counts[e] - 1 of [E * C] rows;
 // the rest are padding (send_pairs = T * K, zero rows when zero_pad). Any verdict bit (an id outside
 // [-1, E), an expert twice in a token, or the caller's host_code) makes every count zero and every
 // pair rowless: nothing moves, recv_x is zeros, combine gives zeros.
+//
+// A bounded dispatch takes two launches where blocks * E <= kFusedCounts: count_kernel, then
+// bounded_rows_kernel, whose every block reads all the count blocks' counts and codes (L2 / L1
+// resident at that size) and derives what scan_kernel would give it: the verdict, the experts'
+// totals and its count block's offsets (bounded starts are e * C, so no scan over the experts).
+// Blocks come in `split` parts per count block, so that the copy has about as many blocks as the
+// rows need, whatever P; each part ranks the count block's pairs again (P index reads) and copies
+// its share of the tokens. There, P = 256 - 256 % K: a count block holds whole tokens, so each
+// token's row is read once even where K does not divide 256. No block waits for another (nothing
+// to deadlock, no counter kept across calls: safe in CUDA graphs and on any stream). The redundant
+// reads cost grid * blocks * E ints, bounded through kFusedCounts; past it (and unbounded) the
+// three layout kernels run, and bounded the row kernel after them.
 //
 // The code bits match flux/ops/moe/handle.py: 2 bad id, 4 duplicate; host_code carries the others.
 #include <ATen/cuda/CUDAContext.h>
@@ -34,7 +49,7 @@
 namespace flux {
 namespace {
 
-constexpr int kPairsPerBlock = 256;  // layout blocks: one thread per pair
+constexpr int kPairsPerBlock = 256;  // layout blocks: one thread per pair (P <= this many used)
 constexpr int kLayoutWarps = kPairsPerBlock / 32;
 // scan_kernel: kScanItems experts per thread. A block of T threads gets 65536 / T registers per
 // thread at most; 512 threads (128 each) hold the kernel's without spilling, where 1024 threads
@@ -42,7 +57,10 @@ constexpr int kLayoutWarps = kPairsPerBlock / 32;
 constexpr int kScanThreads = 512;
 constexpr int kScanItems = 2;
 constexpr int64_t kMaxExperts = kScanThreads * kScanItems;
-constexpr int kRowThreads = 128;      // scatter_rows_kernel
+constexpr int kRowThreads = 128;  // scatter_rows_kernel
+// bounded_rows_kernel: at most this many block counts (blocks * E ints, 64 KB), read by every block.
+constexpr int64_t kFusedCounts = 16384;
+constexpr int kFusedBlocksPerSm = 8;  // its grid: about this many blocks of kPairsPerBlock per SM
 constexpr int kCombineThreads = 256;  // combine_kernel, combine_bwd_kernel (at most)
 constexpr int kBadId = 2, kDuplicate = 4;
 
@@ -69,18 +87,57 @@ __device__ __forceinline__ int pair_expert(const Idx* __restrict__ idx, int64_t 
   return static_cast<int>(e);
 }
 
-// blk_counts[b, e]: pairs of block b routed to e; blk_code[b]: the block's verdict bits.
+// ORs the count blocks' verdict bits into *s_code (shared memory), a stride of blocks per thread.
+__device__ __forceinline__ void or_block_codes(const int* __restrict__ blk_code, int blocks, int* s_code) {
+  int code = 0;
+  for (int b = threadIdx.x; b < blocks; b += blockDim.x) code |= blk_code[b];
+  if (code) atomicOr(s_code, code);
+}
+
+// The rank of this thread's pair (expert e; -1: none, rank -1) among the earlier pairs of its
+// block routed to e: within the warp from __match_any_sync, then the warps before it through
+// s_warp [kLayoutWarps, E] (counts per warp, then their exclusive sums over the warps). Every
+// thread of the block calls it (it holds barriers); s_warp is free again once every thread has
+// returned (a barrier of the caller's).
+__device__ __forceinline__ int block_rank(int e, int num_experts, int* s_warp) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int i = threadIdx.x; i < kLayoutWarps * num_experts; i += blockDim.x) s_warp[i] = 0;
+  __syncthreads();
+  const unsigned peers = __match_any_sync(0xffffffffu, e);  // lanes of this warp with the same expert
+  const int in_warp = __popc(peers & ((1u << lane) - 1u));
+  if (e >= 0 && in_warp == 0) s_warp[warp * num_experts + e] = __popc(peers);
+  __syncthreads();
+  for (int x = threadIdx.x; x < num_experts; x += blockDim.x) {
+    int run = 0;
+    for (int w = 0; w < kLayoutWarps; ++w) {
+      const int c = s_warp[w * num_experts + x];
+      s_warp[w * num_experts + x] = run;
+      run += c;
+    }
+  }
+  __syncthreads();
+  return e < 0 ? -1 : s_warp[warp * num_experts + e] + in_warp;
+}
+
+// The row of a pair at `place` within its expert (whose rows start at start_e), or -1 past the
+// capacity (impossible when T <= C without duplicates, both checked: a bound on the writes).
+__device__ __forceinline__ int64_t row_at(int64_t start_e, int64_t place, int64_t capacity) {
+  return capacity >= 0 && place >= capacity ? -1 : start_e + place;
+}
+
+// blk_counts[b, e]: pairs of block b (pairs [b * per_block, (b + 1) * per_block), per_block <=
+// kPairsPerBlock) routed to e; blk_code[b]: the block's verdict bits.
 template <typename Idx>
 __global__ void __launch_bounds__(kPairsPerBlock)
-count_kernel(const Idx* __restrict__ idx, int64_t n, int k, int num_experts,
+count_kernel(const Idx* __restrict__ idx, int64_t n, int k, int per_block, int num_experts,
              int* __restrict__ blk_counts, int* __restrict__ blk_code) {
   extern __shared__ int s_count[];  // [num_experts]
   __shared__ int s_code;
   for (int e = threadIdx.x; e < num_experts; e += blockDim.x) s_count[e] = 0;
   if (threadIdx.x == 0) s_code = 0;
   __syncthreads();
-  const int64_t p = static_cast<int64_t>(blockIdx.x) * kPairsPerBlock + threadIdx.x;
-  const int e = pair_expert(idx, p, n, k, num_experts, &s_code);
+  const int64_t p = static_cast<int64_t>(blockIdx.x) * per_block + threadIdx.x;
+  const int e = threadIdx.x < per_block ? pair_expert(idx, p, n, k, num_experts, &s_code) : -1;
   if (e >= 0) atomicAdd(&s_count[e], 1);
   __syncthreads();
   int* out = blk_counts + static_cast<int64_t>(blockIdx.x) * num_experts;
@@ -103,9 +160,7 @@ __global__ void __launch_bounds__(kScanThreads)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   if (threadIdx.x == 0) s_code = host_code;
   __syncthreads();
-  int code = 0;
-  for (int b = threadIdx.x; b < blocks; b += blockDim.x) code |= blk_code[b];
-  if (code) atomicOr(&s_code, code);
+  or_block_codes(blk_code, blocks, &s_code);
   for (int e = warp; e < num_experts; e += kScanThreads / 32) {
     int64_t run = 0;
     for (int b0 = 0; b0 < blocks; b0 += 32) {
@@ -147,50 +202,66 @@ __global__ void __launch_bounds__(kScanThreads)
   }
 }
 
-// pair_row[p] and send_pairs[row]; nothing (every pair -1) when the verdict is nonzero.
+// pair_row[p] and send_pairs[row]; nothing (every pair -1) when the verdict is nonzero. Blocks of
+// kPairsPerBlock pairs (count_kernel's with per_block = kPairsPerBlock).
 template <typename Idx>
 __global__ void __launch_bounds__(kPairsPerBlock)
 place_kernel(const Idx* __restrict__ idx, int64_t n, int k, int num_experts, int64_t capacity,
              const int* __restrict__ blk_off, const int64_t* __restrict__ info,
              const int64_t* __restrict__ start, int64_t* __restrict__ pair_row,
              int64_t* __restrict__ send_pairs) {
-  extern __shared__ int s_warp[];  // [kLayoutWarps, num_experts]: per warp, then exclusive over warps
+  extern __shared__ int s_warp[];  // [kLayoutWarps, num_experts] (block_rank)
   const int64_t p = static_cast<int64_t>(blockIdx.x) * kPairsPerBlock + threadIdx.x;
   if (info[num_experts] != 0) {  // uniform over the grid
     if (p < n) pair_row[p] = -1;
     return;
   }
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  for (int i = threadIdx.x; i < kLayoutWarps * num_experts; i += blockDim.x) s_warp[i] = 0;
-  __syncthreads();
   const int e = pair_expert(idx, p, n, k, num_experts, nullptr);
-  const unsigned peers = __match_any_sync(0xffffffffu, e);  // lanes of this warp with the same expert
-  const int in_warp = __popc(peers & ((1u << lane) - 1u));
-  if (e >= 0 && in_warp == 0) s_warp[warp * num_experts + e] = __popc(peers);
-  __syncthreads();
-  for (int x = threadIdx.x; x < num_experts; x += blockDim.x) {
-    int run = 0;
-    for (int w = 0; w < kLayoutWarps; ++w) {
-      const int c = s_warp[w * num_experts + x];
-      s_warp[w * num_experts + x] = run;
-      run += c;
-    }
-  }
-  __syncthreads();
+  const int rank = block_rank(e, num_experts, s_warp);
   if (p >= n) return;
   if (e < 0) {
     pair_row[p] = -1;
     return;
   }
-  const int64_t place = static_cast<int64_t>(blk_off[static_cast<int64_t>(blockIdx.x) * num_experts + e]) +
-                        s_warp[warp * num_experts + e] + in_warp;
-  if (capacity >= 0 && place >= capacity) {  // impossible when T <= C without duplicates (both checked)
-    pair_row[p] = -1;
-    return;
-  }
-  const int64_t row = start[e] + place;
+  const int64_t place = static_cast<int64_t>(blk_off[static_cast<int64_t>(blockIdx.x) * num_experts + e]) + rank;
+  const int64_t row = row_at(start[e], place, capacity);
   pair_row[p] = row;
-  send_pairs[row] = p;
+  if (row >= 0) send_pairs[row] = p;
+}
+
+constexpr int kRowUnroll = 4;  // vectors of a row in flight per thread
+
+// x's row `from` into out's rows rows[0, k) (-1: none), the block's threads over the row's
+// vectors: the row is read once for its k copies. rows is the same for every thread (a broadcast
+// load; global or shared memory).
+template <typename Vec>
+__device__ __forceinline__ void copy_to_rows(const Vec* __restrict__ from, const int64_t* rows, int k,
+                                             int64_t vecs, Vec* __restrict__ out) {
+  for (int64_t v0 = threadIdx.x; v0 < vecs; v0 += kRowUnroll * blockDim.x) {
+    Vec buf[kRowUnroll];
+#pragma unroll
+    for (int u = 0; u < kRowUnroll; ++u) {
+      const int64_t v = v0 + u * blockDim.x;
+      if (v < vecs) buf[u] = from[v];
+    }
+    for (int j = 0; j < k; ++j) {
+      const int64_t r = rows[j];
+      if (r < 0) continue;
+      Vec* to = out + r * vecs;
+#pragma unroll
+      for (int u = 0; u < kRowUnroll; ++u) {
+        const int64_t v = v0 + u * blockDim.x;
+        if (v < vecs) to[v] = buf[u];
+      }
+    }
+  }
+}
+
+template <typename Vec>
+__device__ __forceinline__ void zero_row(Vec* __restrict__ to, int64_t vecs) {
+  Vec zero;
+  memset(&zero, 0, sizeof(Vec));
+  for (int64_t v = threadIdx.x; v < vecs; v += blockDim.x) to[v] = zero;
 }
 
 // The rows of a dispatch, token-major so that each token's row is read once (x is read once, each
@@ -204,38 +275,101 @@ __global__ void __launch_bounds__(kRowThreads)
 scatter_rows_kernel(const Vec* __restrict__ src, const int64_t* __restrict__ pair_row,
                     const int64_t* __restrict__ send_pairs, int64_t tokens, int k, int64_t pad_rows,
                     int64_t vecs, Vec* __restrict__ out) {
-  constexpr int kUnroll = 4;
   const int64_t num_pairs = tokens * k;
   for (int64_t item = blockIdx.x; item < tokens + pad_rows; item += gridDim.x) {
     if (item < tokens) {
-      const int64_t* rows = pair_row + item * k;
-      const Vec* from = src + item * vecs;
-      for (int64_t v0 = threadIdx.x; v0 < vecs; v0 += kUnroll * blockDim.x) {
-        Vec buf[kUnroll];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const int64_t v = v0 + u * blockDim.x;
-          if (v < vecs) buf[u] = from[v];
-        }
-        for (int j = 0; j < k; ++j) {
-          const int64_t r = rows[j];  // the same for every thread: a broadcast load
-          if (r < 0) continue;
-          Vec* to = out + r * vecs;
-#pragma unroll
-          for (int u = 0; u < kUnroll; ++u) {
-            const int64_t v = v0 + u * blockDim.x;
-            if (v < vecs) to[v] = buf[u];
-          }
-        }
-      }
+      copy_to_rows(src + item * vecs, pair_row + item * k, k, vecs, out);
     } else {
       const int64_t r = item - tokens;
       const int64_t p = send_pairs[r];
       if (p >= 0 && p < num_pairs) continue;  // a token's row, written above
-      Vec zero;
-      memset(&zero, 0, sizeof(Vec));
-      Vec* to = out + r * vecs;
-      for (int64_t v = threadIdx.x; v < vecs; v += blockDim.x) to[v] = zero;
+      zero_row(out + r * vecs, vecs);
+    }
+  }
+}
+
+// Per expert e: s_before[e] += blk_counts[b, e] summed over b < before, s_total[e] += the same over
+// every block (both zeroed by the caller, a barrier after). Thread x sums column x % span (span =
+// min(E, threads); then + span, ...) over rows x / span, x / span + threads / span, ...: consecutive
+// threads read consecutive ints, and each thread adds into shared memory once per column.
+__device__ __forceinline__ void column_sums(const int* __restrict__ blk_counts, int blocks, int num_experts,
+                                            int before, int* s_before, int* s_total) {
+  const int span = min(num_experts, static_cast<int>(blockDim.x));
+  const int step = blockDim.x / span, first = threadIdx.x / span;
+  if (first >= step) return;  // threads past step * span
+  for (int e = threadIdx.x % span; e < num_experts; e += span) {
+    int sb = 0, st = 0;
+#pragma unroll 8  // loads in flight: the sums are latency-bound reads of L2 / L1
+    for (int b = first; b < blocks; b += step) {
+      const int c = blk_counts[static_cast<int64_t>(b) * num_experts + e];
+      st += c;
+      sb += b < before ? c : 0;
+    }
+    if (st != 0) atomicAdd(&s_total[e], st);
+    if (sb != 0) atomicAdd(&s_before[e], sb);
+  }
+}
+
+// A bounded dispatch after count_kernel (per_block = P, a multiple of k), in one launch: block
+// i * split + part takes count block i's pairs (whole tokens) and, of them, the tokens j with
+// j % split == part; every block also takes a grid-stride share of the [E * C] rows' padding.
+//   1. the verdict (host_code | every block's code), each expert's total and count block i's
+//      offset in it (column_sums over blk_counts); block 0 writes info (counts, verdict)
+//   2. the rows of count block i's pairs (block_rank, rows from e * C), kept in shared memory
+//   3. its tokens' pair_row and send_pairs entries, then their rows (x[t] read once, to K rows)
+//   4. its padding rows (row e * C + j with j >= min(total[e], C); every row when the verdict is
+//      set): send_pairs = T * K, and zeros in out when zero_pad
+template <typename Idx, typename Vec>
+__global__ void __launch_bounds__(kPairsPerBlock)
+bounded_rows_kernel(const Idx* __restrict__ idx, int64_t n, int k, int per_block, int num_experts, int64_t capacity,
+                    const int* __restrict__ blk_counts, const int* __restrict__ blk_code, int blocks, int split,
+                    int host_code, bool zero_pad, const Vec* __restrict__ src, int64_t vecs,
+                    int64_t* __restrict__ info, int64_t* __restrict__ pair_row, int64_t* __restrict__ send_pairs,
+                    Vec* __restrict__ out) {
+  extern __shared__ int s_dyn[];  // s_warp [kLayoutWarps, E], s_before [E], s_total [E]
+  __shared__ int64_t s_row[kPairsPerBlock];
+  __shared__ int s_code;
+  int* s_warp = s_dyn;
+  int* s_before = s_warp + kLayoutWarps * num_experts;
+  int* s_total = s_before + num_experts;
+  const int unit = blockIdx.x / split, part = blockIdx.x % split;
+  for (int x = threadIdx.x; x < 2 * num_experts; x += blockDim.x) s_before[x] = 0;  // s_before, s_total
+  if (threadIdx.x == 0) s_code = host_code;
+  __syncthreads();
+  or_block_codes(blk_code, blocks, &s_code);
+  column_sums(blk_counts, blocks, num_experts, unit, s_before, s_total);
+  __syncthreads();
+  const bool failed = s_code != 0;  // uniform over the grid
+  if (blockIdx.x == 0) {
+    for (int x = threadIdx.x; x < num_experts; x += blockDim.x) info[x] = failed ? 0 : s_total[x];
+    if (threadIdx.x == 0) info[num_experts] = s_code;
+  }
+  const int64_t p0 = static_cast<int64_t>(unit) * per_block, p = p0 + threadIdx.x;
+  const bool in_unit = threadIdx.x < per_block && p < n;
+  const int e = in_unit && !failed ? pair_expert(idx, p, n, k, num_experts, nullptr) : -1;
+  const int rank = block_rank(e, num_experts, s_warp);
+  s_row[threadIdx.x] = e < 0 ? -1 : row_at(e * capacity, static_cast<int64_t>(s_before[e]) + rank, capacity);
+  __syncthreads();
+  if (in_unit && (threadIdx.x / k) % split == part) {
+    const int64_t row = s_row[threadIdx.x];
+    pair_row[p] = row;
+    if (row >= 0) send_pairs[row] = p;
+  }
+  const int64_t t0 = p0 / k;
+  const int tokens = failed ? 0 : static_cast<int>(max(int64_t{0}, min(n - p0, static_cast<int64_t>(per_block))) / k);
+  for (int j = part; j < tokens; j += split) copy_to_rows(src + (t0 + j) * vecs, s_row + j * k, k, vecs, out);
+  const int64_t rows = num_experts * capacity;
+  auto padding = [&](int64_t r) {
+    const int64_t ex = r / capacity;
+    return failed || r - ex * capacity >= min(static_cast<int64_t>(s_total[ex]), capacity);
+  };
+  const int64_t threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; r < rows; r += threads) {
+    if (padding(r)) send_pairs[r] = n;
+  }
+  if (zero_pad) {
+    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+      if (padding(r)) zero_row(out + r * vecs, vecs);
     }
   }
 }
@@ -380,54 +514,88 @@ bool aligned16(const at::Tensor& t, int64_t row_bytes) {
   return row_bytes % 16 == 0 && is_aligned(t.data_ptr(), 16);
 }
 
-// The three layout kernels (see the top of the file). Returns (info [E + 1], pair_row [T * K],
-// send_pairs [E * C] bounded, [T * K] unbounded: its first sum(counts) entries hold the rows).
-// info is the head of one allocation whose tail is the kernels' scratch (one allocation fewer
-// per call; the scratch lives as long as info, a few hundred bytes).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> local_layout(const at::Tensor& topk_idx, int64_t num_experts,
-                                                            int64_t capacity, int64_t host_code, cudaStream_t stream) {
-  constexpr const char* op = "moe_local_dispatch";
-  FLUX_CHECK(topk_idx.is_cuda() && topk_idx.dim() == 2 && topk_idx.is_contiguous() &&
-                 (topk_idx.scalar_type() == at::kLong || topk_idx.scalar_type() == at::kInt),
-             op, "topk_idx must be a contiguous 2-D int64 or int32 CUDA tensor");
-  FLUX_CHECK(num_experts >= 1 && num_experts <= kMaxExperts, op, "num_experts must be in [1, ", kMaxExperts,
-             "], got ", num_experts);
-  const int64_t t = topk_idx.size(0), k = topk_idx.size(1), n = t * k;
-  FLUX_CHECK(k >= 1 && k <= kMaxTopk, op, "K must be in [1, ", kMaxTopk, "], got ", k);
-  FLUX_CHECK(capacity >= -1, op, "capacity must be -1 (unbounded) or >= 0, got ", capacity);
-  const auto i64 = topk_idx.options().dtype(at::kLong);
-  const int64_t blocks64 = std::max<int64_t>(1, (n + kPairsPerBlock - 1) / kPairsPerBlock);
-  FLUX_CHECK(blocks64 <= moe_launch::kMaxGridX, op, "T * K = ", n, " pairs is too many for one dispatch");
-  const int blocks = static_cast<int>(blocks64);
-  // info (int64 [E + 1]), then the scratch: the expert starts (int64 [E]), the block counts (then
-  // offsets, int32 [blocks, E]) and the block codes (int32 [blocks]).
-  const int64_t blk_ints = static_cast<int64_t>(blocks) * (num_experts + 1);
-  at::Tensor info_scratch = at::empty({2 * num_experts + 1 + (blk_ints + 1) / 2}, i64);
-  at::Tensor info = info_scratch.narrow(0, 0, num_experts + 1);
-  at::Tensor pair_row = at::empty({n}, i64);
-  at::Tensor send_pairs = at::empty({capacity >= 0 ? num_experts * capacity : n}, i64);
-  int64_t* start = info_scratch.data_ptr<int64_t>() + num_experts + 1;
-  int* blk_counts = reinterpret_cast<int*>(start + num_experts);
-  int* blk_code = blk_counts + static_cast<int64_t>(blocks) * num_experts;
-  const int e = static_cast<int>(num_experts);
-  const int ki = static_cast<int>(k);
-  AT_DISPATCH_INDEX_TYPES(topk_idx.scalar_type(), "moe_local_layout", [&] {
-    const index_t* idx = topk_idx.data_ptr<index_t>();
-    const size_t count_smem = e * sizeof(int), place_smem = kLayoutWarps * e * sizeof(int);
-    moe_launch::check(op, "count_kernel", count_kernel<index_t>, blocks, kPairsPerBlock, count_smem);
-    moe_launch::check(op, "scan_kernel", scan_kernel, 1, kScanThreads, 0);
-    moe_launch::check(op, "place_kernel", place_kernel<index_t>, blocks, kPairsPerBlock, place_smem);
-    count_kernel<index_t><<<blocks, kPairsPerBlock, count_smem, stream>>>(idx, n, ki, e, blk_counts, blk_code);
-    FLUX_CHECK_LAUNCH();
-    scan_kernel<<<1, kScanThreads, 0, stream>>>(blk_counts, blk_code, blocks, e, capacity, static_cast<int>(host_code),
-                                                info.data_ptr<int64_t>(), start, send_pairs.data_ptr<int64_t>(), n);
-    FLUX_CHECK_LAUNCH();
-    place_kernel<index_t><<<blocks, kPairsPerBlock, place_smem, stream>>>(
-        idx, n, ki, e, capacity, blk_counts, info.data_ptr<int64_t>(), start, pair_row.data_ptr<int64_t>(),
-        send_pairs.data_ptr<int64_t>());
-    FLUX_CHECK_LAUNCH();
-  });
-  return {info, pair_row, send_pairs};
+// A dispatch's index tensors and the layout kernels' scratch, in one int64 allocation: info
+// [E + 1] (counts, verdict), pair_row [T * K], send_pairs ([E * C] bounded; [T * K] unbounded, its
+// first sum(counts) entries hold the rows), then the scratch: start (int64 [E]), blk_counts
+// (int32 [blocks, E]) and blk_code (int32 [blocks]). The outputs are views of it (one allocation
+// in place of three; the scratch, E + blocks * (E + 1) / 2 words, lives as long as they do).
+struct Layout {
+  at::Tensor info, pair_row, send_pairs;
+  int64_t* start;
+  int* blk_counts;
+  int* blk_code;
+  int blocks;     // count blocks
+  int per_block;  // pairs per count block
+};
+
+// The pairs per count block: kPairsPerBlock, or (fused) the most whole tokens that fit in it.
+Layout layout_buffers(const at::Tensor& topk_idx, int64_t num_experts, int64_t capacity, int per_block) {
+  const int64_t n = topk_idx.numel();
+  const int64_t blocks = std::max<int64_t>(1, (n + per_block - 1) / per_block);
+  FLUX_CHECK(blocks <= moe_launch::kMaxGridX, "moe_local_dispatch", "T * K = ", n,
+             " pairs is too many for one dispatch");
+  const int64_t rows = capacity >= 0 ? num_experts * capacity : n;
+  const int64_t blk_ints = blocks * (num_experts + 1);
+  const int64_t head = num_experts + 1 + n + rows;
+  at::Tensor all = at::empty({head + num_experts + (blk_ints + 1) / 2}, topk_idx.options().dtype(at::kLong));
+  Layout l;
+  l.info = all.narrow(0, 0, num_experts + 1);
+  l.pair_row = all.narrow(0, num_experts + 1, n);
+  l.send_pairs = all.narrow(0, num_experts + 1 + n, rows);
+  l.start = all.data_ptr<int64_t>() + head;
+  l.blk_counts = reinterpret_cast<int*>(l.start + num_experts);
+  l.blk_code = l.blk_counts + blocks * num_experts;
+  l.blocks = static_cast<int>(blocks);
+  l.per_block = per_block;
+  return l;
+}
+
+template <typename Idx>
+void launch_count(const char* op, const Idx* idx, int64_t n, int k, int num_experts, const Layout& l,
+                  cudaStream_t stream) {
+  const size_t smem = num_experts * sizeof(int);
+  moe_launch::check(op, "count_kernel", count_kernel<Idx>, l.blocks, kPairsPerBlock, smem);
+  count_kernel<Idx><<<l.blocks, kPairsPerBlock, smem, stream>>>(idx, n, k, l.per_block, num_experts, l.blk_counts,
+                                                                l.blk_code);
+  FLUX_CHECK_LAUNCH();
+}
+
+// scan_kernel and place_kernel after count_kernel (per_block = kPairsPerBlock).
+template <typename Idx>
+void launch_scan_place(const char* op, const Idx* idx, int64_t n, int k, int num_experts, int64_t capacity,
+                       int64_t host_code, Layout& l, cudaStream_t stream) {
+  const size_t place_smem = kLayoutWarps * num_experts * sizeof(int);
+  int64_t* info = l.info.data_ptr<int64_t>();
+  int64_t* send_pairs = l.send_pairs.data_ptr<int64_t>();
+  moe_launch::check(op, "scan_kernel", scan_kernel, 1, kScanThreads, 0);
+  moe_launch::check(op, "place_kernel", place_kernel<Idx>, l.blocks, kPairsPerBlock, place_smem);
+  scan_kernel<<<1, kScanThreads, 0, stream>>>(l.blk_counts, l.blk_code, l.blocks, num_experts, capacity,
+                                              static_cast<int>(host_code), info, l.start, send_pairs, n);
+  FLUX_CHECK_LAUNCH();
+  place_kernel<Idx><<<l.blocks, kPairsPerBlock, place_smem, stream>>>(
+      idx, n, k, num_experts, capacity, l.blk_counts, info, l.start, l.pair_row.data_ptr<int64_t>(), send_pairs);
+  FLUX_CHECK_LAUNCH();
+}
+
+// bounded_rows_kernel after count_kernel (per_block a multiple of k): split parts per count block,
+// so that the grid is about what the rows need (a token, or a zeroed padding row, per block up to
+// kFusedBlocksPerSm blocks per SM).
+template <typename Idx, typename Vec>
+void launch_bounded_rows(const char* op, const Idx* idx, int64_t n, int k, int num_experts, int64_t capacity,
+                         int64_t host_code, bool zero_pad, const at::Tensor& x, Layout& l, at::Tensor& out,
+                         cudaStream_t stream) {
+  const int64_t rows = num_experts * capacity;
+  const int64_t want = grid_for(x.size(0) + (zero_pad ? rows : 0), kFusedBlocksPerSm);
+  const int64_t split = std::max<int64_t>(1, (want + l.blocks - 1) / l.blocks);
+  const int64_t grid = l.blocks * split;
+  const size_t smem = (kLayoutWarps + 2) * num_experts * sizeof(int);
+  const int64_t vecs = x.size(1) * static_cast<int64_t>(x.element_size()) / static_cast<int64_t>(sizeof(Vec));
+  moe_launch::check(op, "bounded_rows_kernel", bounded_rows_kernel<Idx, Vec>, grid, kPairsPerBlock, smem);
+  bounded_rows_kernel<Idx, Vec><<<grid, kPairsPerBlock, smem, stream>>>(
+      idx, n, k, l.per_block, num_experts, capacity, l.blk_counts, l.blk_code, l.blocks, static_cast<int>(split),
+      static_cast<int>(host_code), zero_pad, static_cast<const Vec*>(x.data_ptr()), vecs, l.info.data_ptr<int64_t>(),
+      l.pair_row.data_ptr<int64_t>(), l.send_pairs.data_ptr<int64_t>(), static_cast<Vec*>(out.data_ptr()));
+  FLUX_CHECK_LAUNCH();
 }
 
 // out's rows from x (scatter_rows_kernel); pad_rows > 0: also zero out's padding rows.
@@ -465,7 +633,9 @@ void check_rows(const at::Tensor& t, const char* what, const char* op) {
 // Returns [recv, counts, verdict, pair_row, send_pairs, info]: recv [E, C, H] bounded, [0, H]
 // unbounded (the caller sizes it with moe_local_rows after its one host read of info); counts
 // (info[:E]) and verdict (info[E:], [1]) are views of info, so that the bounded caller uses the
-// outputs as they come (no slicing or reshaping on the host per call).
+// outputs as they come (no slicing or reshaping on the host per call). info, pair_row and
+// send_pairs are views of one allocation (layout_buffers). Bounded: two launches where
+// blocks * E <= kFusedCounts (count_kernel, bounded_rows_kernel), else four; unbounded: three.
 std::vector<at::Tensor> moe_local_dispatch(const at::Tensor& x_in, const at::Tensor& topk_idx_in, int64_t num_experts,
                                            int64_t capacity, int64_t host_code, bool zero_pad) {
   constexpr const char* op = "moe_local_dispatch";
@@ -474,18 +644,38 @@ std::vector<at::Tensor> moe_local_dispatch(const at::Tensor& x_in, const at::Ten
   check_rows(x, "x", op);
   FLUX_CHECK(topk_idx.device() == x.device() && topk_idx.dim() == 2 && topk_idx.size(0) == x.size(0), op,
              "topk_idx must have x's tokens, on x's device");
+  FLUX_CHECK(topk_idx.is_cuda() && (topk_idx.scalar_type() == at::kLong || topk_idx.scalar_type() == at::kInt), op,
+             "topk_idx must be an int64 or int32 CUDA tensor");
+  FLUX_CHECK(num_experts >= 1 && num_experts <= kMaxExperts, op, "num_experts must be in [1, ", kMaxExperts,
+             "], got ", num_experts);
+  const int64_t k = topk_idx.size(1), n = topk_idx.numel();
+  FLUX_CHECK(k >= 1 && k <= kMaxTopk, op, "K must be in [1, ", kMaxTopk, "], got ", k);
+  FLUX_CHECK(capacity >= -1, op, "capacity must be -1 (unbounded) or >= 0, got ", capacity);
   const c10::cuda::CUDAGuard guard(x.device());
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  auto [info, pair_row, send_pairs] = local_layout(topk_idx, num_experts, capacity, host_code, stream);
-  at::Tensor recv;
-  if (capacity >= 0) {
-    const int64_t rows = num_experts * capacity;
-    recv = at::empty({num_experts, capacity, x.size(1)}, x.options());
-    launch_rows(op, x, pair_row, send_pairs, topk_idx.size(1), zero_pad ? rows : 0, recv, stream);
-  } else {
-    recv = at::empty({0, x.size(1)}, x.options());  // the unbounded caller sizes it after reading the counts
-  }
-  return {recv, info.narrow(0, 0, num_experts), info.narrow(0, num_experts, 1), pair_row, send_pairs, info};
+  const int whole = kPairsPerBlock - kPairsPerBlock % static_cast<int>(k);  // whole tokens per count block
+  const bool fused = capacity >= 0 && std::max<int64_t>(1, (n + whole - 1) / whole) * num_experts <= kFusedCounts;
+  Layout l = layout_buffers(topk_idx, num_experts, capacity, fused ? whole : kPairsPerBlock);
+  at::Tensor recv = capacity >= 0 ? at::empty({num_experts, capacity, x.size(1)}, x.options())
+                                  : at::empty({0, x.size(1)}, x.options());  // unbounded: sized by the caller
+  const int e = static_cast<int>(num_experts), ki = static_cast<int>(k);
+  AT_DISPATCH_INDEX_TYPES(topk_idx.scalar_type(), "moe_local_dispatch", [&] {
+    const index_t* idx = topk_idx.data_ptr<index_t>();
+    launch_count(op, idx, n, ki, e, l, stream);
+    if (fused) {
+      const int64_t row_bytes = x.size(1) * static_cast<int64_t>(x.element_size());
+      if (aligned16(x, row_bytes) && aligned16(recv, row_bytes)) {
+        launch_bounded_rows<index_t, int4>(op, idx, n, ki, e, capacity, host_code, zero_pad, x, l, recv, stream);
+      } else {
+        launch_bounded_rows<index_t, char>(op, idx, n, ki, e, capacity, host_code, zero_pad, x, l, recv, stream);
+      }
+      return;
+    }
+    launch_scan_place(op, idx, n, ki, e, capacity, host_code, l, stream);
+    if (capacity >= 0) launch_rows(op, x, l.pair_row, l.send_pairs, k, zero_pad ? num_experts * capacity : 0, recv,
+                                   stream);
+  });
+  return {recv, l.info.narrow(0, 0, num_experts), l.info.narrow(0, num_experts, 1), l.pair_row, l.send_pairs, l.info};
 }
 
 at::Tensor moe_local_rows(const at::Tensor& x_in, const at::Tensor& pair_row, const at::Tensor& send_pairs,

@@ -99,9 +99,9 @@ def _moe_dispatch_op(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torc
     """fp8: recv_x is the received packed byte rows (uint8), which moe_dispatch splits."""
     recv_x, counts, h = _dispatch_impl(x, topk_idx, topk_weights, num_experts, group_from_name(group_name),
                                        max_tokens_per_rank, fp8=fp8, zero_pad=zero_pad)
-    if h.strategy == "local":  # counts and verdict are views of one tensor there: outputs must not alias
-        counts, verdict = counts.clone(), h.verdict.clone()
-        return recv_x, counts, h.send_pairs, h.recv_dest, h.meta, verdict
+    if h.strategy == "local":  # counts, verdict, send_pairs and recv_dest are views of one tensor there:
+        # outputs must not alias
+        return recv_x, counts.clone(), h.send_pairs.clone(), h.recv_dest.clone(), h.meta, h.verdict.clone()
     return recv_x, counts, h.send_pairs, h.recv_dest, h.meta, h.verdict
 
 

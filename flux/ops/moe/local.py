@@ -2,8 +2,8 @@
 
 Every expert is on this GPU, so a dispatch is a permutation: the layout kernels (per-expert
 counts, each (token, slot) pair's row, each row's pair; csrc/moe/moe_local.cu) and one kernel
-that copies each token once to its rows. The send order is the receive order (W = 1), so the
-handle's tensors are:
+that copies each token once to its rows (bounded, up to 16384 block counts: two launches in all).
+The send order is the receive order (W = 1), so the handle's tensors are:
 
     send_pairs  int64 ``[R]`` (bounded ``[E * C]``): the pair ``t * K + k`` of each row of recv_x
                 viewed as ``[-1, H]``; padding rows hold ``T * K``
