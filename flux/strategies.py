@@ -253,6 +253,23 @@ def _check_tables() -> None:
 
 _check_tables()
 
+# One vocabulary across the op families (docs/strategies.md): ``sequential`` is always the process
+# group's collectives then the compute, ``decomposed`` always the symmetric workspace filled by the
+# copy engine beside the GEMMs. The MoE families' former names for those stay accepted wherever a
+# user gives a name (``strategy=`` arguments, FLUX_STRATEGY_<OP>) and are read through this table.
+STRATEGY_ALIASES: Dict[str, Dict[str, str]] = {
+    "moe": {"all_to_all": "sequential"},
+    "moe_tp": {"symm": "decomposed"},
+}
+
+
+def canonical_strategy(family: str, name: Optional[str]) -> str:
+    """``name`` as op family ``family`` calls it now: surrounding blanks dropped, a former name
+    replaced by its current one, anything else returned as given for the caller to check
+    (None: "")."""
+    name = (name or "").strip()
+    return STRATEGY_ALIASES.get(family, {}).get(name, name)
+
 
 def param_error(op: str, name: str, kw: Mapping[str, int]) -> Optional[str]:
     """Why strategy ``name`` of ``op`` cannot take these parameters at all (None when it can)."""
