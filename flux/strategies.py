@@ -14,6 +14,9 @@ Rules come in three kinds, all pure functions of a Problem:
 
 Adding a strategy: one entry here (its ``cxx`` names the Runtime member that runs its plan),
 the regenerated header, and that member's implementation (see docs/strategies.md).
+
+Strategy names are one vocabulary across every op family, the MoE ones included;
+``canonical_strategy`` reads the names a family used before (``STRATEGY_ALIASES``) as current ones.
 """
 import dataclasses
 import logging
