@@ -19,8 +19,8 @@ Variants, side by side on the same tensors and weights:
                 grouped GEMM per part (no overlap)
     chunked     FLUX_STRATEGY_MOE_TP=chunked: W grouped GEMMs per part overlapped with NCCL
                 point-to-point transfers (not with CUDA tensors on gloo)
-    symm        FLUX_STRATEGY_MOE_TP=symm: the same blocks, the transfers by the copy engine into the
-                symmetric workspace (GPU only)
+    decomposed  FLUX_STRATEGY_MOE_TP=decomposed: the same blocks, the transfers by the copy engine
+                into the symmetric workspace (GPU only; ``symm``, its former name, is accepted)
     flux        the public ops with their automatic choice (recorded as ``choice``)
 
 Modes: fwd (under torch.no_grad) and fwdbwd (forward, then ``y.backward(g)``, gradients of x,
@@ -53,9 +53,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import flux  # noqa: E402
 from flux.ops import moe_tp  # noqa: E402
+from flux.strategies import canonical_strategy  # noqa: E402
 from bench_layers import _f, attempt, finish, ratio, rel_err, start  # noqa: E402
 
-VARIANTS = ("ref", "sequential", "chunked", "symm", "flux")
+VARIANTS = ("ref", "sequential", "chunked", "decomposed", "flux")
 
 
 def parse_args(argv=None):
@@ -141,10 +142,11 @@ def cell(args, bench, rec, group, rank, world, dev, dtype, tol):
     w13 = (torch.randn(e, 2 * f // world, h, generator=gen, device=dev) / h ** 0.5).to(dtype).requires_grad_()
     w2 = (torch.randn(e, h, f // world, generator=gen, device=dev) / f ** 0.5).to(dtype).requires_grad_()
     g = torch.randn(tl, h, generator=gen, device=dev).to(dtype)
-    # chunked moves CUDA tensors through NCCL: not on gloo (ranks sharing a GPU); symm: GPUs only
+    # chunked moves CUDA tensors through NCCL: not on gloo (ranks sharing a GPU); decomposed: GPUs only
     skip = {"chunked": dev.type == "cuda" and moe_tp._is_gloo(group),
-            "symm": moe_tp.symm_usable(dev, group) is not None}
-    variants = [v for v in args.variants.split(",") if not skip.get(v)]
+            "decomposed": moe_tp.decomposed_usable(dev, group) is not None}
+    variants = [canonical_strategy("moe_tp", v) for v in args.variants.split(",")]  # former names too
+    variants = [v for v in variants if not skip.get(v)]
     with torch.no_grad():
         _, routing = flux.ag_scatter_grouped_mm(x, idx, w13, group=group)
     rec["rows"] = routing.num_rows

@@ -14,6 +14,9 @@ Rules come in three kinds, all pure functions of a Problem:
 
 Adding a strategy: one entry here (its ``cxx`` names the Runtime member that runs its plan),
 the regenerated header, and that member's implementation (see docs/strategies.md).
+
+Strategy names are one vocabulary across every op family, the MoE ones included;
+``canonical_strategy`` reads the names a family used before (``STRATEGY_ALIASES``) as current ones.
 """
 import dataclasses
 import logging
@@ -252,6 +255,23 @@ def _check_tables() -> None:
 
 
 _check_tables()
+
+# One vocabulary across the op families (docs/strategies.md): ``sequential`` is always the process
+# group's collectives then the compute, ``decomposed`` always the symmetric workspace filled by the
+# copy engine beside the GEMMs. The MoE families' former names for those stay accepted wherever a
+# user gives a name (``strategy=`` arguments, FLUX_STRATEGY_<OP>) and are read through this table.
+STRATEGY_ALIASES: Dict[str, Dict[str, str]] = {
+    "moe": {"all_to_all": "sequential"},
+    "moe_tp": {"symm": "decomposed"},
+}
+
+
+def canonical_strategy(family: str, name: Optional[str]) -> str:
+    """``name`` as op family ``family`` calls it now: surrounding blanks dropped, a former name
+    replaced by its current one, anything else returned as given for the caller to check
+    (None: "")."""
+    name = (name or "").strip()
+    return STRATEGY_ALIASES.get(family, {}).get(name, name)
 
 
 def param_error(op: str, name: str, kw: Mapping[str, int]) -> Optional[str]:

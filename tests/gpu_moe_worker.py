@@ -21,11 +21,11 @@ results are computed here without any collective, and exactly:
 - the bounded variant's verdict (bad ids, duplicates, T > C, a local argument error after a
   checked call): nothing moves and every rank's handle.check() raises naming the rank;
 - gradients (x, topk_weights, the experts' y) of dispatch -> expert -> combine through the
-  public functions equal to those of the reference all_to_all strategy (NCCL or gloo), bitwise;
+  public functions equal to those of the reference sequential strategy (NCCL or gloo), bitwise;
 - fp8 dispatch (bf16 tokens whose 128-element blocks span magnitudes): the received fp8 rows and
   scales byte for byte equal to quantize_fp8 of every rank's tokens (quantised here, on this GPU,
-  without a collective) in the layout, unbounded and bounded, the same bytes as all_to_all's, the
-  combine of the dequantised rows and the straight-through gradients equal to all_to_all's;
+  without a collective) in the layout, unbounded and bounded, the same bytes as sequential's, the
+  combine of the dequantised rows and the straight-through gradients equal to sequential's;
 - flux.nn.MoE with chunks = 2, 3 (communication on a side stream, overlapped with the experts)
   against chunks = 1: output and gradients, repeated steps (buffers reused by the allocator),
   token counts the blocks do not divide and a rank without tokens, unbounded and bounded;
@@ -33,7 +33,7 @@ results are computed here without any collective, and exactly:
   in bf16, forward and every gradient, each strategy against the unsharded float64 layer, within
   twice the error of the unfused references in bf16; in fp32 on integer-valued data, part 1 and
   part 2 of each strategy bit for bit equal to the references. Ranks sharing a GPU over gloo run
-  ``sequential`` and ``symm`` (``chunked`` moves CUDA tensors through NCCL); 30 calls of the
+  ``sequential`` and ``decomposed`` (``chunked`` moves CUDA tensors through NCCL); 30 calls of the
   overlapped strategies on alternating problems with one rank's transfers or reads stalled.
 """
 import os
@@ -275,7 +275,7 @@ def bounded_errors_on_every_rank(rank, world, dev, group):
 
 
 @case
-def gradients_match_all_to_all(rank, world, dev, group):
+def gradients_match_sequential(rank, world, dev, group):
     experts, hidden, k = 16, 512, 4
     for cap in (None, 48):
         # T differs between ranks and stays within C = 48 at any world size
@@ -284,7 +284,7 @@ def gradients_match_all_to_all(rank, world, dev, group):
         scale = torch.linspace(0.5, 1.5, hidden, device=dev)
         g = torch.randn(x0.shape, generator=torch.Generator().manual_seed(10 + rank)).to(dev)
         grads = {}
-        for name in ("all_to_all", "symm"):
+        for name in ("sequential", "symm"):
             moe_mod.strategies._choose_strategy = (lambda n: lambda *a: n)(name)
             x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
             recv, _, handle = flux.moe_dispatch(x, idx, w, experts, group=group, max_tokens_per_rank=cap)
@@ -294,8 +294,8 @@ def gradients_match_all_to_all(rank, world, dev, group):
             grads[name] = (out.detach(), x.grad, w.grad)
         moe_mod.strategies._choose_strategy = _CHOOSE
         assert grads["symm"][1] is not None and grads["symm"][1].abs().sum() > 0, f"cap={cap}: no gradient for x"
-        for what, a, b in zip(("out", "d x", "d topk_weights"), grads["symm"], grads["all_to_all"]):
-            assert torch.equal(a, b), f"cap={cap}: {what} differs from all_to_all by {float((a - b).abs().max())}"
+        for what, a, b in zip(("out", "d x", "d topk_weights"), grads["symm"], grads["sequential"]):
+            assert torch.equal(a, b), f"cap={cap}: {what} differs from sequential by {float((a - b).abs().max())}"
 
 
 _CHOOSE = moe_mod.strategies._choose_strategy
@@ -328,7 +328,7 @@ def fp8_dispatch_layout(rank, world, dev, group):
         want_rows, want_counts = expected_dispatch(sent, rank, world, experts)
         el = experts // world
         got = {}
-        for name in ("symm", "all_to_all"):
+        for name in ("symm", "sequential"):
             (q, scales), counts, handle = moe_mod.run_strategy(name, x, idx, w, experts, group=group,
                                                                max_tokens_per_rank=cap, fp8=True)
             what = f"{name} H={hidden} K={k} C={cap}"
@@ -350,12 +350,12 @@ def fp8_dispatch_layout(rank, world, dev, group):
                 y = moe_mod.dequantize_fp8(q, scales) * (1 + torch.arange(el, device=dev)[:, None, None]).to(
                     torch.bfloat16)
             got[name] = (rows, flux.moe_combine(y, handle))
-        assert torch.equal(got["symm"][0], got["all_to_all"][0]), f"H={hidden} C={cap}: symm and all_to_all differ"
-        assert torch.equal(got["symm"][1], got["all_to_all"][1]), f"H={hidden} C={cap}: combine differs"
+        assert torch.equal(got["symm"][0], got["sequential"][0]), f"H={hidden} C={cap}: symm and sequential differ"
+        assert torch.equal(got["symm"][1], got["sequential"][1]), f"H={hidden} C={cap}: combine differs"
 
 
 @case
-def fp8_gradients_match_all_to_all(rank, world, dev, group):
+def fp8_gradients_match_sequential(rank, world, dev, group):
     experts, hidden, k = 16, 512, 4
     for cap in (None, 48):
         # T differs between ranks and stays within C = 48 at any world size
@@ -363,7 +363,7 @@ def fp8_gradients_match_all_to_all(rank, world, dev, group):
         scale = torch.linspace(0.5, 1.5, hidden, device=dev, dtype=torch.bfloat16)
         g = torch.randn(x0.shape, generator=torch.Generator().manual_seed(20 + rank)).to(dev, torch.bfloat16)
         grads = {}
-        for name in ("all_to_all", "symm"):
+        for name in ("sequential", "symm"):
             moe_mod.strategies._choose_strategy = (lambda n: lambda *a: n)(name)
             x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
             recv, _, handle = flux.moe_dispatch(x, idx, w, experts, group=group, max_tokens_per_rank=cap, fp8=True)
@@ -373,8 +373,8 @@ def fp8_gradients_match_all_to_all(rank, world, dev, group):
             grads[name] = (out.detach(), x.grad, w.grad)
         moe_mod.strategies._choose_strategy = _CHOOSE
         assert grads["symm"][1] is not None and grads["symm"][1].abs().sum() > 0, f"cap={cap}: no gradient for x"
-        for what, a, b in zip(("out", "d x", "d topk_weights"), grads["symm"], grads["all_to_all"]):
-            assert torch.equal(a, b), f"cap={cap}: {what} differs from all_to_all by {float((a - b).abs().max())}"
+        for what, a, b in zip(("out", "d x", "d topk_weights"), grads["symm"], grads["sequential"]):
+            assert torch.equal(a, b), f"cap={cap}: {what} differs from sequential by {float((a - b).abs().max())}"
 
 
 def rel_err(a, b):
@@ -424,7 +424,7 @@ def moe_layer_chunks(rank, world, dev, group):
 
 def tp_strategies(group):
     """The TP MoE strategies this group can run on CUDA tensors: 'chunked' needs NCCL (its
-    point-to-point transfers), so ranks sharing a GPU over gloo run 'sequential' and 'symm'."""
+    point-to-point transfers), so ranks sharing a GPU over gloo run 'sequential' and 'decomposed'."""
     from flux.ops import moe_tp
 
     return [n for n in moe_tp.STRATEGIES if n != "chunked" or not moe_tp._is_gloo(group)]
@@ -529,9 +529,9 @@ def tp_moe_exact_fp32(rank, world, dev, group):
 
 @case
 def tp_moe_delayed(rank, world, dev, group):
-    """The overlapped strategies (chunked, symm: where they run) over 30 calls of part 1 then part
+    """The overlapped strategies (chunked, decomposed: where they run) over 30 calls of part 1 then part
     2 on two alternating integer-valued fp32 problems of one shape, with stalls (a GPU spin of ~1
-    ms): before every third call one rank's runtime communication stream (symm's transfers: the
+    ms): before every third call one rank's runtime communication stream (decomposed's transfers: the
     peers' waits must really wait), before every fifth another rank's current stream (its reads of
     the workspace come late: the next call must not overwrite them). Every output bitwise equal to
     the references'. A read before its wait, or an overwrite before the reader is done, shows as a
@@ -555,7 +555,7 @@ def tp_moe_delayed(rank, world, dev, group):
         try:
             for call in range(-1, 30):  # call -1: every rank makes the runtime and its workspace
                 x, idx, tw, w1, w2, hid, want1, want2 = probs[call % 2]
-                if call >= 0 and call % 3 == 0 and rank == call % world and strat == "symm":
+                if call >= 0 and call % 3 == 0 and rank == call % world and strat == "decomposed":
                     comm = flux.testing.comm_stream(group)
                     comm.wait_stream(torch.cuda.current_stream())
                     with torch.cuda.stream(comm):
@@ -584,11 +584,11 @@ def main():
     why = _moe_symm.usable(group, dev)
     from flux.ops import moe_tp
 
-    moe_tp_why = moe_tp.symm_usable(dev, group)
+    moe_tp_why = moe_tp.decomposed_usable(dev, group)
     assert why is not None or moe_mod._choose_strategy(torch.empty(1, device=dev), group, False) == "symm"
     for name in names:
         rec = {"case": name, "rank": rank, "status": "ok", "error": None}
-        # The tp_ cases need the TP ops' symm strategy (moe_tp.symm_usable), the others MoE's.
+        # The tp_ cases need the TP ops' decomposed strategy (moe_tp.decomposed_usable), the others MoE's symm.
         skip = moe_tp_why if name.startswith("tp_") else why
         if skip is not None:
             rec.update(status="skip", error=skip)

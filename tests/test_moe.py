@@ -568,7 +568,7 @@ def _deferred(rank, world):
     combine zero on every rank) and handle.check() raises the same error on every rank."""
     e, h, k, cap = 2 * world, 4, 2, 4
     x, idx, w = make_inputs(30, rank, cap, h, k, e, dtype=F32)
-    ref_x, ref_counts, _ = moe_ops.run_strategy("all_to_all", x, idx, w, e, max_tokens_per_rank=cap)
+    ref_x, ref_counts, _ = moe_ops.run_strategy("sequential", x, idx, w, e, max_tokens_per_rank=cap)
     group = dist.group.WORLD
     recv_x, counts, handle = moe_ops._dispatch_impl(x, idx, w, e, group, cap, defer_verdict=True)
     handle.check()
@@ -597,19 +597,44 @@ def _deferred(rank, world):
 
 @case("moe-forced-strategy", worlds=WORLDS)
 def _forced_strategy(rank, world):
-    """FLUX_STRATEGY_MOE: all_to_all runs; symm, which needs a GPU group, raises on every rank;
+    """FLUX_STRATEGY_MOE: sequential runs; symm, which needs a GPU group, raises on every rank;
     an unknown name raises."""
     from unittest import mock
 
     x, idx, w = make_inputs(32, rank, 3, 4, 2, 2 * world, dtype=F32)
-    with mock.patch.dict(os.environ, {"FLUX_STRATEGY_MOE": "all_to_all"}):
-        assert flux.moe_dispatch(x, idx, w, 2 * world)[2].strategy == "all_to_all"
+    with mock.patch.dict(os.environ, {"FLUX_STRATEGY_MOE": "sequential"}):
+        assert flux.moe_dispatch(x, idx, w, 2 * world)[2].strategy == "sequential"
     with mock.patch.dict(os.environ, {"FLUX_STRATEGY_MOE": "symm"}):
         a = _expect_error(lambda: flux.moe_dispatch(x, idx, w, 2 * world), "FLUX_STRATEGY_MOE=symm, but it cannot run")
     with mock.patch.dict(os.environ, {"FLUX_STRATEGY_MOE": "nccl"}):
         b = _expect_error(lambda: flux.moe_dispatch(x, idx, w, 2 * world), "is not a strategy")
     _good_call(rank, world)
     return [a, b]
+
+
+@case("moe-former-strategy-names", worlds=WORLDS)
+def _former_names(rank, world):
+    """``all_to_all``, the former name of ``sequential``, is accepted wherever a name is given
+    (run_strategy, FLUX_STRATEGY_MOE, with blanks) and read as it: the same rows, counts and
+    combine, a handle reporting ``sequential``, and ranks giving either name agree (the checked
+    signature holds the normalised name)."""
+    from unittest import mock
+
+    e, h, k = 2 * world, 4, 2
+    for cap in (None, 4):
+        x, idx, w = make_inputs(33, rank, 4, h, k, e, dtype=F32)
+        ref_x, ref_counts, ref_handle = moe_ops.run_strategy("sequential", x, idx, w, e, max_tokens_per_rank=cap)
+        got_x, got_counts, handle = moe_ops.run_strategy("all_to_all", x, idx, w, e, max_tokens_per_rank=cap)
+        assert handle.strategy == ref_handle.strategy == "sequential", handle
+        assert torch.equal(got_x, ref_x) and torch.equal(got_counts, ref_counts)
+        assert torch.equal(flux.moe_combine(got_x, handle), flux.moe_combine(ref_x, ref_handle))
+        forced = " all_to_all " if rank % 2 == 0 else "sequential"  # the ranks differ in the name only
+        with mock.patch.dict(os.environ, {"FLUX_STRATEGY_MOE": forced}):
+            env_x, env_counts, env_handle = flux.moe_dispatch(x, idx, w, e, max_tokens_per_rank=cap)
+        assert env_handle.strategy == "sequential", env_handle
+        assert torch.equal(env_x, ref_x) and torch.equal(env_counts, ref_counts)
+    _good_call(rank, world)
+    return True
 
 
 @case("moe-deferred-local-error", worlds=WORLDS)
@@ -638,7 +663,7 @@ def _deferred_local_error(rank, world):
         msg = _expect_error(handle.check, "rank 1: its arguments are invalid")
         recv_x, counts, handle = flux.moe_dispatch(x, idx, w, e, max_tokens_per_rank=cap)
         handle.check()
-        ref_x, ref_counts, _ = moe_ops.run_strategy("all_to_all", x, idx, w, e, max_tokens_per_rank=cap)
+        ref_x, ref_counts, _ = moe_ops.run_strategy("sequential", x, idx, w, e, max_tokens_per_rank=cap)
         assert torch.equal(recv_x, ref_x) and torch.equal(counts, ref_counts)
         _checks.reset_cache()
     return msg

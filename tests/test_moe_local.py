@@ -1,5 +1,5 @@
 """flux.moe_dispatch / moe_combine / flux.nn.MoE at world size 1: the ``local`` strategy
-(flux/ops/moe/local.py) against the references and the ``all_to_all`` strategy, in-process (a
+(flux/ops/moe/local.py) against the references and the ``sequential`` strategy, in-process (a
 one-rank group). On a GPU: NCCL and flux's kernels (skipped if flux._C lacks them). Without a
 GPU: gloo, with CPU stand-ins of the kernels (tests/_moe_local_emulation.py) and the group
 treated as a CUDA group (deferred verdicts), so that the strategy's Python path runs; the
@@ -99,8 +99,8 @@ def test_round_trip_exact(group, t, e, k, cap, h, idx_dtype):
     out = flux.moe_combine(y, handle)
     ref = flux.moe_combine_ref(y, idx, w, e, max_tokens_per_rank=cap)
     assert torch.equal(out, ref)
-    # The same through the reference strategy (all_to_all), row for row.
-    a_recv, a_counts, a_handle = moe_ops.run_strategy("all_to_all", x, idx, w, e, max_tokens_per_rank=cap)
+    # The same through the reference strategy (sequential), row for row.
+    a_recv, a_counts, a_handle = moe_ops.run_strategy("sequential", x, idx, w, e, max_tokens_per_rank=cap)
     assert torch.equal(a_recv, recv) and torch.equal(a_counts, counts)
     assert torch.equal(flux.moe_combine(y, a_handle), out)
     if cap is None:
@@ -208,7 +208,7 @@ def test_errors(group):
 @pytest.mark.parametrize("cap", [None, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("h", [128, 100])
-def test_gradients_match_all_to_all(group, cap, dtype, h, monkeypatch):
+def test_gradients_match_sequential(group, cap, dtype, h, monkeypatch):
     gen = torch.Generator().manual_seed(11)
     t, e, k = 48, 16, 4
     x0 = torch.randn((t, h), generator=gen).to(dtype).to(DEV)
@@ -217,7 +217,7 @@ def test_gradients_match_all_to_all(group, cap, dtype, h, monkeypatch):
     scale = torch.randn((h,), generator=gen).to(dtype).to(DEV)
     g = torch.randn((t, h), generator=gen).to(dtype).to(DEV)
     results = {}
-    for name in ("local", "all_to_all"):
+    for name in ("local", "sequential"):
         monkeypatch.setenv(moe_ops.STRATEGY_ENV, name)
         x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
         recv, counts, handle = flux.moe_dispatch(x, idx, w, e, max_tokens_per_rank=cap)
@@ -226,7 +226,7 @@ def test_gradients_match_all_to_all(group, cap, dtype, h, monkeypatch):
         out.backward(g)
         results[name] = (out.detach(), x.grad, w.grad)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-    for a, b in zip(results["local"], results["all_to_all"]):
+    for a, b in zip(results["local"], results["sequential"]):
         torch.testing.assert_close(a, b, **tol)
 
 
@@ -264,13 +264,13 @@ def test_bounded_graph_capture(group, zero_pad):
         assert torch.equal(out, flux.moe_combine_ref(ref_recv, idx, w, e, max_tokens_per_rank=cap))
 
 
-def test_layer_matches_all_to_all(group, monkeypatch):
+def test_layer_matches_sequential(group, monkeypatch):
     torch.manual_seed(0)
     t, h, f, e, k = 64, 256, 128, 8, 2
     x0 = torch.randn(t, h, device=DEV, dtype=torch.bfloat16)
     g = torch.randn(t, h, device=DEV, dtype=torch.bfloat16)
     results = {}
-    for name in ("local", "all_to_all"):
+    for name in ("local", "sequential"):
         monkeypatch.setenv(moe_ops.STRATEGY_ENV, name)
         for cap in (None, t):
             layer = flux.nn.MoE(h, f, e, k, seed=1, dtype=torch.bfloat16, device=DEV, max_tokens_per_rank=cap)
@@ -279,7 +279,7 @@ def test_layer_matches_all_to_all(group, monkeypatch):
             out.backward(g)
             results[(name, cap)] = [out, x.grad, layer.router.weight.grad, layer.w13.grad, layer.w2.grad]
     for cap in (None, t):
-        for a, b in zip(results[("local", cap)], results[("all_to_all", cap)]):
+        for a, b in zip(results[("local", cap)], results[("sequential", cap)]):
             torch.testing.assert_close(a.float(), b.float(), atol=3e-2, rtol=3e-2)
 
 

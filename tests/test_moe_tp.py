@@ -370,13 +370,14 @@ def _bad_strategy_env(rank, world):
     return msg
 
 
-@case("moetp-bad-strategy-symm-cpu", worlds=WORLDS)
-def _bad_strategy_symm_cpu(rank, world):
-    """symm forced on CPU tensors: the same clear error on every rank, before any transfer."""
+@case("moetp-bad-strategy-decomposed-cpu", worlds=WORLDS)
+def _bad_strategy_decomposed_cpu(rank, world):
+    """decomposed forced on CPU tensors: the same clear error on every rank, before any transfer;
+    ranks giving its former name ``symm`` (rank 0 here) agree with those giving ``decomposed``."""
     x, idx, _, w1, _ = _base(rank, world)
-    with strategy("symm"):
+    with strategy(" symm" if rank == 0 else "decomposed"):
         msg = expect_flux_error(lambda: flux.ag_scatter_grouped_mm(x, idx, w1), "flux.ag_scatter_grouped_mm",
-                                "FLUX_STRATEGY_MOE_TP=symm cannot run here: the tensors are not on a GPU")
+                                "FLUX_STRATEGY_MOE_TP=decomposed cannot run here: the tensors are not on a GPU")
     _good_call(rank, world)
     return msg
 

@@ -954,7 +954,7 @@ def test_gpu_shared(gpu_shared_results, name):
 
 
 TIMEOUT_STRATEGIES = ["decomposed", "fused", "fused:rs", "decomposed:ag:drop", "fused:ag:drop", "fused:rs:drop",
-                      "symm:moetp:drop", "symm:moetp_rs:drop"]
+                      "decomposed:moetp:drop", "decomposed:moetp_rs:drop"]
 
 
 @pytest.mark.parametrize("strategy", TIMEOUT_STRATEGIES)
@@ -963,8 +963,8 @@ def test_gpu_timeout(strategy):
     name the rank they waited for (FLUX_TIMEOUT_MS=2000), instead of hanging. The signal kernels
     print the message; a fused GEMM records it in host-mapped memory (timeout_report). With
     rank 1 missing altogether, the entry barrier's wait is the first to expire; ":drop": rank 1
-    makes the call but sends nothing, so the fused kernels' own waits expire ("symm:moetp:drop",
-    "symm:moetp_rs:drop": the TP MoE exchange's waits for rank 1's block in part 1, part 2).
+    makes the call but sends nothing, so the fused kernels' own waits expire ("decomposed:moetp:drop",
+    "decomposed:moetp_rs:drop": the TP MoE exchange's waits for rank 1's block in part 1, part 2).
     Every GPU takes part (at most 8)."""
     n = _gpu_world()
     if n < 2:

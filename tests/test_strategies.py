@@ -146,3 +146,35 @@ def test_fused_plan_parameters_come_from_the_kernel_tuner():
         got = _plans.kernel_params(op, x, w, "nk", None, 4)
         assert (got["config"], got["raster"], got["swizzle"]) == want
     assert strategies.PARAM_ORDER[-1] == "raster" and strategies.PARAM_DEFAULTS["raster"] == 1
+
+
+def test_former_strategy_names_are_read_as_the_current_ones(monkeypatch):
+    """One vocabulary across the op families: the MoE families' former names (``all_to_all``,
+    TP MoE's ``symm``) are read as ``sequential`` / ``decomposed`` in one table; every alias names
+    a current strategy of its family and is not itself one (MoE's own ``symm`` stays a name)."""
+    from flux.ops import moe, moe_tp
+    from flux.strategies import STRATEGY_ALIASES, canonical_strategy
+
+    current = {"moe": moe.STRATEGIES, "moe_tp": moe_tp.STRATEGIES}
+    assert set(STRATEGY_ALIASES) <= set(current)
+    for family, aliases in STRATEGY_ALIASES.items():
+        for old, new in aliases.items():
+            assert new in current[family] and old not in current[family], (family, old, new)
+    assert canonical_strategy("moe", "all_to_all") == "sequential"
+    assert canonical_strategy("moe", " symm ") == "symm"  # MoE's SM-driven strategy keeps its name
+    assert canonical_strategy("moe_tp", "symm") == "decomposed"
+    assert canonical_strategy("moe_tp", "chunked") == "chunked"
+    assert canonical_strategy("moe_tp", "nccl") == "nccl"  # unknown names are the caller's to reject
+    assert canonical_strategy("moe", None) == ""
+    # The environment variables go through it: FLUX_STRATEGY_MOE ...
+    monkeypatch.setenv("FLUX_STRATEGY_MOE", " all_to_all ")
+    assert moe.strategies._forced() == "sequential"
+    monkeypatch.setenv("FLUX_STRATEGY_MOE", "symm")
+    assert moe.strategies._forced() == "symm"
+    # ... and FLUX_STRATEGY_MOE_TP (the workspace's availability stubbed: that needs GPUs).
+    monkeypatch.setattr(moe_tp, "decomposed_usable", lambda device, group: None)
+    for name in ("symm", "decomposed"):
+        monkeypatch.setenv("FLUX_STRATEGY_MOE_TP", name)
+        assert moe_tp._choose_strategy(torch.device("cpu"), None, 1, 1) == ("decomposed", None)
+    monkeypatch.setenv("FLUX_STRATEGY_MOE_TP", "all_to_all")  # a former name of the other family only
+    assert moe_tp._choose_strategy(torch.device("cpu"), None, 1, 1)[1] is not None

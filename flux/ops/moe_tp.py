@@ -14,11 +14,12 @@ counts on the host (P sizes the output).
 
 This module holds the routing, the checks (part 1: every call, one all-gather of a verdict; part
 2: ``check_collectively``) and the strategies (``STRATEGIES``: ``sequential``, the reference and
-the CPU path; ``chunked``, blocks per rank overlapped with NCCL point-to-point; ``symm``, the same
-blocks through the symmetric workspace; ``_choose_strategy`` picks one, the same on every rank;
-``FLUX_STRATEGY_MOE_TP`` forces one). flux/ops/_moe_tp_api.py holds the public functions, their
-autograd and the dispatcher ops (``torch.ops.flux.ag_scatter_grouped_mm`` / ``grouped_mm_gather_rs``
-with fake implementations, for torch.compile). flux imports this module on first use.
+the CPU path; ``chunked``, blocks per rank overlapped with NCCL point-to-point; ``decomposed``
+(formerly ``symm``), the same blocks through the symmetric workspace; ``_choose_strategy`` picks
+one, the same on every rank; ``FLUX_STRATEGY_MOE_TP`` forces one). flux/ops/_moe_tp_api.py holds
+the public functions, their autograd and the dispatcher ops (``torch.ops.flux.ag_scatter_grouped_mm``
+/ ``grouped_mm_gather_rs`` with fake implementations, for torch.compile). flux imports this module
+on first use.
 """
 import dataclasses
 from typing import List, Optional, Tuple
@@ -31,10 +32,11 @@ from flux.ops._checks import FluxInputError, Signature, check_collectively, chec
 from flux.ops._common import SUPPORTED_DTYPES
 from flux.ops.grouped_mm import _gmm, _offsets, grouped_mm, grouped_mm_impl
 from flux.runtime import all_gather_dim0, group_device, reduce_scatter_dim0
+from flux.strategies import canonical_strategy
 
 OP = "flux.ag_scatter_grouped_mm"
 OP_RS = "flux.grouped_mm_gather_rs"
-STRATEGIES = ("sequential", "chunked", "symm")
+STRATEGIES = ("sequential", "chunked", "decomposed")  # former names: flux/strategies.py
 STRATEGY_ENV = "FLUX_STRATEGY_MOE_TP"
 # Token-shard elements (T_l * H) from which 'chunked' is chosen. Not tuned yet: a first guess
 # (T_l = 512 at H = 4096), to be set from timings on the GPUs.
@@ -216,8 +218,8 @@ def _should_overlap(device: torch.device, group: dist.ProcessGroup, tokens_per_r
     return tokens_per_rank * hidden >= OVERLAP_MIN_SHARD
 
 
-def symm_usable(device: torch.device, group: dist.ProcessGroup) -> Optional[str]:
-    """None where the ``symm`` strategy can run (CUDA tensors, a group of two or more ranks with a
+def decomposed_usable(device: torch.device, group: dist.ProcessGroup) -> Optional[str]:
+    """None where the ``decomposed`` strategy can run (CUDA tensors, a group of two or more ranks with a
     symmetric workspace, a flux._C that has the runtime's exchange), else why not; the same on
     every rank."""
     from flux.runtime import symm
@@ -235,23 +237,24 @@ def symm_usable(device: torch.device, group: dist.ProcessGroup) -> Optional[str]
 def _choose_strategy(device: torch.device, group: dist.ProcessGroup, tokens_per_rank: int,
                      hidden: int) -> Tuple[str, Optional[str]]:
     """(strategy, problem or None): FLUX_STRATEGY_MOE_TP if set; else, where ``_should_overlap``
-    says so, ``symm`` (transfers by the copy engine, no SM taken from the GEMMs) if the group has
-    a symmetric workspace, else ``chunked``; else ``sequential``."""
-    forced = (envs.forced_strategy("moe_tp") or "").strip()
+    says so, ``decomposed`` (transfers by the copy engine, no SM taken from the GEMMs) if the group
+    has a symmetric workspace, else ``chunked``; else ``sequential``. The variable's former names
+    are read as the current ones (``symm``: ``decomposed``; flux/strategies.py)."""
+    forced = canonical_strategy("moe_tp", envs.forced_strategy("moe_tp"))
     if forced:
         if forced not in STRATEGIES:
             return "sequential", f"{STRATEGY_ENV}={forced!r} is not one of {list(STRATEGIES)}"
         if forced == "chunked" and device.type == "cuda" and _is_gloo(group):
             return "sequential", (f"{STRATEGY_ENV}=chunked moves CUDA tensors through NCCL point-to-point "
                                   "transfers, and this group is gloo")
-        if forced == "symm":
-            why = symm_usable(device, group)
+        if forced == "decomposed":
+            why = decomposed_usable(device, group)
             if why is not None:
-                return "sequential", f"{STRATEGY_ENV}=symm cannot run here: {why}"
+                return "sequential", f"{STRATEGY_ENV}=decomposed cannot run here: {why}"
         return forced, None
     if not _should_overlap(device, group, tokens_per_rank, hidden):
         return "sequential", None
-    return ("symm" if symm_usable(device, group) is None else "chunked"), None
+    return ("decomposed" if decomposed_usable(device, group) is None else "chunked"), None
 
 
 # --------------------------------------------------------------------------------------
@@ -555,8 +558,8 @@ def _mm_gather_rs_chunked(h, weight, layout, routing, wg, keep_partial):
     return out.to(h.dtype), partial
 
 
-# The symm strategy: chunked's blocks, its transfers by the copy engine into the group's symmetric
-# workspace (flux.runtime: begin_exchange / send / wait_from / end_exchange).
+# The decomposed strategy: chunked's blocks, its transfers by the copy engine into the group's
+# symmetric workspace (flux.runtime: begin_exchange / send / wait_from / end_exchange).
 
 
 def _exchange(group, nbytes: int, phase: str, routing, width: int, dtype: torch.dtype):
@@ -572,7 +575,7 @@ def _exchange(group, nbytes: int, phase: str, routing, width: int, dtype: torch.
     return rt, ws
 
 
-def _ag_scatter_symm(x, weight, layout, routing, scale, keep_gathered):
+def _ag_scatter_decomposed(x, weight, layout, routing, scale, keep_gathered):
     world, rank = routing.world, routing.rank
     tl = routing.tokens_per_rank
     x = x.contiguous()
@@ -595,7 +598,7 @@ def _ag_scatter_symm(x, weight, layout, routing, scale, keep_gathered):
     return out, gathered
 
 
-def _mm_gather_rs_symm(h, weight, layout, routing, wg, keep_partial):
+def _mm_gather_rs_decomposed(h, weight, layout, routing, wg, keep_partial):
     world, rank = routing.world, routing.rank
     tl = routing.tokens_per_rank
     partial, block, n = _part2_blocks(h, weight, layout, routing, wg, keep_partial)
@@ -621,8 +624,10 @@ def _mm_gather_rs_symm(h, weight, layout, routing, wg, keep_partial):
     return out.to(h.dtype), partial
 
 
-_AG_SCATTER = {"sequential": _ag_scatter_sequential, "chunked": _ag_scatter_chunked, "symm": _ag_scatter_symm}
-_MM_GATHER_RS = {"sequential": _mm_gather_rs_sequential, "chunked": _mm_gather_rs_chunked, "symm": _mm_gather_rs_symm}
+_AG_SCATTER = {"sequential": _ag_scatter_sequential, "chunked": _ag_scatter_chunked,
+               "decomposed": _ag_scatter_decomposed}
+_MM_GATHER_RS = {"sequential": _mm_gather_rs_sequential, "chunked": _mm_gather_rs_chunked,
+                 "decomposed": _mm_gather_rs_decomposed}
 
 
 # --------------------------------------------------------------------------------------

@@ -4,12 +4,12 @@ The group's W ranks own ``num_experts`` experts in equal shares; ``moe_dispatch`
 valid (token, slot) pair to the rank owning its expert, laid out expert-major for a grouped GEMM,
 and ``moe_combine`` brings the experts' outputs back, summed with the routing weights in fp32.
 docs/api.md (MoE) is the reference: layout, the bounded and unbounded variants, fp8 dispatch,
-the checks, autograd, and the strategies (``all_to_all``, ``symm``, ``local``).
+the checks, autograd, and the strategies (``sequential``, ``symm``, ``local``).
 
 Modules: ``api`` (the public functions, autograd, the dispatcher ops), ``handle`` (MoeHandle,
 the shared names and row pieces), ``checks``, ``strategies`` (the choice and the
-implementations), one module per strategy (``all_to_all``, ``symm``, ``local``), ``fp8`` and
-``reference``. The names below are the package's interface (``flux.ops.moe.<name>``).
+implementations), one module per strategy (``all_to_all``: the ``sequential`` strategy; ``symm``,
+``local``), ``fp8`` and ``reference``. The names below are the package's interface (``flux.ops.moe.<name>``).
 """
 from flux.ops.moe import local, symm  # noqa: F401  (the strategies' modules)
 from flux.ops.moe.api import moe_combine, moe_dispatch

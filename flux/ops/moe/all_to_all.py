@@ -1,5 +1,6 @@
-"""The ``all_to_all`` strategy of flux.moe_dispatch / moe_combine: the reference strategy and the
-CPU path, rows moved by ``all_to_all_single`` on NCCL or gloo (docs/api.md, MoE strategies).
+"""The ``sequential`` strategy of flux.moe_dispatch / moe_combine (formerly named ``all_to_all``,
+after the collective it runs): the reference strategy and the CPU path, rows moved by
+``all_to_all_single`` on NCCL or gloo, then the compute (docs/api.md, MoE strategies).
 """
 from typing import List
 
@@ -12,7 +13,7 @@ from flux.ops.moe.handle import MoeHandle, _all_to_all, _extend, _place
 class _AllToAll:
     """Rows moved by ``all_to_all_single`` (NCCL or gloo); see the module docstring."""
 
-    name = "all_to_all"
+    name = "sequential"
 
     @staticmethod
     def dispatch(x, topk_idx, num_experts, group, capacity, any_error):

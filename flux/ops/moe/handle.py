@@ -14,7 +14,7 @@ from flux.runtime import all_gather_dim0
 
 OP = "flux.moe_dispatch"
 OP_COMBINE = "flux.moe_combine"
-STRATEGIES = ("all_to_all", "symm", "local")  # docs/api.md: strategies
+STRATEGIES = ("sequential", "symm", "local")  # docs/api.md: strategies; former names: flux/strategies.py
 _INDEX_DTYPES = (torch.int64, torch.int32)
 
 # Codes of the data-dependent verdict (bits), which the bounded variant on CUDA groups
@@ -36,7 +36,7 @@ _CODE_TEXT = {
 class MoeHandle:
     """What ``moe_combine`` (and both backward passes) need of a ``moe_dispatch`` call.
 
-    Fields (``S``: rows this rank sent; unbounded: one per valid slot, bounded (all_to_all):
+    Fields (``S``: rows this rank sent; unbounded: one per valid slot, bounded (sequential):
     ``W * P`` with ``P = C * min(K, E_l)``, the unused ones padding):
 
         group                the process group
@@ -54,13 +54,13 @@ class MoeHandle:
                              provides it: the weighted sum and the gradients are computed from
                              it (``_sum_slots``, ``_rows_from_tokens``)
         recv_dest            int64 on x's device, the strategy's own routing on the receiving
-                             side. all_to_all: ``[N]``, N the rows received in the exchange (R,
+                             side. sequential: ``[N]``, N the rows received in the exchange (R,
                              bounded ``W * P``): for each received row (in the exchange's order:
                              by source rank, then expert, token, slot) its row in recv_x viewed
                              as ``[-1, H]``; padding rows hold ``recv_x.numel() / H`` (one past
                              the end)
         meta                 int64 on the CPU: ``[strategy index]``, then, unbounded, the E_l
-                             counts and whatever the strategy needs on the host (all_to_all:
+                             counts and whatever the strategy needs on the host (sequential:
                              the W send and the W receive split sizes)
         verdict              int64 ``[W]`` on x's device: each rank's error code (0: valid);
                              nonzero only in the bounded variant on CUDA groups, which

@@ -1,4 +1,4 @@
-"""The strategies of flux.moe_dispatch / moe_combine (``all_to_all``, ``symm``, ``local``; see
+"""The strategies of flux.moe_dispatch / moe_combine (``sequential``, ``symm``, ``local``; see
 docs/api.md for what each does and how they map to the GEMM ops' strategies), the choice of one
 per call (the same on every rank), and the implementations the public functions and the
 dispatcher ops run: checks, the strategy's move, the handle, the weighted sum and the gradients.
@@ -24,16 +24,23 @@ from flux.ops.moe.local import LocalStrategy
 from flux.ops.moe.symm import SymmStrategy
 from flux.runtime import group_device, group_name, resolve_group
 from flux.runtime.groups import cuda_group
+from flux.strategies import canonical_strategy
 
 STRATEGY_ENV = "FLUX_STRATEGY_MOE"  # forces a strategy (the same on every rank, or the check fails)
 _FORCED_VAR = envs.VARS[STRATEGY_ENV]  # read live, also on the hot path (a plan key holds it)
 
 
+def _strategy_name(name) -> str:
+    """A strategy name as a user gives it (``run_strategy``'s name, FLUX_STRATEGY_MOE), former
+    names read as the current ones (``all_to_all``: ``sequential``; flux/strategies.py)."""
+    return canonical_strategy("moe", name)
+
+
 def _forced() -> str:
-    return _FORCED_VAR.get() or ""
+    return _strategy_name(_FORCED_VAR.get())
 
 
-_STRATEGY_IMPLS = {"all_to_all": _AllToAll, "symm": SymmStrategy, "local": LocalStrategy}
+_STRATEGY_IMPLS = {"sequential": _AllToAll, "symm": SymmStrategy, "local": LocalStrategy}
 
 
 def available_strategies(device: torch.device) -> List[str]:
@@ -42,7 +49,7 @@ def available_strategies(device: torch.device) -> List[str]:
     from flux.runtime import cuda_kernels_available
 
     gpu = device.type == "cuda" and cuda_kernels_available()
-    return ["all_to_all"] + (["symm", "local"] if gpu else [])
+    return ["sequential"] + (["symm", "local"] if gpu else [])
 
 
 def run_strategy(name: str, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, *,
@@ -50,7 +57,8 @@ def run_strategy(name: str, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight
                  fp8: bool = False, zero_pad: bool = True):
     """``flux.moe_dispatch`` through the named strategy, bypassing the choice (benchmarks, tests);
     checked as the op, no autograd; fp8: recv_x is ``(recv_fp8, recv_scales)`` as from the op.
-    Combine the result with ``flux.moe_combine``."""
+    Combine the result with ``flux.moe_combine``. ``name`` may be a former name (``all_to_all``)."""
+    name = _strategy_name(name)
     if name not in STRATEGIES:
         raise ValueError(f"{OP}: unknown strategy {name!r}; known: {list(STRATEGIES)}")
     recv_x, counts, handle = _dispatch_impl(x, topk_idx, topk_weights, num_experts, resolve_group(group, OP),
@@ -61,11 +69,12 @@ def run_strategy(name: str, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight
 def _choose_strategy(x, group: dist.ProcessGroup, bounded: bool, num_experts=None, topk_idx=None) -> str:
     """The strategy of one call: the same on every rank (it depends only on the group and its
     device, which the ranks share, never on ``x``, which is not checked yet): ``symm`` wherever it
-    can run (a CUDA group with a symmetric workspace), else the reference ``all_to_all``. It is part
+    can run (a CUDA group with a symmetric workspace), else the reference ``sequential``. It is part
     of the checked signature, so ranks that would choose differently get an error, not a hang.
     A group of one rank on CUDA takes ``local`` (flux/ops/moe/local.py) where its kernels take
     num_experts and K (at most 1024 experts, K <= 64).
-    ``FLUX_STRATEGY_MOE=all_to_all|symm|local`` forces one (a forced one that cannot run raises)."""
+    ``FLUX_STRATEGY_MOE=sequential|symm|local`` forces one (a forced one that cannot run raises;
+    ``all_to_all``, the former name of ``sequential``, is read as it)."""
     forced = _forced()
     dev = group_device(group)
     why_local = _moe_local.usable(group, dev)
@@ -84,7 +93,7 @@ def _choose_strategy(x, group: dist.ProcessGroup, bounded: bool, num_experts=Non
         if forced == "symm" and why is not None:
             raise FluxInputError(f"{OP}: {STRATEGY_ENV}=symm, but it cannot run here: {why}")
         return forced
-    return "symm" if why is None else "all_to_all"
+    return "symm" if why is None else "sequential"
 
 
 # --------------------------------------------------------------------------------------
