@@ -21,7 +21,8 @@
 # The MoE benchmarks run before the layers one; STEP_TIMEOUT (s, default 600) bounds each of them.
 # --shared 4,8: also run the GPU cases with 4, then 8 ranks sharing this machine's GPUs
 # (tests/test_ops.py::test_gpu_shared: gloo, FLUX_GLOO_CUDA=1; correctness only), into
-# OUTDIR/tests-shared-W.log.
+# OUTDIR/tests-shared-W.log, and the MoE GPU cases with W ranks (tests/test_moe_symm.py) into
+# OUTDIR/tests-shared-moe-W.log.
 #
 # On a machine without network, carry the nvidia-cutlass wheel in .whl/ (git-ignored), made here with:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -102,6 +103,8 @@ if [ $TESTS -eq 1 ]; then
 fi
 for w in ${SHARED//,/ }; do
   FLUX_TEST_SHARED_WORLD=$w FLUX_TEST_LOG_DIR=$OUTDIR timeout 600 $PY -m pytest -q -rs tests -k gpu_shared 2>&1 | tee "$OUTDIR/tests-shared-$w.log"
+  rc=${PIPESTATUS[0]}; [ $rc -eq 0 ] || rc_tests=$rc
+  FLUX_TEST_MOE_WORLD=$w timeout 600 $PY -m pytest -q -rs tests/test_moe_symm.py -k gpu_moe_symm 2>&1 | tee "$OUTDIR/tests-shared-moe-$w.log"
   rc=${PIPESTATUS[0]}; [ $rc -eq 0 ] || rc_tests=$rc
 done
 NPROC=${NGPUS:-$($PY -c 'import torch; print(torch.cuda.device_count())')}
