@@ -166,28 +166,23 @@ class GemmOp:
     def call(self, mode: int, input, weight, bias, group, weight_layout, out_dtype, gathered, out):
         """A public call that its plan did not serve (mode: flux.ops._common.call_mode)."""
         group = resolve_group(group, self.OP)
-        if out is not None:
-            if gathered:
-                raise FluxInputError(f"{self.OP}: out= cannot be combined with return_gathered=True")
-            if mode == 2:
-                self.parts.out_op(input, weight, bias, group_name(group), weight_layout, out_dtype, out)
-            else:  # the slow path refuses out= with tensors that need gradients, on every rank alike
-                self.slow(input, weight, bias, group, weight_layout, out_dtype, False, out)
-            return out
-        if not self.gathers:
-            if mode == 0:
-                return self.slow(input, weight, bias, group, weight_layout, out_dtype, False)
-            if mode == 1:
-                return self.parts.function.apply(input, weight, bias, group, weight_layout, out_dtype)
-            return self.parts.op(input, weight, bias, group_name(group), weight_layout, out_dtype)
-        if mode == 0:
-            r = self.slow(input, weight, bias, group, weight_layout, out_dtype, gathered)
-        elif mode == 1:  # keeps the gathered input where the weight's gradient needs it
-            r = self.parts.function.apply(input, weight, bias, group, weight_layout, out_dtype,
-                                          gathered or weight.requires_grad)
+        if out is not None and gathered:
+            raise FluxInputError(f"{self.OP}: out= cannot be combined with return_gathered=True")
+        # The slow path serves plain calls, and refuses out= with tensors that need gradients (mode 1)
+        # on every rank alike.
+        if mode == 0 or (mode == 1 and out is not None):
+            r = self.slow(input, weight, bias, group, weight_layout, out_dtype, gathered, out)
+        elif out is not None:
+            self.parts.out_op(input, weight, bias, group_name(group), weight_layout, out_dtype, out)
+        elif mode == 1:  # ag_gemm keeps the gathered input where the weight's gradient needs it
+            extra = (gathered or weight.requires_grad,) if self.gathers else ()
+            r = self.parts.function.apply(input, weight, bias, group, weight_layout, out_dtype, *extra)
         else:
-            r = self.parts.op(input, weight, bias, group_name(group), weight_layout, out_dtype, gathered)
-        return r if gathered else r[0]
+            extra = (gathered,) if self.gathers else ()
+            r = self.parts.op(input, weight, bias, group_name(group), weight_layout, out_dtype, *extra)
+        if out is not None:
+            return out
+        return (r if gathered else r[0]) if self.gathers else r
 
     # ---- the pieces of the custom op ---------------------------------------------------------------
     def _op_forward(self):
