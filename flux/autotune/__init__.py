@@ -47,7 +47,7 @@ _choices: Dict[tuple, "Candidate"] = {}
 _generation = [0]
 
 
-_listeners = []  # called whenever earlier choices may no longer hold (flux/ops/_plans.py drops its plans)
+_listeners = []  # called whenever earlier choices may no longer hold (flux/ops/_gemm_op.py drops its plans)
 
 
 def on_change(fn: Callable[[], None]) -> None:
