@@ -651,7 +651,7 @@ def _host_cost(op):
     each). Also: of 20 public calls of one problem only the first takes the slow path. Reports
     the C++ entry alone (``runtime.call``) too, to show what the Python wrapper adds."""
     from flux import autotune
-    from flux.ops import _plans
+    from flux.ops import _gemm_op
 
     def fn(rank, world, dev):
         if SHARED_GPUS:
@@ -689,7 +689,7 @@ def _host_cost(op):
                 slow_calls[strategy] = len(slow)
                 prob.check(outs[-1], f"{strategy}, 20th call")
                 measured[strategy] = _host_us(lambda: public(prob.x, prob.w))
-                rt = _plans.hot_runtime(None)
+                rt = _gemm_op._hot.get(dist.group.WORLD)
                 measured[f"{strategy} (C++ entry)"] = _host_us(
                     lambda: rt.call(0 if op == "ag" else 1, prob.x, prob.w, None, None, 0, -1, False))
         finally:

@@ -161,7 +161,7 @@ def test_choice_precedence(tmp_path, monkeypatch):
     p = big("gemm_rs")
     cpu = torch.device("cpu")
     assert autotune.choose(p, cpu).label == "decomposed(chunks=1)"  # analytic default
-    cache = autotune.cache_for(autotune.topology(2, cpu))
+    cache = autotune.cache_for(2, cpu)
     cache.put(autotune.key_of(p), _entry("decomposed(chunks=2)"))
     assert autotune.choose(p, cpu).label == "decomposed(chunks=2)"  # tuned
     # the bucket serves every M in (bucket/2, bucket]

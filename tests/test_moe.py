@@ -651,7 +651,7 @@ def _deferred_local_error(rank, world):
     e, h, k, cap = 2 * world, 4, 2, 4
     x, idx, w = make_inputs(31, rank, cap, h, k, e, dtype=F32)
     with mock.patch.object(_checks, "_carries_header", lambda g: False), \
-            mock.patch.object(_checks, "_header_every_call", lambda g: False), \
+            mock.patch.object(_checks, "_header_every_call", lambda g, no_symm: False), \
             mock.patch.object(moe_ops.strategies, "cuda_group", lambda g: True):
         _checks.reset_cache()
         recv_x, counts, handle = flux.moe_dispatch(x, idx, w, e, max_tokens_per_rank=cap)  # checked, remembered

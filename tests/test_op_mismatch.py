@@ -126,7 +126,7 @@ def _skip_unplanned_cuda_group(rank, world):
     from flux.ops import _checks
 
     _checks._carries_header = lambda group: False  # as on an NCCL group
-    assert _checks._header_every_call(dist.group.WORLD)  # no flux._C here: nothing can plan
+    assert _checks._header_every_call(dist.group.WORLD, _checks._no_symm(dist.group.WORLD))  # no flux._C here
     return _skip_case("ag_gemm")(rank, world)
 
 

@@ -140,10 +140,13 @@ def test_fused_plan_parameters_come_from_the_kernel_tuner():
     from flux.autotune import kernels
     from flux.ops import _plans
 
+    from flux.ops._common import problem_of
+
     x, w = torch.zeros(1024, 512, dtype=torch.bfloat16), torch.zeros(4096, 512, dtype=torch.bfloat16)
     for op, m, key in (("ag_gemm", 4096, "ag"), ("gemm_rs", 256, "rs")):
         want = kernels.choose_config(key, m, 4096, 512, torch.bfloat16, torch.bfloat16, torch.device("cpu"))
-        got = _plans.kernel_params(op, x, w, "nk", None, 4)
+        p = problem_of(op, x, w, "nk", None, 4, 4096 if op == "ag_gemm" else 1024)
+        got = _plans.kernel_params(p, torch.device("cpu"))
         assert (got["config"], got["raster"], got["swizzle"]) == want
     assert strategies.PARAM_ORDER[-1] == "raster" and strategies.PARAM_DEFAULTS["raster"] == 1
 

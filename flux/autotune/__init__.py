@@ -47,7 +47,7 @@ _choices: Dict[tuple, "Candidate"] = {}
 _generation = [0]
 
 
-_listeners = []  # called whenever earlier choices may no longer hold (flux/ops/_plans.py drops its plans)
+_listeners = []  # called whenever earlier choices may no longer hold (flux/ops/_gemm_op.py drops its plans)
 
 
 def on_change(fn: Callable[[], None]) -> None:
@@ -116,7 +116,9 @@ def topology(world: int, device: torch.device) -> Topology:
     return _topologies[key]
 
 
-def cache_for(topo: Topology) -> TuneCache:
+def cache_for(world: int, device: torch.device) -> TuneCache:
+    """The cache of tuned choices of this topology (``topology(world, device)``), loaded once."""
+    topo = topology(world, device)
     if topo.key not in _caches:
         _caches[topo.key] = TuneCache(topo.key)
     return _caches[topo.key]
@@ -160,7 +162,7 @@ def _choose(p: Problem, device: Optional[torch.device], label: Optional[str]) ->
         _warn_once(p.op, f"forced strategy {label!r}", why)
         return default_candidate(p)
     if device is not None:
-        entry = cache_for(topology(p.world, device)).get(key_of(p))
+        entry = cache_for(p.world, device).get(key_of(p))
         if entry is not None:
             c = Candidate.parse(entry["choice"])
             if why_invalid(c, p) is None:
@@ -179,7 +181,7 @@ def tuning_requested(p: Problem, device: torch.device) -> bool:
         return False
     if _forced.get(p.op) or envs.forced_strategy(p.op):
         return False
-    return cache_for(topology(p.world, device)).get(key_of(p)) is None
+    return cache_for(p.world, device).get(key_of(p)) is None
 
 
 def tune(p: Problem, run: Callable[[Candidate], object], group, device: torch.device, *, save: bool = True,
@@ -191,6 +193,7 @@ def tune(p: Problem, run: Callable[[Candidate], object], group, device: torch.de
     ``prepare(c)``: a callable running candidate ``c`` on fixed tensors (plan made once). Collective."""
     from flux.autotune import tuner
 
+    cache = cache_for(p.world, device)
     cands = tuner.correct_candidates(run, candidates(p), group, device, p.dtype)
     detail: Dict[str, Dict[str, float]] = {}
     times = tuner.time_candidates(run, cands, group, device, warmup=warmup, iters=iters, timer=timer,
@@ -201,7 +204,6 @@ def tune(p: Problem, run: Callable[[Candidate], object], group, device: torch.de
     best = tuner.pick(times, cands, group, device, default=default)
     entry = {"choice": best.label, "default": default.label, "times_ms": times, "loop_ms": detail.get("loop", {}),
              "graph_ms": detail.get("graph", {})}
-    cache = cache_for(topology(p.world, device))
     cache.put(key_of(p), entry)
     for fn in _listeners:  # plans made from the former choice
         fn()

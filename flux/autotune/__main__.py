@@ -118,7 +118,7 @@ def main(argv=None):
     if rank == 0:
         print(f"flux.autotune: {topo}\n  topology key {topo.key!r}, flux {flux.__version__}, {len(shapes)} shapes",
               flush=True)
-    cache = autotune.cache_for(topo)
+    cache = autotune.cache_for(world, device)
     target = os.path.join(cache_mod.SHIPPED_DIR, cache_mod.file_name(topo.key)) if args.ship else None
     writer = int(os.environ.get("LOCAL_RANK", "0")) == 0
     path = None

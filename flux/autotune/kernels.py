@@ -264,10 +264,11 @@ def choose_config(op: str, m: int, n: int, k: int, dtype=torch.bfloat16, out_dty
     configuration is built for these dtypes (the fused strategy is then ineligible)."""
     out_dtype = out_dtype if out_dtype is not None else dtype
     key, sm = gpu_key(device)
-    memo = (GENERATION[0], _op(op), m_bucket(m), n, k, _dt(dtype), _dt(out_dtype), key)
+    mb = m_bucket(m)  # the choice serves every M of its bucket
+    memo = (GENERATION[0], _op(op), mb, n, k, _dt(dtype), _dt(out_dtype), key)
     if memo not in _memo:
-        got = cached_choice(kernel_cache(key), op, m, n, k, dtype, out_dtype)
-        _memo[memo] = got or analytic_config(op, m_bucket(m), n, k, dtype, out_dtype, sm)
+        got = cached_choice(kernel_cache(key), op, mb, n, k, dtype, out_dtype)
+        _memo[memo] = got or analytic_config(op, mb, n, k, dtype, out_dtype, sm)
     return _memo[memo]
 
 

@@ -237,16 +237,19 @@ def _carries_header(group: dist.ProcessGroup) -> bool:
     return "gloo" in str(dist.get_backend(group)).lower()
 
 
-def _header_every_call(group: dist.ProcessGroup) -> bool:
+def _header_every_call(group: dist.ProcessGroup, no_symm: Optional[str]) -> bool:
     """Whether check_collectively exchanges the bounded header on every call, not only a problem's
     first: on gloo groups, and on CUDA groups where no call can be planned (no flux._C, or no
-    symmetric workspace for the group). A call skips its check only where a plan serves it, whose
-    entry barrier (FLUX_TIMEOUT_MS) then bounds a peer that skipped the call."""
-    if _carries_header(group):
-        return True
+    symmetric workspace for the group: ``no_symm``, flux.runtime.symm.why_unavailable). A call
+    skips its check only where a plan serves it, whose entry barrier (FLUX_TIMEOUT_MS) then bounds
+    a peer that skipped the call."""
+    return _carries_header(group) or no_symm is not None
+
+
+def _no_symm(group: dist.ProcessGroup) -> Optional[str]:
     from flux.runtime import symm
 
-    return symm.why_unavailable(group) is not None
+    return symm.why_unavailable(group)
 
 
 def _headers_agree(values: Tuple[int, ...], group: dist.ProcessGroup, sig: Optional["Signature"] = None) -> bool:
@@ -271,11 +274,17 @@ def check_collectively(sig: Signature, group: dist.ProcessGroup) -> None:
     found at once, on every rank, whether or not the peers' call was checked before; all ranks then
     make the full exchange, which names the field that differs. (On CUDA groups that plan, the
     entry barrier of every planned call carries the same check: flux/ops/_plans.py.)"""
+    check_collectively_given(sig, group, _no_symm(group))
+
+
+def check_collectively_given(sig: Signature, group: dist.ProcessGroup, no_symm: Optional[str]) -> None:
+    """check_collectively for a caller that has asked flux.runtime.symm.why_unavailable(group)
+    already (``no_symm``), and carries the answer on to its plan."""
     values = sig.values()
     ranks = tuple(dist.get_process_group_ranks(group))
     every = envs.CHECK_EVERY_CALL.get()
     known = values in _validated.get(ranks, ())
-    if not every and _header_every_call(group):
+    if not every and _header_every_call(group, no_symm):
         if _headers_agree(values, group, sig) and known:
             return
     elif not every and known:
@@ -356,7 +365,7 @@ def skips_exchange_if_valid(sig: Signature, group: dist.ProcessGroup) -> bool:
     FLUX_CHECK_EVERY_CALL off. Then peers making the same call without an error skip it too, and a
     rank with a local error must report it some other way than the store exchange, which its
     peers would never join (flux/ops/moe.py's deferred verdict does)."""
-    if envs.CHECK_EVERY_CALL.get() or _header_every_call(group):
+    if envs.CHECK_EVERY_CALL.get() or _header_every_call(group, _no_symm(group)):
         return False
     values = (0,) + tuple(sig.values()[1:])
     return values in _validated.get(tuple(dist.get_process_group_ranks(group)), ())

@@ -192,10 +192,13 @@ def _fused_kernels_built() -> bool:
 
 def problem_of(op: str, input: torch.Tensor, weight: torch.Tensor, weight_layout: str,
                out_dtype: Optional[torch.dtype], world: int, m_total: int):
-    """The autotuner's Problem (flux.autotune.space) of one call on ``world`` ranks."""
+    """The autotuner's Problem (flux.autotune.space) of one call on ``world`` ranks; None for an
+    empty one (M, N or K zero: nothing to choose or overlap, the reference serves it)."""
     from flux.autotune.space import Problem
 
     n, k = weight_nk_shape(weight, weight_layout)
+    if min(m_total, n, k) <= 0:
+        return None
     cuda = input.device.type == "cuda"
     return Problem(op, m_total, n, k, input.dtype, world, weight_layout,
                    out_dtype is not None and out_dtype != input.dtype, input.device.type,
@@ -210,27 +213,29 @@ def choose_and_check(sig, op: str, input: torch.Tensor, weight: torch.Tensor, we
                      out_dtype: Optional[torch.dtype], group, m_total: int):
     """Choose the call's candidate (flux.autotune), put it into the signature, and check the
     signature across ranks (raising the same FluxInputError everywhere on any problem,
-    including ranks that would choose differently). Returns (problem, candidate, tune_now):
-    tune_now is True, on every rank alike, when the call must tune its problem first."""
+    including ranks that would choose differently). Returns (problem, candidate, tune_now,
+    no_symm): problem is None for an empty call; tune_now is True, on every rank alike, when
+    the call must tune its problem first; no_symm is why the group has no symmetric workspace
+    (flux.runtime.symm.why_unavailable, None: it has one), asked once here for the check and
+    the plan (flux/ops/_plans.py)."""
     import torch.distributed as dist
 
     from flux import autotune
     from flux.autotune.space import Candidate
-    from flux.ops._checks import check_collectively
+    from flux.ops._checks import check_collectively_given
+    from flux.runtime import cuda_kernels_available, symm
 
     problem, cand, tune = None, Candidate("sequential"), False
     if sig.error is None:
-        n, k = weight_nk_shape(weight, weight_layout)
-        if min(m_total, n, k) > 0:
-            problem = problem_of(op, input, weight, weight_layout, out_dtype, dist.get_world_size(group), m_total)
+        problem = problem_of(op, input, weight, weight_layout, out_dtype, dist.get_world_size(group), m_total)
+        if problem is not None:
             cand = autotune.choose(problem, input.device)
             tune = autotune.tuning_requested(problem, input.device)
-    from flux.runtime import cuda_kernels_available
-
     # A rank without flux._C would run its overlapped strategies' fallback (NCCL) while its
     # peers wait for signals: make that a mismatch the check reports instead.
     sig.add("flux._C loaded", cuda_kernels_available())
     sig.add("strategy", autotune.candidate_code(cand))
     sig.add("tunes now", tune)
-    check_collectively(sig, group)
-    return problem, cand, tune
+    no_symm = symm.why_unavailable(group)
+    check_collectively_given(sig, group, no_symm)
+    return problem, cand, tune, no_symm

@@ -19,15 +19,33 @@ import torch.distributed as dist
 from flux import autotune
 from flux.autotune.space import Candidate
 from flux.ops import _plans
-from flux.ops._checks import FluxInputError, Signature, check_collectively
-from flux.ops._common import (call_mode, check_gemm_args, check_out_arg, check_same_device, choose_and_check, refuse_capture,
-                              weight_nk_shape)
+from flux.ops._checks import FluxInputError, Signature, check_collectively_given
+from flux.ops._common import (call_mode, check_gemm_args, check_out_arg, check_same_device, choose_and_check,
+                              problem_of, refuse_capture, weight_nk_shape)
 from flux.ops._opdef import define_op
-from flux.runtime import group_device, group_from_name, group_name, resolve_group
+from flux.runtime import group_device, group_from_name, group_name, resolve_group, symm
 from flux.strategies import OP_CODES, TABLES
 
 LAYOUT, DTYPE = _plans.LAYOUT_CODES, _plans.DTYPE_CODES
 GEMM_OPS: Dict[str, "GemmOp"] = {}
+# group -> the runtime whose plans serve the hot path of calls on that group (the default
+# group under dist.group.WORLD).
+_hot: Dict[object, object] = {}
+
+
+def forget_plans() -> None:
+    """Drop every plan (tests; after changing strategies or caches mid-process)."""
+    for rt in _hot.values():
+        rt.clear_plans()
+    _hot.clear()
+
+
+autotune.on_change(forget_plans)  # a forced strategy, a reset or a new tuned entry changes what plans hold
+
+
+def _local_rows(input: torch.Tensor) -> int:
+    """Rows of this rank's input (all dimensions but the last)."""
+    return input.numel() // input.shape[-1] if input.dim() >= 1 and input.shape[-1] else 0
 
 
 def _group(g) -> dist.ProcessGroup:
@@ -80,10 +98,15 @@ class GemmOp:
         group = resolve_group(group, self.OP)
         if name not in self.strategies:
             raise ValueError(f"{self.OP}: unknown strategy {name!r}; known: {list(self.strategies)}")
+        no_symm = symm.why_unavailable(group)
         if check:
-            check_collectively(self.signature(input, weight, bias, group, weight_layout, out_dtype), group)
-        return _plans.prepare(self.name, Candidate.of(name, **params), input, weight, bias, group, weight_layout,
-                              out_dtype, gathered, out,
+            check_collectively_given(self.signature(input, weight, bias, group, weight_layout, out_dtype), group,
+                                     no_symm)
+        world = dist.get_world_size(group)
+        problem = problem_of(self.name, input, weight, weight_layout, out_dtype, world,
+                             self.rows(_local_rows(input), world))
+        return _plans.prepare(self.name, Candidate.of(name, **params), problem, no_symm, input, weight, bias, group,
+                              weight_layout, out_dtype, gathered, out,
                               self._reference(input, weight, bias, group, weight_layout, out_dtype, gathered))
 
     # ---- the slow path and the forward -----------------------------------------------------------
@@ -100,22 +123,24 @@ class GemmOp:
                 sig.fail("out= cannot be combined with return_gathered=True")
         else:
             sig.add("out is given", out is not None)
-        local_rows = input.numel() // input.shape[-1] if input.dim() >= 1 and input.shape[-1] else 0
-        problem, cand, tune_now = choose_and_check(sig, self.name, input, weight, weight_layout, out_dtype, group,
-                                                   self.rows(local_rows, world))
+        problem, cand, tune_now, no_symm = choose_and_check(sig, self.name, input, weight, weight_layout, out_dtype,
+                                                            group, self.rows(_local_rows(input), world))
         reference = self._reference(input, weight, bias, group, weight_layout, out_dtype, gathered)
         if tune_now:  # tuned on scratch outputs: the caller's out is written once, below
             def prepare(c, dest=None):
-                return _plans.prepare(self.name, c, input, weight, bias, group, weight_layout, out_dtype, gathered,
-                                      dest, reference)
+                return _plans.prepare(self.name, c, problem, no_symm, input, weight, bias, group, weight_layout,
+                                      out_dtype, gathered, dest, reference)
             cand = Candidate.parse(autotune.tune(problem, lambda c, dest=None: prepare(c, dest)(), group,
                                                  input.device, prepare=prepare)["choice"])
-        return _plans.run_and_remember(self.name, cand, input, weight, bias, group, weight_layout, out_dtype,
-                                       gathered, out, reference)
+        result, rt = _plans.run_and_remember(self.name, cand, problem, no_symm, input, weight, bias, group,
+                                             weight_layout, out_dtype, gathered, out, reference)
+        if rt is not None:
+            _hot[group] = rt
+        return result
 
     def _planned(self, input, weight, bias, group, weight_layout, out_dtype, gathered, out):
         """The result of this problem's plan, run from C++, or None where no plan serves it."""
-        rt = _plans.hot_runtime(group)
+        rt = _hot.get(dist.group.WORLD if group is None else group)
         if rt is None:
             return None
         return rt.call(self.code, input, weight, bias, out, LAYOUT.get(weight_layout, -1), DTYPE.get(out_dtype, -2),
@@ -141,28 +166,23 @@ class GemmOp:
     def call(self, mode: int, input, weight, bias, group, weight_layout, out_dtype, gathered, out):
         """A public call that its plan did not serve (mode: flux.ops._common.call_mode)."""
         group = resolve_group(group, self.OP)
-        if out is not None:
-            if gathered:
-                raise FluxInputError(f"{self.OP}: out= cannot be combined with return_gathered=True")
-            if mode == 2:
-                self.parts.out_op(input, weight, bias, group_name(group), weight_layout, out_dtype, out)
-            else:  # the slow path refuses out= with tensors that need gradients, on every rank alike
-                self.slow(input, weight, bias, group, weight_layout, out_dtype, False, out)
-            return out
-        if not self.gathers:
-            if mode == 0:
-                return self.slow(input, weight, bias, group, weight_layout, out_dtype, False)
-            if mode == 1:
-                return self.parts.function.apply(input, weight, bias, group, weight_layout, out_dtype)
-            return self.parts.op(input, weight, bias, group_name(group), weight_layout, out_dtype)
-        if mode == 0:
-            r = self.slow(input, weight, bias, group, weight_layout, out_dtype, gathered)
-        elif mode == 1:  # keeps the gathered input where the weight's gradient needs it
-            r = self.parts.function.apply(input, weight, bias, group, weight_layout, out_dtype,
-                                          gathered or weight.requires_grad)
+        if out is not None and gathered:
+            raise FluxInputError(f"{self.OP}: out= cannot be combined with return_gathered=True")
+        # The slow path serves plain calls, and refuses out= with tensors that need gradients (mode 1)
+        # on every rank alike.
+        if mode == 0 or (mode == 1 and out is not None):
+            r = self.slow(input, weight, bias, group, weight_layout, out_dtype, gathered, out)
+        elif out is not None:
+            self.parts.out_op(input, weight, bias, group_name(group), weight_layout, out_dtype, out)
+        elif mode == 1:  # ag_gemm keeps the gathered input where the weight's gradient needs it
+            extra = (gathered or weight.requires_grad,) if self.gathers else ()
+            r = self.parts.function.apply(input, weight, bias, group, weight_layout, out_dtype, *extra)
         else:
-            r = self.parts.op(input, weight, bias, group_name(group), weight_layout, out_dtype, gathered)
-        return r if gathered else r[0]
+            extra = (gathered,) if self.gathers else ()
+            r = self.parts.op(input, weight, bias, group_name(group), weight_layout, out_dtype, *extra)
+        if out is not None:
+            return out
+        return (r if gathered else r[0]) if self.gathers else r
 
     # ---- the pieces of the custom op ---------------------------------------------------------------
     def _op_forward(self):

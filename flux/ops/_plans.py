@@ -23,57 +23,32 @@ from typing import Callable, Dict, Optional
 import torch
 import torch.distributed as dist
 
-from flux import autotune, envs
+from flux import envs
 from flux.autotune.space import Candidate, strategy_params
-from flux.ops._common import problem_of, weight_nk_shape
-from flux.runtime import runtime, symm
-from flux.strategies import (DTYPE_CODES, OP_CODES, PARAM_DEFAULTS, PARAM_ORDER, STRATEGY_CODES, param_error,
-                             resolve, warn_once, wide_out_ok)
+from flux.runtime import runtime
+from flux.strategies import (DTYPE_CODES, OP_CODES, PARAM_DEFAULTS, PARAM_ORDER, STRATEGY_CODES, Problem,
+                             param_error, resolve, warn_once, wide_out_ok)
 
 LAYOUT_CODES = {"nk": 0, "kn": 1}
-
-# group -> the runtime whose plans serve the hot path of calls on that group.
-_hot: Dict[object, object] = {}
-
-
-def hot_runtime(group):
-    """The runtime serving ``group``'s hot path (None: the default group), or None."""
-    try:
-        return _hot[dist.group.WORLD if group is None else group]
-    except KeyError:
-        return None
-
-
-def forget() -> None:
-    """Drop every plan (tests; after changing strategies or caches mid-process)."""
-    for rt in _hot.values():
-        rt.clear_plans()
-    _hot.clear()
-
-
-autotune.on_change(forget)  # a forced strategy, a reset or a new tuned entry changes what plans hold
 
 
 def _log_once(op: str, strategy: str, reason: str, to: str) -> None:
     warn_once(f"flux.{op}: strategy {strategy!r} falls back to {to!r}: {reason}")
 
 
-def effective(op: str, cand: Candidate, input: torch.Tensor, weight: torch.Tensor, group, weight_layout: str,
-              out_dtype, no_symm: Optional[str] = None) -> Candidate:
-    """The candidate that will actually run: the strategy table's rules (flux/strategies.py) on
-    this call, with ``no_symm`` (why the group has no symmetric workspace, None: it has one);
-    each fallback logs its reason once."""
+def effective(op: str, cand: Candidate, p: Optional[Problem], no_symm: Optional[str]) -> Candidate:
+    """The candidate that will actually run problem ``p`` (None: an empty call): the strategy
+    table's rules (flux/strategies.py) on it, with ``no_symm`` (why the group has no symmetric
+    workspace, None: it has one); each fallback logs its reason once."""
     if cand.strategy == "sequential":
         return cand
     why = param_error(op, cand.strategy, cand.kwargs)
     if why is not None:
         raise ValueError(f"flux.{op}: {why}")
-    if input.numel() == 0 or weight.numel() == 0:
+    if p is None:
         return Candidate("sequential")  # nothing to overlap: the reference serves empty problems
-    world = dist.get_world_size(group)
-    rows = input.numel() // input.shape[-1]
-    p = problem_of(op, input, weight, weight_layout, out_dtype, world, rows * world if op == "ag_gemm" else rows)
-    p = dataclasses.replace(p, no_symm=no_symm if input.device.type == "cuda" else None)
+    if p.device_type == "cuda":
+        p = dataclasses.replace(p, no_symm=no_symm)
     name, kw = resolve(p, cand.strategy, cand.kwargs, lambda frm, why, to: _log_once(op, frm, why, to))
     return Candidate.of(name, **kw)
 
@@ -90,17 +65,15 @@ def in_cxx(cand: Candidate, input: torch.Tensor, weight: torch.Tensor, group, ou
     return True
 
 
-def kernel_params(op: str, input, weight, weight_layout: str, out_dtype, world: int) -> Dict[str, int]:
-    """The fused kernel's config, raster and swizzle for this call: the kernel tuner's choice
+def kernel_params(p: Problem, device: torch.device) -> Dict[str, int]:
+    """The fused kernel's config, raster and swizzle for problem ``p``: the kernel tuner's choice
     (flux.autotune.kernels.choose_config) for the kernel's rows (ag_gemm: all gathered rows;
     gemm_rs: one rank's block)."""
     from flux.autotune.kernels import choose_config
 
-    n, k = weight_nk_shape(weight, weight_layout)
-    rows = input.numel() // input.shape[-1]
-    m = rows * world if op == "ag_gemm" else rows // world
-    out = out_dtype if out_dtype is not None else input.dtype
-    config, raster, swizzle = choose_config(op, m, n, k, input.dtype, out, input.device)
+    m = p.m if p.op == "ag_gemm" else p.rows
+    out = p.out_dtype if p.out_dtype is not None else p.dtype
+    config, raster, swizzle = choose_config(p.op, m, p.n, p.k, p.dtype, out, device)
     return {"config": config, "raster": raster, "swizzle": swizzle}
 
 
@@ -112,52 +85,54 @@ def token(op: str, cand: Candidate, input, weight, bias, weight_layout, out_dtyp
     return ((OP_CODES[op] + 1) << 30) | (zlib.crc32(text.encode()) & 0x3FFFFFFF)
 
 
-def _plan(op: str, cand: Candidate, input, weight, bias, group, weight_layout, out_dtype, gathered):
+def _plan(op: str, cand: Candidate, problem: Optional[Problem], no_symm: Optional[str], input, weight, bias, group,
+          weight_layout, out_dtype, gathered):
     """(runtime, plan) that run this call with ``cand``, or None where the Python reference runs
     it. Collective where it makes a plan (the workspace may grow)."""
-    no_symm = symm.why_unavailable(group) if input.device.type == "cuda" else "input is not on a CUDA device"
-    c = effective(op, cand, input, weight, group, weight_layout, out_dtype, no_symm)
+    c = effective(op, cand, problem, no_symm)
     if not in_cxx(c, input, weight, group, out_dtype, no_symm):
-        return None
+        return None  # in C++ only non-empty calls: ``problem`` is not None below
+    tok = token(op, c, input, weight, bias, weight_layout, out_dtype, gathered, problem.world)
     kw = c.kwargs
     if c.strategy == "fused" and "config" not in kw:
-        kw = {**kernel_params(op, input, weight, weight_layout, out_dtype, dist.get_world_size(group)), **kw}
+        kw = {**kernel_params(problem, input.device), **kw}
     params = [int(kw.get(name, PARAM_DEFAULTS[name])) for name in PARAM_ORDER]
-    tok = token(op, c, input, weight, bias, weight_layout, out_dtype, gathered, dist.get_world_size(group))
     return runtime.make_plan(group, OP_CODES[op], STRATEGY_CODES[c.strategy], params, tok, input, weight, bias,
                              weight_layout == "nk", DTYPE_CODES.get(out_dtype, -1), gathered)
 
 
-def prepare(op: str, cand: Candidate, input: torch.Tensor, weight: torch.Tensor, bias, group, weight_layout: str,
-            out_dtype, gathered: bool, out: Optional[torch.Tensor], reference: Callable) -> Callable[[], object]:
+def prepare(op: str, cand: Candidate, problem: Optional[Problem], no_symm: Optional[str], input: torch.Tensor,
+            weight: torch.Tensor, bias, group, weight_layout: str, out_dtype, gathered: bool,
+            out: Optional[torch.Tensor], reference: Callable) -> Callable[[], object]:
     """A zero-argument callable that enqueues this call with ``cand``: through a plan of the
-    group's C++ runtime, or the Python ``reference(out)`` where no plan applies. Collective
-    (it may grow the workspace): every rank of the group calls it at the same point."""
+    group's C++ runtime, or the Python ``reference(out)`` where no plan applies. ``problem``:
+    the call's Problem (flux.ops._common.problem_of, None: empty); ``no_symm``:
+    flux.runtime.symm.why_unavailable(group). Collective (it may grow the workspace): every
+    rank of the group calls it at the same point."""
     known = strategy_params(op, cand.strategy)
     if not set(cand.kwargs) <= known:
         raise TypeError(f"flux.{op}: strategy {cand.strategy!r} takes the parameters {sorted(known)}, "
                         f"not {sorted(set(cand.kwargs) - known)}")
-    made = _plan(op, cand, input, weight, bias, group, weight_layout, out_dtype, gathered)
+    made = _plan(op, cand, problem, no_symm, input, weight, bias, group, weight_layout, out_dtype, gathered)
     if made is None:
         return functools.partial(reference, out)
     rt, plan = made
     return functools.partial(rt.run, plan, input, weight, bias, out)
 
 
-def run_and_remember(op: str, cand: Candidate, input, weight, bias, group, weight_layout, out_dtype, gathered,
-                     out, reference: Callable):
-    """The slow path's last step: run ``cand`` and, where it runs in C++, leave its plan for the
-    hot path (unless FLUX_CHECK_EVERY_CALL=1, which keeps every call on the slow path)."""
-    made = _plan(op, cand, input, weight, bias, group, weight_layout, out_dtype, gathered)
+def run_and_remember(op: str, cand: Candidate, problem: Optional[Problem], no_symm: Optional[str], input, weight,
+                     bias, group, weight_layout, out_dtype, gathered, out, reference: Callable):
+    """The slow path's last step: run ``cand`` (``problem``, ``no_symm``: as ``prepare``). Returns
+    (result, runtime): the runtime holds the call's plan for the hot path where it runs in C++
+    (unless FLUX_CHECK_EVERY_CALL=1, which keeps every call on the slow path), else None."""
+    made = _plan(op, cand, problem, no_symm, input, weight, bias, group, weight_layout, out_dtype, gathered)
     if made is None:
-        return reference(out)
+        return reference(out), None
     rt, plan = made
-    if not envs.CHECK_EVERY_CALL.get():
-        rt.add_plan(plan, input, weight, bias, out, LAYOUT_CODES[weight_layout], DTYPE_CODES.get(out_dtype, -1),
-                    gathered)
-        _hot[group] = rt
-    return rt.run(plan, input, weight, bias, out)
+    if envs.CHECK_EVERY_CALL.get():
+        return rt.run(plan, input, weight, bias, out), None
+    rt.add_plan(plan, input, weight, bias, out, LAYOUT_CODES[weight_layout], DTYPE_CODES.get(out_dtype, -1), gathered)
+    return rt.run(plan, input, weight, bias, out), rt
 
 
-__all__ = ["DTYPE_CODES", "LAYOUT_CODES", "OP_CODES", "STRATEGY_CODES", "forget", "hot_runtime", "prepare",
-           "run_and_remember"]
+__all__ = ["DTYPE_CODES", "LAYOUT_CODES", "OP_CODES", "STRATEGY_CODES", "prepare", "run_and_remember"]

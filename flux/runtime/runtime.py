@@ -17,9 +17,8 @@ _runtimes: Dict[Tuple[str, int], object] = {}
 _workspace_of: Dict[int, object] = {}  # id(runtime) -> the Workspace it was last given
 
 
-def get(group: dist.ProcessGroup, nbytes: int = 0):
-    """The runtime of ``group`` on the current device, its workspace at least ``nbytes`` large
-    (collective when it makes or grows the workspace; see flux.runtime.symm.get_workspace)."""
+def _runtime(group: dist.ProcessGroup):
+    """The runtime of ``group`` on the current device, made on first use (no workspace yet)."""
     import flux._C as _C
 
     device = torch.cuda.current_device()
@@ -33,6 +32,12 @@ def get(group: dist.ProcessGroup, nbytes: int = 0):
         # fused AG and RS kernels would hold while they wait for the other rank on that GPU.
         rt.set_push_before_fused(gloo_carries_cuda())
         _runtimes[key] = rt
+    return rt
+
+
+def _with_workspace(rt, group: dist.ProcessGroup, nbytes: int):
+    """``rt`` addressing ``group``'s workspace, at least ``nbytes`` large (collective when it makes
+    or grows the workspace; see flux.runtime.symm.get_workspace)."""
     ws = symm.get_workspace(group, max(nbytes, 1))
     if _workspace_of.get(id(rt)) is not ws:
         rt.set_workspace(ws._peer_bytes, [p.data_ptr() for p in ws.pads], ws.pads_dev, ws.buffer_ptrs_dev,
@@ -41,11 +46,19 @@ def get(group: dist.ProcessGroup, nbytes: int = 0):
     return rt
 
 
+def get(group: dist.ProcessGroup, nbytes: int = 0):
+    """The runtime of ``group`` on the current device, its workspace at least ``nbytes`` large
+    (collective when it makes or grows the workspace; see flux.runtime.symm.get_workspace)."""
+    return _with_workspace(_runtime(group), group, nbytes)
+
+
 def make_plan(group: dist.ProcessGroup, *args) -> Tuple[object, object]:
     """(runtime, plan): ``Runtime.make_plan(*args)`` of ``group``'s runtime, whose workspace then
-    grows to what the plan needs (collective, as ``get``)."""
-    plan = get(group).make_plan(*args)
-    return get(group, plan.workspace_bytes), plan
+    grows to what the plan needs (collective, as ``get``). A plan is made from the shapes alone,
+    so the workspace is made or grown once, to its size."""
+    rt = _runtime(group)
+    plan = rt.make_plan(*args)
+    return _with_workspace(rt, group, plan.workspace_bytes), plan
 
 
 def existing(group: dist.ProcessGroup) -> Optional[object]:
