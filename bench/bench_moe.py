@@ -204,12 +204,14 @@ def grouped_reference_layer(layer):
     return fn
 
 
-def grouped_gemms_only(layer, x, idx):
+def gemms_only(layer, x, idx, dense=False):
     """``step()`` of the layer's grouped GEMMs alone, forward and backward (the floor): W13 on the
-    dispatched rows, W2 on an [R, F] input, each backward (dx, dW) from a fixed gradient."""
+    dispatched rows, W2 on an [R, F] input, each backward (dx, dW) from a fixed gradient.
+    ``dense``: the same rows through one dense GEMM per weight (expert 0's, for every row): the
+    same FLOPs at the dense-GEMM rate, what a grouped GEMM would reach without per-group cost."""
     flat = idx.reshape(-1)
     flat = flat[flat >= 0]
-    counts = torch.bincount(flat, minlength=layer.num_experts)
+    counts = torch.bincount(flat, minlength=layer.w13.shape[0])
     offs = counts.cumsum(0).to(torch.int32)
     r = flat.numel()
     gen = torch.Generator(device=x.device).manual_seed(5)
@@ -218,11 +220,14 @@ def grouped_gemms_only(layer, x, idx):
     gh = torch.randn(r, 2 * layer.ffn, generator=gen, device=x.device).to(x.dtype)
     gy = torch.randn(r, layer.hidden, generator=gen, device=x.device).to(x.dtype)
 
+    def mm(rows, w):
+        return rows @ w[0].t() if dense else torch._grouped_mm(rows, w.transpose(-2, -1), offs=offs)
+
     def step():
         for p in (xp, a, layer.w13, layer.w2):
             p.grad = None
-        h = torch._grouped_mm(xp, layer.w13.transpose(-2, -1), offs=offs)
-        y = torch._grouped_mm(a, layer.w2.transpose(-2, -1), offs=offs)
+        h = mm(xp, layer.w13)
+        y = mm(a, layer.w2)
         torch.autograd.backward([h, y], [gh, gy])
         return y
 
@@ -375,7 +380,8 @@ def layer_case(args, bench, layer, tokens, topk, dev, dtype, rank, tol):
             res["grouped"] = timed(bench, ref_step, args, graph=False)
             with torch.no_grad():
                 idx, _ = layer.route(x)
-            res["gemms"] = timed(bench, grouped_gemms_only(layer, x, idx), args, graph=False)
+            res["gemms"] = timed(bench, gemms_only(layer, x, idx), args, graph=False)
+            res["dense"] = timed(bench, gemms_only(layer, x, idx, dense=True), args, graph=False)
         except Exception as e:  # noqa: BLE001
             res["grouped_status"] = f"error: {type(e).__name__}: {str(e)[:300]}"
     return res
@@ -425,7 +431,7 @@ def layer_table(records):
     its GEMMs alone; the bounded dispatch and combine in graph replay and host us per repeat call
     (in parentheses: the C++ entry alone)."""
     lines = [f"{'T':>5} {'H':>5} {'K':>2} {'E':>3} | {'flux':>7} {'stock':>7} {'gemms':>7} {'stock/flux':>10} "
-             f"{'flux/gemms':>10} | {'bnd disp graph us':>17} {'host us (C++)':>13} | "
+             f"{'flux/gemms':>10} {'gemms/dense':>11} | {'bnd disp graph us':>17} {'host us (C++)':>13} | "
              f"{'bnd comb graph us':>17} {'host us (C++)':>13}"]
     for r in records:
         if r.get("status") != "ok":
@@ -434,6 +440,7 @@ def layer_table(records):
         f = (lay.get("flux") or {}).get("loop_ms")
         s = (lay.get("grouped") or {}).get("loop_ms")
         g = (lay.get("gemms") or {}).get("loop_ms")
+        d = (lay.get("dense") or {}).get("loop_ms")
         b = r.get("flux_bounded", {})
 
         def us(op, key):
@@ -444,10 +451,11 @@ def layer_table(records):
             return f"{us(op, 'host_us')} ({us(op, 'entry_host_us')})"
 
         lines.append(f"{r['tokens']:>5} {r['hidden']:>5} {r['topk']:>2} {r['experts']:>3} | {_f(f):>7} {_f(s):>7} "
-                     f"{_f(g):>7} {ratio(s, f):>10} {ratio(f, g):>10} | {us('dispatch', 'graph_ms'):>17} "
+                     f"{_f(g):>7} {ratio(s, f):>10} {ratio(f, g):>10} {ratio(g, d):>11} | {us('dispatch', 'graph_ms'):>17} "
                      f"{host('dispatch'):>13} | {us('combine', 'graph_ms'):>17} {host('combine'):>13}")
     lines.append("layer: flux.nn.MoE forward+backward, loop ms; stock: the same layer in stock PyTorch "
-                 "(--reference grouped); gemms: its grouped GEMMs alone; host us: repeat calls (the hot path), "
+                 "(--reference grouped); gemms: its grouped GEMMs alone; dense: the same FLOPs as dense GEMMs; "
+                 "host us: repeat calls (the hot path), "
                  "batches behind a GPU spin, median")
     return "\n".join(lines)
 

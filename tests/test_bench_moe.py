@@ -73,3 +73,41 @@ def test_bench_moe_cpu_defaults_to_smoke_sizes():
     assert out.returncode == 0, out.stdout[-2000:]
     assert out.stdout.strip().splitlines()[-1] == str([("16", "32", "2", "4", 16), ("128,4096", "7168", "2,8", "8,64",
                                                                                        2048)])
+
+
+def test_gemm_floors_agree_when_one_expert_holds_every_row():
+    """bench_moe.gemms_only (the layer's grouped GEMMs, forward and backward) and its dense variant
+    (the same FLOPs as one GEMM per weight) run on the CPU, and where every pair is routed to expert
+    0 they compute the same product and the same gradient of expert 0's weights (the dense floor
+    measures the grouped one's per-group cost, not other arithmetic); the table prints their ratio."""
+    import types
+
+    import torch
+
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    import bench_moe
+
+    gen = torch.Generator().manual_seed(3)
+    e, h, f, rows = 4, 32, 16, 48
+    layer = types.SimpleNamespace(
+        hidden=h, ffn=f,
+        w13=torch.nn.Parameter(torch.randn(e, 2 * f, h, generator=gen).to(torch.bfloat16)),
+        w2=torch.nn.Parameter(torch.randn(e, h, f, generator=gen).to(torch.bfloat16)))
+    x = torch.randn(rows, h, generator=gen).to(torch.bfloat16)
+    idx = torch.zeros(rows, 1, dtype=torch.int64)
+    got = {}
+    for dense in (False, True):
+        y = bench_moe.gemms_only(layer, x, idx, dense=dense)()
+        got[dense] = (y.float(), layer.w13.grad[0].float().clone(), layer.w2.grad[0].float().clone())
+    for a, b in zip(got[False], got[True]):
+        assert torch.isfinite(a).all() and a.abs().max() > 0
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+    # routed over every expert, the grouped floor gives each expert's rows its own weights
+    idx = torch.arange(rows).remainder(e).unsqueeze(1)
+    y = bench_moe.gemms_only(layer, x, idx)()
+    assert not torch.allclose(y.float(), got[True][0], rtol=2e-2, atol=2e-2)
+    rec = {"status": "ok", "tokens": rows, "hidden": h, "topk": 1, "experts": e,
+           "layer": {"flux": {"loop_ms": 2.0}, "grouped": {"loop_ms": 3.0}, "gemms": {"loop_ms": 1.5},
+                     "dense": {"loop_ms": 1.2}}}
+    table = bench_moe.layer_table([rec])
+    assert "gemms/dense" in table and "1.25" in table.splitlines()[1], table
