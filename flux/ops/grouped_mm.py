@@ -6,24 +6,30 @@ two layouts of ``flux.moe_dispatch``:
     grouped_mm_padded(x [E, C, K], w, counts=None) -> [E, C, N]  (bounded dispatch)
         a batched GEMM; with counts, rows at or past counts[e] count as zeros
 
-Two implementations (``grouped_mm_impl`` tells which a call takes): ``kernel``, torch's
+Implementations (``grouped_mm_impl`` tells which a call takes): ``kernel``, torch's
 ``torch._grouped_mm`` with a backward written here, where torch runs it natively (bf16, sm 9.x or
 10.x, 16-byte strides and pointers); ``loop``, one ``torch.mm`` per expert with rows, everywhere
-else (it needs the counts on the host). A kernel call that raises falls back to the loop for that
-device, dtype and layout, with a warning, once. Conditions and gradients: docs/api.md
-("Grouped GEMMs").
+else (it needs the counts on the host); ``triton``, a contiguous-grouped Triton prototype
+(flux/ops/_triton_gmm.py), only when asked for (``impl="triton"`` or FLUX_GROUPED_MM=triton).
+A kernel call that raises falls back to the loop for that device, dtype and layout, with a
+warning, once. Conditions and gradients: docs/api.md ("Grouped GEMMs").
 """
 import warnings
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
+import os
+
 import torch
 
+from flux import envs
+
 WEIGHT_LAYOUTS = ("nk", "kn")
-IMPLS = ("auto", "kernel", "loop")
+IMPLS = ("auto", "kernel", "loop", "triton")
 
 Counts = Union[torch.Tensor, Sequence[int]]
 
 _kernel_failed: Dict[Tuple, str] = {}  # (device, dtype, layout) -> why torch._grouped_mm raised there
+_triton_import: List[str] = []  # why flux.ops._triton_gmm did not import ("" where it did), once known
 
 
 def _nk_shape(w: torch.Tensor, weight_layout: str) -> Tuple[int, int]:
@@ -50,9 +56,47 @@ def _aligned(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0
 
 
-def grouped_mm_impl(x: torch.Tensor, w: torch.Tensor, weight_layout: str = "nk") -> Tuple[str, str]:
-    """``("kernel", "")`` where ``grouped_mm(x, w, ...)`` would call ``torch._grouped_mm``, else
-    ``("loop", why not)``. Looks at shapes, dtypes, device and torch only."""
+def _triton_why_not(x: torch.Tensor) -> str:
+    """Why the Triton prototype cannot run on x ("" where it can): it needs triton, and CUDA
+    tensors or the CPU under Triton's interpreter (TRITON_INTERPRET=1, set before import)."""
+    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return f"{x.device.type} tensors (the Triton kernels run on CUDA, or under TRITON_INTERPRET=1)"
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"{x.dtype} (the Triton kernels take bf16, fp16 or fp32)"
+    if x.shape[0] >= 2 ** 31:
+        return "more rows than int32 offsets hold"
+    if not _triton_import:
+        try:
+            import flux.ops._triton_gmm  # noqa: F401
+            _triton_import.append("")
+        except ImportError as e:
+            _triton_import.append(f"triton does not import ({e})")
+    return _triton_import[0]
+
+
+def _resolve(impl: str) -> str:
+    """``impl``, or for "auto" the implementation FLUX_GROUPED_MM asks for ("triton"), if any."""
+    if impl != "auto":
+        return impl
+    asked = envs.GROUPED_MM.get()
+    if asked not in (None, "auto", "triton"):
+        raise ValueError(f"flux.grouped_mm: FLUX_GROUPED_MM must be 'triton' or 'auto', got {asked!r}")
+    return asked or "auto"
+
+
+def grouped_mm_impl(x: torch.Tensor, w: torch.Tensor, weight_layout: str = "nk",
+                    impl: str = "auto") -> Tuple[str, str]:
+    """The implementation ``grouped_mm(x, w, ..., impl=impl)`` takes, with why where it is not
+    the one asked for: ``("kernel", "")`` where it would call ``torch._grouped_mm``,
+    ``("triton", "")`` where the Triton prototype is asked for (``impl="triton"`` or, for
+    "auto", FLUX_GROUPED_MM=triton) and can run, else ``("loop", why not)`` (a "triton" call
+    that cannot run raises instead). Looks at shapes, dtypes, device and the environment only."""
+    impl = _resolve(impl)
+    if impl == "loop":
+        return "loop", "asked for"
+    if impl == "triton":
+        why = _triton_why_not(x)
+        return ("triton", "") if not why else ("loop", why)
     if not hasattr(torch, "_grouped_mm"):
         return "loop", f"torch {torch.__version__} has no torch._grouped_mm"
     if x.device.type != "cuda":
@@ -164,18 +208,26 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: Counts, *, cumulative: 
     torch._grouped_mm's ``offs``, the last one R). ``w``: ``[E, N, K]`` (``weight_layout="nk"``)
     or ``[E, K, N]`` (``"kn"``). ``counts_host``: the same counts as a list, where the caller
     has them on the host (spares the loop a copy from the device). ``impl``: "auto" (the
-    kernel where ``grouped_mm_impl`` allows it, else the loop), "kernel" (raise where it is
-    not allowed) or "loop". Differentiable in x and w. The kernel does not check that the
-    counts sum to R (it would take a synchronisation); the loop does.
+    kernel where ``grouped_mm_impl`` allows it, else the loop; FLUX_GROUPED_MM=triton makes it
+    "triton"), "kernel" (raise where it is not allowed), "loop" or "triton" (the Triton
+    prototype; raise where it cannot run). Differentiable in x and w. The kernels do not check
+    that the counts sum to R (it would take a synchronisation); the loop does.
     """
     what = "flux.grouped_mm"
     _check(x, w, weight_layout, 2, what)
     if impl not in IMPLS:
         raise ValueError(f"{what}: impl must be one of {IMPLS}, got {impl!r}")
     experts = w.shape[0]
-    use, why = grouped_mm_impl(x, w, weight_layout)
+    impl = _resolve(impl)
+    use, why = grouped_mm_impl(x, w, weight_layout, impl)
     if impl == "kernel" and use != "kernel":
         raise ValueError(f"{what}: impl='kernel' but torch._grouped_mm cannot run here: {why}")
+    if impl == "triton" and use != "triton":
+        raise ValueError(f"{what}: impl='triton' but the Triton kernels cannot run here: {why}")
+    if use == "triton":
+        from flux.ops._triton_gmm import grouped_mm_triton
+        return grouped_mm_triton(x, w.contiguous(), _offsets(counts, cumulative, x.device, experts, what),
+                                 weight_layout)
     if impl != "loop" and use == "kernel":
         offs = _offsets(counts, cumulative, x.device, experts, what)
         empty = None

@@ -431,7 +431,7 @@ def _weight_grad(a: torch.Tensor, g: torch.Tensor, weight: torch.Tensor, counts:
     rows); a ``[P, K]`` the GEMM's input rows, g ``[P, N]`` its output's gradient."""
     nk = layout == "nk"
     a, g = a.contiguous(), g.contiguous()
-    if grouped_mm_impl(a, weight, layout)[0] == "kernel":
+    if grouped_mm_impl(a, weight, layout, impl="kernel")[0] == "kernel":
         try:
             offs = _offsets(counts, False, a.device, weight.shape[0], OP)
             dw = _gmm(g.t(), a, offs) if nk else _gmm(a.t(), g, offs)
