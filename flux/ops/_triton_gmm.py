@@ -136,10 +136,12 @@ def _num_progs(device: torch.device, total: int) -> int:
     return max(1, min(total, 3))  # the interpreter: few programs, so that each walks several pairs
 
 
-def _tiles_mm(x, w, plan, swe, swk, swn, n_out, cfg) -> torch.Tensor:
-    """[R, n_out]: x @ B_e per tile of ``plan``, B_e[k, n] at strides (swk, swn) in w[e]."""
+def _tiles_mm(x, w, plan, swe, swk, swn, n_out, cfg, out=None) -> torch.Tensor:
+    """[R, n_out]: x @ B_e per tile of ``plan``, B_e[k, n] at strides (swk, swn) in w[e]
+    (into ``out`` where given: the tests poison it)."""
     bm, bn, bk, group, warps, stages = cfg
-    out = torch.empty((x.shape[0], n_out), dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty((x.shape[0], n_out), dtype=x.dtype, device=x.device)
     ts, te, tx = plan
     total = ts.shape[0] * triton.cdiv(n_out, bn)
     if x.shape[0] == 0 or n_out == 0:
@@ -152,10 +154,13 @@ def _tiles_mm(x, w, plan, swe, swk, swn, n_out, cfg) -> torch.Tensor:
     return out
 
 
-def _wgrad(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, w_shape, weight_layout: str) -> torch.Tensor:
-    """dW in ``w``'s layout: dy_e^T x_e ([N, K], "nk") or its transpose ([K, N], "kn")."""
+def _wgrad(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, w_shape, weight_layout: str,
+           dw=None) -> torch.Tensor:
+    """dW in ``w``'s layout: dy_e^T x_e ([N, K], "nk") or its transpose ([K, N], "kn"), every
+    element written (zeros for an expert without rows), into ``dw`` where given."""
     bm, bp, bq, _, warps, stages = _WGRAD_CPU if _interpreted(x) else _WGRAD_GPU
-    dw = torch.empty(w_shape, dtype=x.dtype, device=x.device)
+    if dw is None:
+        dw = torch.empty(w_shape, dtype=x.dtype, device=x.device)
     n, k = dy.shape[1], x.shape[1]
     # dw[e, n, k] at e*s0 + n*scp + k*scq whichever layout dw has.
     scp, scq = (dw.stride(1), dw.stride(2)) if weight_layout == "nk" else (dw.stride(2), dw.stride(1))

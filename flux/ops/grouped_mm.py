@@ -90,13 +90,18 @@ def grouped_mm_impl(x: torch.Tensor, w: torch.Tensor, weight_layout: str = "nk",
     the one asked for: ``("kernel", "")`` where it would call ``torch._grouped_mm``,
     ``("triton", "")`` where the Triton prototype is asked for (``impl="triton"`` or, for
     "auto", FLUX_GROUPED_MM=triton) and can run, else ``("loop", why not)`` (a "triton" call
-    that cannot run raises instead). Looks at shapes, dtypes, device and the environment only."""
-    impl = _resolve(impl)
-    if impl == "loop":
+    that cannot run raises instead; an "auto" one asked for triton by the environment takes
+    the kernel or the loop as without it). Looks at shapes, dtypes, device and the environment only."""
+    asked = _resolve(impl)
+    if asked == "loop":
         return "loop", "asked for"
-    if impl == "triton":
+    if asked == "triton":
         why = _triton_why_not(x)
-        return ("triton", "") if not why else ("loop", why)
+        if not why:
+            return "triton", ""
+        if impl == "triton":
+            return "loop", why
+        # FLUX_GROUPED_MM=triton where the Triton kernels cannot run: the choice of "auto"
     if not hasattr(torch, "_grouped_mm"):
         return "loop", f"torch {torch.__version__} has no torch._grouped_mm"
     if x.device.type != "cuda":
@@ -218,7 +223,6 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: Counts, *, cumulative: 
     if impl not in IMPLS:
         raise ValueError(f"{what}: impl must be one of {IMPLS}, got {impl!r}")
     experts = w.shape[0]
-    impl = _resolve(impl)
     use, why = grouped_mm_impl(x, w, weight_layout, impl)
     if impl == "kernel" and use != "kernel":
         raise ValueError(f"{what}: impl='kernel' but torch._grouped_mm cannot run here: {why}")
