@@ -1,0 +1,148 @@
+"""The expert GEMMs of a MoE layer alone, on one GPU: ``flux.ops.grouped_mm`` through
+torch._grouped_mm (``kernel``) and through the Triton prototype (``triton``), against one dense
+``torch.mm`` of the same FLOPs (``dense``: the floor a grouped GEMM would reach without any
+per-group cost).
+
+For T tokens routed top-k (uniformly at random) over E experts, R = T x k rows sorted by expert,
+the layer's two GEMMs: W13 (N = 2 x FFN, K = H) and W2 (N = H, K = FFN), weights "nk", bf16.
+Each cell times the forward and the forward+backward (dx and dW) as a loop of --steps calls
+between CUDA events, after --warmup calls, --rounds times: the median ms per call. Before timing,
+the Triton output is compared with torch._grouped_mm's (relative error recorded).
+
+    python bench/bench_grouped_mm.py --out grouped_mm.json
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch  # noqa: E402
+
+from bench_layers import _f, attempt, ratio, rel_err  # noqa: E402
+from bench_moe import _commit  # noqa: E402
+from flux.ops.grouped_mm import grouped_mm  # noqa: E402
+
+IMPLS = ("kernel", "triton", "dense")
+DEV = "cuda"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", default="1024,4096", help="T, comma-separated")
+    p.add_argument("--experts", default="8,64", help="E, comma-separated")
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--ffn", type=int, default=2048)
+    p.add_argument("--impls", default=",".join(IMPLS), help=f"among {IMPLS}")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--steps", type=int, default=10, help="calls per timed loop")
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="JSON file")
+    return p.parse_args(argv)
+
+
+def loop_ms(fn, args):
+    """Median over rounds of (events around ``steps`` back-to-back calls) / steps."""
+    for _ in range(args.warmup):
+        fn()
+    times = []
+    for _ in range(args.rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(args.steps):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / args.steps)
+    return statistics.median(times)
+
+
+def calls(impl, x, w, offs, dy):
+    """(forward, forward+backward) closures of one implementation."""
+    if impl == "dense":  # [R, K] @ [K, N]: the same FLOPs as the grouped product
+        wd = w.reshape(-1, x.shape[1])[: dy.shape[1]].t().detach().requires_grad_()
+
+        def fwd():
+            return x @ wd
+        return fwd, lambda: torch.autograd.grad(fwd(), (x, wd), dy)
+
+    def fwd():
+        return grouped_mm(x, w, offs, cumulative=True, impl=impl)
+    return fwd, lambda: torch.autograd.grad(fwd(), (x, w), dy)
+
+
+def cell(args, rec, impls, gen):
+    tokens, experts, n, k = rec["tokens"], rec["experts"], rec["n"], rec["k"]
+    dev, dtype = torch.device(DEV), torch.bfloat16
+    idx = torch.rand(tokens, experts, generator=gen).topk(args.topk, dim=1).indices
+    counts = torch.bincount(idx.flatten(), minlength=experts)
+    rec["counts_min_max"] = [int(counts.min()), int(counts.max())]
+    offs = counts.cumsum(0).to(dev, torch.int32)
+    rows = tokens * args.topk
+    x = torch.randn(rows, k, generator=gen).to(dev, dtype).requires_grad_()
+    w = (torch.randn(experts, n, k, generator=gen) / k ** 0.5).to(dev, dtype).requires_grad_()
+    dy = torch.randn(rows, n, generator=gen).to(dev, dtype)
+    flops = 2.0 * rows * n * k
+    fns = {impl: calls(impl, x, w, offs, dy) for impl in impls}
+    if "kernel" in fns and "triton" in fns:
+        with torch.no_grad():
+            rec["triton_vs_kernel_rel_err"] = rel_err(fns["triton"][0](), fns["kernel"][0]())
+    for impl, (fwd, both) in fns.items():
+        sub = {}
+        rec[impl] = sub
+
+        def run(fwd=fwd, both=both, sub=sub):
+            with torch.no_grad():
+                sub["fwd_ms"] = loop_ms(fwd, args)
+            sub["fwd_bwd_ms"] = loop_ms(both, args)
+            sub["fwd_tflops"] = flops / sub["fwd_ms"] / 1e9
+            sub["fwd_bwd_tflops"] = 3 * flops / sub["fwd_bwd_ms"] / 1e9
+        attempt(sub, run)
+
+
+def table(records, impls):
+    head = f"{'T':>5} {'E':>3} {'gemm':>4} " + " ".join(f"{i + ' fwd':>11} {i + ' f+b':>11}" for i in impls)
+    lines = [head + "  triton/kernel f+b  err", "-" * len(head)]
+    for r in records:
+        ms = [(r.get(i, {}).get("fwd_ms"), r.get(i, {}).get("fwd_bwd_ms")) for i in impls]
+        kern, trit = r.get("kernel", {}).get("fwd_bwd_ms"), r.get("triton", {}).get("fwd_bwd_ms")
+        lines.append(f"{r['tokens']:>5} {r['experts']:>3} {r['gemm']:>4} "
+                     + " ".join(f"{_f(a):>11} {_f(b):>11}" for a, b in ms)
+                     + f"  {ratio(trit, kern):>17}  {_f(r.get('triton_vs_kernel_rel_err'), '.1e')}")
+    return "\n".join(lines) + "\n(ms per call, median; triton/kernel < 1: the Triton prototype is faster)"
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_grouped_mm: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    impls = [i for i in args.impls.split(",") if i]
+    gen = torch.Generator().manual_seed(args.seed)
+    records = []
+    for tokens in [int(t) for t in args.tokens.split(",")]:
+        for experts in [int(e) for e in args.experts.split(",")]:
+            for gemm, n, k in (("w13", 2 * args.ffn, args.hidden), ("w2", args.hidden, args.ffn)):
+                rec = {"tokens": tokens, "experts": experts, "topk": args.topk, "gemm": gemm, "n": n, "k": k}
+                attempt(rec, lambda rec=rec: cell(args, rec, impls, gen))
+                records.append(rec)
+                print(json.dumps(rec), flush=True)
+    meta = {"command": " ".join(["python"] + sys.argv), "commit": _commit(), "torch": torch.__version__,
+            "device": torch.cuda.get_device_name(), "dtype": "bfloat16", "weight_layout": "nk",
+            "triton": getattr(sys.modules.get("triton"), "__version__", None),  # imported by the triton cells
+            **{k: v for k, v in vars(args).items() if k != "out"}}
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump({"metadata": meta, "results": records}, fh, indent=1)
+    print("\n" + table(records, impls))
+    ok = all(r["status"] == "ok" and all(r.get(i, {}).get("status") == "ok" for i in impls) for r in records)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
