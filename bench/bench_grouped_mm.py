@@ -30,7 +30,8 @@ DEV = "cuda"
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", default="1024,4096", help="T, comma-separated")
     p.add_argument("--experts", default="8,64", help="E, comma-separated")
     p.add_argument("--topk", type=int, default=8)

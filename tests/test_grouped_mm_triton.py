@@ -3,9 +3,10 @@ against the loop of torch.mm: forward, dx and dW, both weight layouts, an expert
 
 CPU: Triton's interpreter (TRITON_INTERPRET=1), which has to be set before triton is imported,
 so those checks run in a subprocess (this file run as a script). The interpreter's tl.dot is
-wrong for bf16 operands, which the kernels handle by casting tiles to fp32 there; fp32 and bf16
-are checked. GPU: the same comparison on CUDA, also against torch._grouped_mm, skipped without
-a GPU. Tolerances: a multiple of the same-precision loop's error against an fp64 reference.
+wrong for bf16 operands, which the kernels handle by casting tiles to fp32 there, and its
+fp32 -> bf16 cast truncates (twice the round-to-nearest error); fp32 and bf16 are checked.
+GPU: the same comparison on CUDA (bf16, fp16), also against torch._grouped_mm, skipped without
+a GPU. Tolerances: 4 x the same-precision loop's error against an fp64 reference.
 """
 import os
 import subprocess

@@ -14,10 +14,9 @@ else (it needs the counts on the host); ``triton``, a contiguous-grouped Triton 
 A kernel call that raises falls back to the loop for that device, dtype and layout, with a
 warning, once. Conditions and gradients: docs/api.md ("Grouped GEMMs").
 """
+import os
 import warnings
 from typing import Dict, List, Optional, Sequence, Tuple, Union
-
-import os
 
 import torch
 
@@ -69,8 +68,8 @@ def _triton_why_not(x: torch.Tensor) -> str:
         try:
             import flux.ops._triton_gmm  # noqa: F401
             _triton_import.append("")
-        except ImportError as e:
-            _triton_import.append(f"triton does not import ({e})")
+        except (ImportError, RuntimeError) as e:  # not installed, or no backend for this machine
+            _triton_import.append(f"triton does not import ({type(e).__name__}: {e})")
     return _triton_import[0]
 
 
