@@ -156,6 +156,12 @@ def test_triton_refused_on_cpu(monkeypatch):
         grouped_mm(x, w, [2, 3])
 
 
+def test_bench_imports_without_gpu():
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_grouped_mm.py"), "--help"],
+                       env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "--experts" in r.stdout, r.stderr[-2000:]
+
+
 def _gpu_ok():
     if not torch.cuda.is_available():
         return False
