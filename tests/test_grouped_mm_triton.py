@@ -118,7 +118,7 @@ def test_tile_plan():
     pytest.importorskip("triton")
     from flux.ops._triton_gmm import tile_plan
     gen = torch.Generator().manual_seed(2)
-    for counts in ([29, 0, 9, 62], [0, 0, 0], [16, 16], [1] * 7, torch.randint(0, 40, (11,), generator=gen).tolist()):
+    for counts in ([29, 0, 9, 62], [0, 0, 0], [], [16, 16], [1] * 7, torch.randint(0, 40, (11,), generator=gen).tolist()):
         offs = torch.tensor(counts).cumsum(0).to(torch.int32)
         rows, bm = sum(counts), 16
         start, end, expert = tile_plan(offs, rows, bm)

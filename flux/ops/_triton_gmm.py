@@ -41,19 +41,22 @@ def tile_plan(offs: torch.Tensor, rows: int, block_m: int) -> Tuple[torch.Tensor
     ``ceil(rows / block_m) + E``; tile t covers rows [start, end) of one expert, the tiles in
     expert order; unused tiles are empty (start == end == 0). Torch ops only (no sync)."""
     experts = offs.shape[0]
+    length = (rows + block_m - 1) // block_m + experts
+    if experts == 0:
+        empty = torch.zeros(length, dtype=torch.int32, device=offs.device)
+        return empty, empty, empty
     ends = offs.to(torch.int64)
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
     tiles = (counts + block_m - 1) // block_m
     cum = tiles.cumsum(0)  # tiles of experts 0..e
-    length = (rows + block_m - 1) // block_m + experts
     t = torch.arange(length, device=offs.device, dtype=torch.int64)
     e = torch.searchsorted(cum, t, right=True).clamp_(max=experts - 1)
     used = t < cum[-1]
-    start = ends[e] - counts[e] + (t - (cum[e] - tiles[e])) * block_m
-    end = torch.minimum(start + block_m, ends[e])
-    zero = torch.zeros_like(start)
-    return (torch.where(used, start, zero).to(torch.int32), torch.where(used, end, zero).to(torch.int32),
-            e.to(torch.int32))
+    # tile t of expert e (its j-th, j = t - first tile of e) starts at row o_e + j * block_m
+    base = (ends - counts) - (cum - tiles) * block_m
+    start = torch.where(used, base[e] + t * block_m, 0)
+    end = torch.where(used, torch.minimum(start + block_m, ends[e]), 0)
+    return start.to(torch.int32), end.to(torch.int32), e.to(torch.int32)
 
 
 @triton.jit
