@@ -104,7 +104,7 @@ fi
 for w in ${SHARED//,/ }; do
   FLUX_TEST_SHARED_WORLD=$w FLUX_TEST_LOG_DIR=$OUTDIR timeout 600 $PY -m pytest -q -rs tests -k gpu_shared 2>&1 | tee "$OUTDIR/tests-shared-$w.log"
   rc=${PIPESTATUS[0]}; [ $rc -eq 0 ] || rc_tests=$rc
-  FLUX_TEST_MOE_WORLD=$w timeout 600 $PY -m pytest -q -rs tests/test_moe_symm.py -k gpu_moe_symm 2>&1 | tee "$OUTDIR/tests-shared-moe-$w.log"
+  FLUX_TEST_MOE_WORLD=$w FLUX_TEST_LOG_DIR=$OUTDIR timeout 660 $PY -m pytest -q -rs tests/test_moe_symm.py -k gpu_moe_symm 2>&1 | tee "$OUTDIR/tests-shared-moe-$w.log"
   rc=${PIPESTATUS[0]}; [ $rc -eq 0 ] || rc_tests=$rc
 done
 NPROC=${NGPUS:-$($PY -c 'import torch; print(torch.cuda.device_count())')}

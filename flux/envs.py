@@ -1,8 +1,10 @@
 """Every FLUX_* environment variable flux reads: name, type, default and meaning, in one table.
 
 Each is read through its ``Var.get()`` here, never with ``os.environ`` elsewhere. Reads are
-live (tests and launchers set them at run time) and happen on the slow path only: the hot
-path of an op call reads no environment. ``python -m flux.envs`` prints the table.
+live (tests and launchers set them at run time). The GEMM ops read them on the slow path only
+(their hot path reads no environment); the MoE ops read FLUX_STRATEGY_MOE, and
+flux.ops.grouped_mm FLUX_GROUPED_MM, on every call (a dictionary lookup each).
+``python -m flux.envs`` prints the table.
 """
 import dataclasses
 import os

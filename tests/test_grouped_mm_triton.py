@@ -109,6 +109,16 @@ def _interpreted_checks():
     compare("cpu", torch.float32, "kn", [0, 0], 16, 16)  # no rows at all: dW zero, empty output
     x, w = torch.randn(4, 16), torch.randn(2, 16, 16)
     assert grouped_mm_impl(x, w) == ("triton", ""), grouped_mm_impl(x, w)  # FLUX_GROUPED_MM=triton
+    # Offsets past R or decreasing (unchecked: a check would synchronise) stay inside x, out and dW.
+    from flux.ops._triton_gmm import grouped_mm_triton
+    x = torch.randn(20, 16, requires_grad=True)
+    w = torch.randn(3, 24, 16, requires_grad=True)
+    for offs in ([8, 100, 150], [12, 5, 20]):
+        y = grouped_mm_triton(x, w, torch.tensor(offs, dtype=torch.int32))
+        y.sum().backward()
+        assert y.shape == (20, 24) and x.grad.shape == x.shape and w.grad.shape == w.shape
+        assert torch.allclose(y[:8], x[:8] @ w[0].t(), atol=1e-5), offs  # the rows before the bad offset
+        x.grad = w.grad = None
     print("ok")
 
 
@@ -188,6 +198,7 @@ def test_triton_gpu(layout, experts):
     errs = compare("cuda", torch.bfloat16, layout, counts, 256, 384, impls=impls)
     print(errs)
     compare("cuda", torch.float16, layout, counts, 256, 384)
+    compare("cuda", torch.float32, layout, counts, 256, 384)  # two pipeline stages (shared memory)
     for dtype in (torch.bfloat16, torch.float16):
         poisoned("cuda", dtype, layout)
 

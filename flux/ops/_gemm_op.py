@@ -23,7 +23,7 @@ from flux.ops._checks import FluxInputError, Signature, check_collectively_given
 from flux.ops._common import (call_mode, check_gemm_args, check_out_arg, check_same_device, choose_and_check,
                               problem_of, refuse_capture, weight_nk_shape)
 from flux.ops._opdef import define_op
-from flux.runtime import group_device, group_from_name, group_name, resolve_group, symm
+from flux.runtime import group_device, group_from_name, group_name, resolve_group, runtime, symm
 from flux.strategies import OP_CODES, TABLES
 
 LAYOUT, DTYPE = _plans.LAYOUT_CODES, _plans.DTYPE_CODES
@@ -34,8 +34,9 @@ _hot: Dict[object, object] = {}
 
 
 def forget_plans() -> None:
-    """Drop every plan (tests; after changing strategies or caches mid-process)."""
-    for rt in _hot.values():
+    """Drop every plan (tests; after changing strategies or caches mid-process): of every
+    runtime, also one whose first planned call raised before it served the hot path."""
+    for rt in runtime.made():
         rt.clear_plans()
     _hot.clear()
 

@@ -143,6 +143,8 @@ def _tiles_mm(x, w, plan, swe, swk, swn, n_out, cfg, out=None) -> torch.Tensor:
     """[R, n_out]: x @ B_e per tile of ``plan``, B_e[k, n] at strides (swk, swn) in w[e]
     (into ``out`` where given: the tests poison it)."""
     bm, bn, bk, group, warps, stages = cfg
+    if x.dtype == torch.float32 and x.device.type == "cuda":
+        stages = min(stages, 2)  # fp32 operands: three stages of 128x64 + 64x128 tiles fill shared memory
     if out is None:
         out = torch.empty((x.shape[0], n_out), dtype=x.dtype, device=x.device)
     ts, te, tx = plan
@@ -162,6 +164,8 @@ def _wgrad(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, w_shape, weigh
     """dW in ``w``'s layout: dy_e^T x_e ([N, K], "nk") or its transpose ([K, N], "kn"), every
     element written (zeros for an expert without rows), into ``dw`` where given."""
     bm, bp, bq, _, warps, stages = _WGRAD_CPU if _interpreted(x) else _WGRAD_GPU
+    if x.dtype == torch.float32 and x.device.type == "cuda":
+        stages = min(stages, 2)  # as in _tiles_mm: fp32 tiles of three stages fill shared memory
     if dw is None:
         dw = torch.empty(w_shape, dtype=x.dtype, device=x.device)
     n, k = dy.shape[1], x.shape[1]
@@ -211,8 +215,11 @@ class _GroupedMMTriton(torch.autograd.Function):
 
 def grouped_mm_triton(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, weight_layout: str = "nk") -> torch.Tensor:
     """``[R, N]``: rows ``[offs[e-1], offs[e])`` of ``x [R, K]`` times ``W_e^T``; ``offs`` int32
-    cumulative row ends on x's device (not checked: rows past ``offs[-1]`` are left unwritten).
+    cumulative row ends on x's device (not checked, which would take a synchronisation: rows past
+    ``offs[-1]`` are left unwritten, and offsets past R or decreasing are clamped into [0, R] and
+    made non-decreasing on the device, so no kernel reads or writes outside x, out or dW).
     Differentiable in x and w. Checks are the caller's (``flux.ops.grouped_mm``)."""
+    offs = torch.cummax(offs.to(torch.int64).clamp(0, x.shape[0]), 0).values if offs.numel() else offs
     return _GroupedMMTriton.apply(x.contiguous(), w, offs.to(torch.int32).contiguous(), weight_layout)
 
 

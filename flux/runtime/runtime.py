@@ -61,6 +61,11 @@ def make_plan(group: dist.ProcessGroup, *args) -> Tuple[object, object]:
     return _with_workspace(rt, group, plan.workspace_bytes), plan
 
 
+def made() -> Tuple[object, ...]:
+    """Every runtime made in this process (each group and device)."""
+    return tuple(_runtimes.values())
+
+
 def existing(group: dist.ProcessGroup) -> Optional[object]:
     """The runtime of ``group`` on the current device if one was made, else None."""
     return _runtimes.get((group.group_name, torch.cuda.current_device()))
