@@ -1,5 +1,7 @@
 """The expert GEMMs of a MoE layer alone, on one GPU: ``flux.ops.grouped_mm`` through
-torch._grouped_mm (``kernel``) and through the Triton prototype (``triton``), against one dense
+torch._grouped_mm with flux's backward (``kernel``, the counts on the host as flux.nn.MoE passes
+them), with the Triton weight gradient (``hybrid``), through the Triton prototype (``triton``);
+torch._grouped_mm with torch's own autograd (``torch``, what the stock layer runs); one dense
 ``torch.mm`` of the same FLOPs (``dense``: the floor a grouped GEMM would reach without any
 per-group cost).
 
@@ -25,7 +27,7 @@ from bench_layers import _f, attempt, ratio, rel_err  # noqa: E402
 from bench_moe import _commit  # noqa: E402
 from flux.ops.grouped_mm import grouped_mm  # noqa: E402
 
-IMPLS = ("kernel", "triton", "dense")
+IMPLS = ("kernel", "hybrid", "triton", "torch", "dense")
 DEV = "cuda"
 
 
@@ -63,7 +65,7 @@ def loop_ms(fn, args):
     return statistics.median(times)
 
 
-def calls(impl, x, w, offs, dy):
+def calls(impl, x, w, offs, dy, counts_host):
     """(forward, forward+backward) closures of one implementation."""
     if impl == "dense":  # [R, K] @ [K, N]: the same FLOPs as the grouped product
         wd = w.reshape(-1, x.shape[1])[: dy.shape[1]].t().detach().requires_grad_()
@@ -72,8 +74,13 @@ def calls(impl, x, w, offs, dy):
             return x @ wd
         return fwd, lambda: torch.autograd.grad(fwd(), (x, wd), dy)
 
+    if impl == "torch":
+        def fwd():
+            return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+        return fwd, lambda: torch.autograd.grad(fwd(), (x, w), dy)
+
     def fwd():
-        return grouped_mm(x, w, offs, cumulative=True, impl=impl)
+        return grouped_mm(x, w, offs, cumulative=True, impl=impl, counts_host=counts_host)
     return fwd, lambda: torch.autograd.grad(fwd(), (x, w), dy)
 
 
@@ -89,7 +96,7 @@ def cell(args, rec, impls, gen):
     w = (torch.randn(experts, n, k, generator=gen) / k ** 0.5).to(dev, dtype).requires_grad_()
     dy = torch.randn(rows, n, generator=gen).to(dev, dtype)
     flops = 2.0 * rows * n * k
-    fns = {impl: calls(impl, x, w, offs, dy) for impl in impls}
+    fns = {impl: calls(impl, x, w, offs, dy, counts.tolist()) for impl in impls}
     if "kernel" in fns and "triton" in fns:
         with torch.no_grad():
             rec["triton_vs_kernel_rel_err"] = rel_err(fns["triton"][0](), fns["kernel"][0]())
@@ -108,14 +115,17 @@ def cell(args, rec, impls, gen):
 
 def table(records, impls):
     head = f"{'T':>5} {'E':>3} {'gemm':>4} " + " ".join(f"{i + ' fwd':>11} {i + ' f+b':>11}" for i in impls)
-    lines = [head + "  triton/kernel f+b  err", "-" * len(head)]
+    others = [i for i in ("hybrid", "triton", "torch") if i in impls]
+    head += "".join(f"  {i + '/kernel':>14}" for i in others)
+    lines = [head + "  err", "-" * len(head)]
     for r in records:
         ms = [(r.get(i, {}).get("fwd_ms"), r.get(i, {}).get("fwd_bwd_ms")) for i in impls]
-        kern, trit = r.get("kernel", {}).get("fwd_bwd_ms"), r.get("triton", {}).get("fwd_bwd_ms")
+        kern = r.get("kernel", {}).get("fwd_bwd_ms")
         lines.append(f"{r['tokens']:>5} {r['experts']:>3} {r['gemm']:>4} "
                      + " ".join(f"{_f(a):>11} {_f(b):>11}" for a, b in ms)
-                     + f"  {ratio(trit, kern):>17}  {_f(r.get('triton_vs_kernel_rel_err'), '.1e')}")
-    return "\n".join(lines) + "\n(ms per call, median; triton/kernel < 1: the Triton prototype is faster)"
+                     + "".join(f"  {ratio(r.get(i, {}).get('fwd_bwd_ms'), kern):>14}" for i in others)
+                     + f"  {_f(r.get('triton_vs_kernel_rel_err'), '.1e')}")
+    return "\n".join(lines) + "\n(ms per call, median; x/kernel: forward+backward, < 1: faster than the kernel path)"
 
 
 def main(argv=None):

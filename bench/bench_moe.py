@@ -418,6 +418,8 @@ def run(args):
                             print(f"T={tokens} H={hidden} K={topk} E={experts} {kind}: {status}", flush=True)
     text = (table(records) + ("\n\n" + layer_table(records) if world == 1 else "")) if rank == 0 else ""
     launcher = ["python"] if "TORCHELASTIC_RUN_ID" not in os.environ else ["torchrun", f"--nproc_per_node={world}"]
+    if os.environ.get("FLUX_GROUPED_MM"):  # the layer's grouped GEMM implementation (flux.ops.grouped_mm)
+        launcher = [f"FLUX_GROUPED_MM={os.environ['FLUX_GROUPED_MM']}"] + launcher
     return finish(args, dev, dtype, records, text, ffn=args.ffn, skew=args.skew, commit=_commit(),
                   command=" ".join(launcher + sys.argv),
                   bytes=("HBM traffic: (valid pairs + T) x H x itemsize (bounded dispatch: (E x T + T) rows)"

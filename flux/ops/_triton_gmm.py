@@ -213,14 +213,26 @@ class _GroupedMMTriton(torch.autograd.Function):
         return dx, dw, None, None
 
 
+def _clamped(offs: torch.Tensor, rows: int) -> torch.Tensor:
+    """int32 offsets clamped into [0, rows] and made non-decreasing, on the device."""
+    offs = torch.cummax(offs.to(torch.int64).clamp(0, rows), 0).values if offs.numel() else offs
+    return offs.to(torch.int32).contiguous()
+
+
+def wgrad(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, w_shape, weight_layout: str = "nk") -> torch.Tensor:
+    """The weight gradient alone, in ``w_shape`` and ``weight_layout``: ``dy_e^T x_e`` per expert
+    over rows ``[offs[e-1], offs[e])`` (offsets clamped as in ``grouped_mm_triton``), zeros for
+    an expert without rows. For ``grouped_mm(..., impl="hybrid")``'s backward."""
+    return _wgrad(dy.contiguous(), x.contiguous(), _clamped(offs, x.shape[0]), w_shape, weight_layout)
+
+
 def grouped_mm_triton(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, weight_layout: str = "nk") -> torch.Tensor:
     """``[R, N]``: rows ``[offs[e-1], offs[e])`` of ``x [R, K]`` times ``W_e^T``; ``offs`` int32
     cumulative row ends on x's device (not checked, which would take a synchronisation: rows past
     ``offs[-1]`` are left unwritten, and offsets past R or decreasing are clamped into [0, R] and
     made non-decreasing on the device, so no kernel reads or writes outside x, out or dW).
     Differentiable in x and w. Checks are the caller's (``flux.ops.grouped_mm``)."""
-    offs = torch.cummax(offs.to(torch.int64).clamp(0, x.shape[0]), 0).values if offs.numel() else offs
-    return _GroupedMMTriton.apply(x.contiguous(), w, offs.to(torch.int32).contiguous(), weight_layout)
+    return _GroupedMMTriton.apply(x.contiguous(), w, _clamped(offs, x.shape[0]), weight_layout)
 
 
-__all__ = ["grouped_mm_triton", "tile_plan"]
+__all__ = ["grouped_mm_triton", "tile_plan", "wgrad"]

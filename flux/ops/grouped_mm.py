@@ -10,7 +10,8 @@ Implementations (``grouped_mm_impl`` tells which a call takes): ``kernel``, torc
 ``torch._grouped_mm`` with a backward written here, where torch runs it natively (bf16, sm 9.x or
 10.x, 16-byte strides and pointers); ``loop``, one ``torch.mm`` per expert with rows, everywhere
 else (it needs the counts on the host); ``triton``, a contiguous-grouped Triton prototype
-(flux/ops/_triton_gmm.py), only when asked for (``impl="triton"`` or FLUX_GROUPED_MM=triton).
+(flux/ops/_triton_gmm.py), and ``hybrid``, the kernel's forward and dx with the Triton weight
+gradient, each only when asked for (``impl=`` or FLUX_GROUPED_MM).
 A kernel call that raises falls back to the loop for that device, dtype and layout, with a
 warning, once. Conditions and gradients: docs/api.md ("Grouped GEMMs").
 """
@@ -23,7 +24,7 @@ import torch
 from flux import envs
 
 WEIGHT_LAYOUTS = ("nk", "kn")
-IMPLS = ("auto", "kernel", "loop", "triton")
+IMPLS = ("auto", "kernel", "loop", "triton", "hybrid")
 
 Counts = Union[torch.Tensor, Sequence[int]]
 
@@ -74,12 +75,12 @@ def _triton_why_not(x: torch.Tensor) -> str:
 
 
 def _resolve(impl: str) -> str:
-    """``impl``, or for "auto" the implementation FLUX_GROUPED_MM asks for ("triton"), if any."""
+    """``impl``, or for "auto" the implementation FLUX_GROUPED_MM asks for ("triton", "hybrid"), if any."""
     if impl != "auto":
         return impl
     asked = envs.GROUPED_MM.get()
-    if asked not in (None, "auto", "triton"):
-        raise ValueError(f"flux.grouped_mm: FLUX_GROUPED_MM must be 'triton' or 'auto', got {asked!r}")
+    if asked not in (None, "auto", "triton", "hybrid"):
+        raise ValueError(f"flux.grouped_mm: FLUX_GROUPED_MM must be 'triton', 'hybrid' or 'auto', got {asked!r}")
     return asked or "auto"
 
 
@@ -87,10 +88,11 @@ def grouped_mm_impl(x: torch.Tensor, w: torch.Tensor, weight_layout: str = "nk",
                     impl: str = "auto") -> Tuple[str, str]:
     """The implementation ``grouped_mm(x, w, ..., impl=impl)`` takes, with why where it is not
     the one asked for: ``("kernel", "")`` where it would call ``torch._grouped_mm``,
-    ``("triton", "")`` where the Triton prototype is asked for (``impl="triton"`` or, for
-    "auto", FLUX_GROUPED_MM=triton) and can run, else ``("loop", why not)`` (a "triton" call
-    that cannot run raises instead; an "auto" one asked for triton by the environment takes
-    the kernel or the loop as without it). Looks at shapes, dtypes, device and the environment only."""
+    ``("triton", "")`` / ``("hybrid", "")`` where that one is asked for (``impl=`` or, for
+    "auto", FLUX_GROUPED_MM) and can run (hybrid: where the kernel and Triton both can), else
+    ``("loop", why not)`` (an explicit "triton" or "hybrid" call that cannot run raises instead;
+    an "auto" one asked for either by the environment chooses as without it). Looks at shapes,
+    dtypes, device and the environment only."""
     asked = _resolve(impl)
     if asked == "loop":
         return "loop", "asked for"
@@ -101,6 +103,15 @@ def grouped_mm_impl(x: torch.Tensor, w: torch.Tensor, weight_layout: str = "nk",
         if impl == "triton":
             return "loop", why
         # FLUX_GROUPED_MM=triton where the Triton kernels cannot run: the choice of "auto"
+    if asked == "hybrid":
+        use, why = grouped_mm_impl(x, w, weight_layout, "kernel")
+        if use == "kernel":
+            why = _triton_why_not(x)
+            if not why:
+                return "hybrid", ""
+        if impl == "hybrid":
+            return "loop", why
+        return use, why if use != "kernel" else ""
     if not hasattr(torch, "_grouped_mm"):
         return "loop", f"torch {torch.__version__} has no torch._grouped_mm"
     if x.device.type != "cuda":
@@ -162,11 +173,12 @@ class _GroupedMMKernel(torch.autograd.Function):
     weight; gradients for x and w (not for the offsets)."""
 
     @staticmethod
-    def forward(ctx, x, w, offs, weight_layout, empty=None):
+    def forward(ctx, x, w, offs, weight_layout, empty=None, triton_wgrad=False):
         # empty: the experts without rows when the caller knows them on the host (a tuple), so the
         # backward zeroes just those weight gradients; None: unknown, every empty one is masked (a
-        # pass over dW).
-        ctx.weight_layout, ctx.empty = weight_layout, empty
+        # pass over dW). triton_wgrad ("hybrid"): dW from the Triton kernel, which writes zeros
+        # for an expert without rows itself.
+        ctx.weight_layout, ctx.empty, ctx.triton_wgrad = weight_layout, empty, triton_wgrad
         ctx.save_for_backward(x, w, offs)
         return _gmm(x, w.transpose(-2, -1) if weight_layout == "nk" else w, offs)
 
@@ -179,14 +191,17 @@ class _GroupedMMKernel(torch.autograd.Function):
         dx = dw = None
         if ctx.needs_input_grad[0]:  # dx_e = dy_e @ W_e, W_e [N, K]
             dx = _gmm(dy, w if nk else w.transpose(-2, -1), offs)
-        if ctx.needs_input_grad[1]:  # dW_e = dy_e^T x_e ([N, K]) or x_e^T dy_e ([K, N])
+        if ctx.needs_input_grad[1] and ctx.triton_wgrad:
+            from flux.ops._triton_gmm import wgrad
+            dw = wgrad(dy, x, offs, w.shape, ctx.weight_layout)
+        elif ctx.needs_input_grad[1]:  # dW_e = dy_e^T x_e ([N, K]) or x_e^T dy_e ([K, N])
             dw = _gmm(dy.t(), x, offs) if nk else _gmm(x.t(), dy, offs)
             if ctx.empty is None:
                 sizes = torch.diff(offs, prepend=offs.new_zeros(1))
-                dw = dw.masked_fill((sizes == 0).view(-1, 1, 1), 0)
+                dw.masked_fill_((sizes == 0).view(-1, 1, 1), 0)
             elif ctx.empty:
                 dw[list(ctx.empty)] = 0
-        return dx, dw, None, None, None
+        return dx, dw, None, None, None, None
 
 
 def _loop(x: torch.Tensor, w: torch.Tensor, counts: List[int], weight_layout: str) -> torch.Tensor:
@@ -225,21 +240,22 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: Counts, *, cumulative: 
     use, why = grouped_mm_impl(x, w, weight_layout, impl)
     if impl == "kernel" and use != "kernel":
         raise ValueError(f"{what}: impl='kernel' but torch._grouped_mm cannot run here: {why}")
-    if impl == "triton" and use != "triton":
-        raise ValueError(f"{what}: impl='triton' but the Triton kernels cannot run here: {why}")
+    if impl in ("triton", "hybrid") and use != impl:
+        raise ValueError(f"{what}: impl={impl!r} but it cannot run here: {why}")
     if use == "triton":
         from flux.ops._triton_gmm import grouped_mm_triton
         return grouped_mm_triton(x, w.contiguous(), _offsets(counts, cumulative, x.device, experts, what),
                                  weight_layout)
-    if impl != "loop" and use == "kernel":
+    if impl != "loop" and use in ("kernel", "hybrid"):
         offs = _offsets(counts, cumulative, x.device, experts, what)
         empty = None
         if counts_host is not None and len(counts_host) == experts:
             empty = tuple(e for e, c in enumerate(counts_host) if c == 0)
         try:
-            return _GroupedMMKernel.apply(x.contiguous(), w.contiguous(), offs, weight_layout, empty)
+            return _GroupedMMKernel.apply(x.contiguous(), w.contiguous(), offs, weight_layout, empty,
+                                          use == "hybrid")
         except (RuntimeError, TypeError, NotImplementedError) as e:
-            if impl == "kernel":
+            if impl in ("kernel", "hybrid"):
                 raise
             key = (x.device, x.dtype, weight_layout)
             _kernel_failed[key] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
