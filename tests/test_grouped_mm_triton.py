@@ -248,5 +248,35 @@ def test_triton_gpu(layout, experts):
         poisoned("cuda", dtype, layout)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+def test_kernel_empty_experts_zero_on_poisoned_memory(layout):
+    """The kernel path with the counts on the device only (no host list: the backward cannot name
+    the empty experts): their weight gradient is exactly zero although the memory the caching
+    allocator hands out was filled with NaN (torch writes the zeros on 9.x, a mask elsewhere)."""
+    from flux.ops.grouped_mm import grouped_mm, grouped_mm_impl
+    counts = [0, 40, 0, 24, 0, 8, 0]
+    x = torch.randn(sum(counts), 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    shape = (len(counts), 128, 256) if layout == "nk" else (len(counts), 256, 128)
+    w = torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    if grouped_mm_impl(x, w, layout)[0] != "kernel":
+        pytest.skip("torch._grouped_mm does not run here")
+    offs = torch.tensor(counts, device="cuda")
+    y = grouped_mm(x, w, offs, weight_layout=layout)
+    dy = torch.randn_like(y)
+    for _ in range(4):  # blocks of dW's size, NaN-filled and freed: the allocator reuses them
+        torch.full(shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+    y.backward(dy)
+    s = 0
+    for e, c in enumerate(counts):
+        if c == 0:
+            assert torch.equal(w.grad[e], torch.zeros_like(w.grad[e])), f"expert {e}"
+        else:
+            xe, de = x[s:s + c].detach().float(), dy[s:s + c].float()
+            want = de.t() @ xe if layout == "nk" else xe.t() @ de
+            assert torch.allclose(w.grad[e].float(), want, rtol=2e-2, atol=2e-1), f"expert {e}"
+        s += c
+
+
 if __name__ == "__main__":
     _interpreted_checks()

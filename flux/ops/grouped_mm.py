@@ -28,6 +28,10 @@ IMPLS = ("auto", "kernel", "loop", "triton", "hybrid")
 
 Counts = Union[torch.Tensor, Sequence[int]]
 
+# Compute capability majors where torch._grouped_mm's K-grouped product (the weight gradient)
+# writes zeros for a group without rows, so no mask pass is needed (tests/test_grouped_mm_triton.py
+# checks it on the GPU with a NaN-poisoned allocator); elsewhere (10.x) such groups are masked.
+_EMPTY_GROUPS_ZEROED = (9,)
 _kernel_failed: Dict[Tuple, str] = {}  # (device, dtype, layout) -> why torch._grouped_mm raised there
 _triton_import: List[str] = []  # why flux.ops._triton_gmm did not import ("" where it did), once known
 
@@ -196,7 +200,8 @@ class _GroupedMMKernel(torch.autograd.Function):
             dw = wgrad(dy, x, offs, w.shape, ctx.weight_layout)
         elif ctx.needs_input_grad[1]:  # dW_e = dy_e^T x_e ([N, K]) or x_e^T dy_e ([K, N])
             dw = _gmm(dy.t(), x, offs) if nk else _gmm(x.t(), dy, offs)
-            if ctx.empty is None:
+            if ctx.empty is None and not (dw.is_cuda and torch.cuda.get_device_capability(dw.device)[0]
+                                          in _EMPTY_GROUPS_ZEROED):
                 sizes = torch.diff(offs, prepend=offs.new_zeros(1))
                 dw.masked_fill_((sizes == 0).view(-1, 1, 1), 0)
             elif ctx.empty:
