@@ -25,9 +25,13 @@ import torch
 import triton
 import triton.language as tl
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages): fixed, not tuned.
+# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages): fixed, but for the weight gradient in bf16 / fp16 on CUDA.
 _FWD_GPU = (128, 128, 64, 8, 8, 3)
 _WGRAD_GPU = (64, 128, 128, 0, 8, 3)  # (BLOCK_M rows per step, BLOCK_P, BLOCK_Q, -, warps, stages)
+# The weight gradient on CUDA in bf16 / fp16 is autotuned over these (the first the fixed one), per
+# (P, Q, rows per expert rounded to a power of two), on its first call for each: its one cost.
+_WGRAD_TUNE = ((64, 128, 128, 8, 3), (128, 128, 128, 8, 3), (64, 128, 256, 8, 3), (64, 256, 128, 8, 3),
+               (32, 128, 128, 4, 4))
 _FWD_CPU = (16, 16, 16, 2, 4, 1)  # the interpreter: small tiles, several per expert
 _WGRAD_CPU = (16, 16, 16, 0, 4, 1)
 
@@ -100,10 +104,11 @@ def _tiles_kernel(x_ptr, w_ptr, out_ptr, ts_ptr, te_ptr, tx_ptr, num_tiles, N, K
 
 
 @triton.jit
-def _wgrad_kernel(a_ptr, b_ptr, c_ptr, offs_ptr, P, Q, sam, sap, sbm, sbq, sce, scp, scq,
+def _wgrad_kernel(a_ptr, b_ptr, c_ptr, offs_ptr, P, Q, sam, sap, sbm, sbq, sce, scp, scq, avg_rows,
                   BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, PRECISION: tl.constexpr,
                   UPCAST: tl.constexpr):
-    """C_e[p-block, q-block] = sum over expert e's rows m of A[m, p] * B[m, q]; zeros without rows."""
+    """C_e[p-block, q-block] = sum over expert e's rows m of A[m, p] * B[m, q]; zeros without rows.
+    avg_rows: the autotuning key's rows per expert (unused in the kernel)."""
     e = tl.program_id(0)
     rp = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
     rq = tl.program_id(2) * BLOCK_Q + tl.arange(0, BLOCK_Q)
@@ -123,6 +128,12 @@ def _wgrad_kernel(a_ptr, b_ptr, c_ptr, offs_ptr, P, Q, sam, sap, sbm, sbq, sce, 
         acc = tl.dot(at, b, acc, input_precision=PRECISION)
     tl.store(c_ptr + e.to(tl.int64) * sce + rp[:, None] * scp + rq[None, :] * scq,
              acc.to(c_ptr.dtype.element_ty), mask=p_ok[:, None] & q_ok[None, :])
+
+
+_wgrad_tuned = triton.autotune(
+    configs=[triton.Config({"BLOCK_M": m, "BLOCK_P": p, "BLOCK_Q": q}, num_warps=w, num_stages=st)
+             for m, p, q, w, st in _WGRAD_TUNE],
+    key=["P", "Q", "avg_rows"])(_wgrad_kernel)
 
 
 def _dot_args(t: torch.Tensor) -> dict:
@@ -173,10 +184,14 @@ def _wgrad(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, w_shape, weigh
     scp, scq = (dw.stride(1), dw.stride(2)) if weight_layout == "nk" else (dw.stride(2), dw.stride(1))
     if w_shape[0] == 0 or n == 0 or k == 0:
         return dw.zero_()
+    avg = 1 << max(0, (x.shape[0] // max(1, w_shape[0])).bit_length() - 1)  # rows per expert, a power of two
+    args = (dy, x, dw, offs, n, k, dy.stride(0), dy.stride(1), x.stride(0), x.stride(1), dw.stride(0), scp, scq, avg)
+    if x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float16):
+        _wgrad_tuned[lambda meta: (w_shape[0], triton.cdiv(n, meta["BLOCK_P"]), triton.cdiv(k, meta["BLOCK_Q"]))](
+            *args, **_dot_args(x))
+        return dw
     grid = (w_shape[0], triton.cdiv(n, bp), triton.cdiv(k, bq))
-    _wgrad_kernel[grid](dy, x, dw, offs, n, k, dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
-                        dw.stride(0), scp, scq, BLOCK_M=bm, BLOCK_P=bp, BLOCK_Q=bq,
-                        **_dot_args(x), num_warps=warps, num_stages=stages)
+    _wgrad_kernel[grid](*args, BLOCK_M=bm, BLOCK_P=bp, BLOCK_Q=bq, **_dot_args(x), num_warps=warps, num_stages=stages)
     return dw
 
 
