@@ -252,20 +252,23 @@ def test_triton_gpu(layout, experts):
 @pytest.mark.parametrize("layout", ["nk", "kn"])
 def test_kernel_empty_experts_zero_on_poisoned_memory(layout):
     """The kernel path with the counts on the device only (no host list: the backward cannot name
-    the empty experts): their weight gradient is exactly zero although the memory the caching
-    allocator hands out was filled with NaN (torch writes the zeros on 9.x, a mask elsewhere)."""
+    the empty experts): their weight gradient is exactly zero although the block the caching
+    allocator hands dW was filled with NaN (torch writes the zeros on 9.x, a mask elsewhere).
+    dW is 7.3 MB, in the allocator's large pool, where a freed block of its exact size is reused;
+    the other tensors here are small-pool ones."""
     from flux.ops.grouped_mm import grouped_mm, grouped_mm_impl
     counts = [0, 40, 0, 24, 0, 8, 0]
-    x = torch.randn(sum(counts), 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    shape = (len(counts), 128, 256) if layout == "nk" else (len(counts), 256, 128)
+    n, k = 512, 1024
+    x = torch.randn(sum(counts), k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    shape = (len(counts), n, k) if layout == "nk" else (len(counts), k, n)
     w = torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    if grouped_mm_impl(x, w, layout)[0] != "kernel":
+    if grouped_mm_impl(x, w, layout, impl="kernel")[0] != "kernel":
         pytest.skip("torch._grouped_mm does not run here")
     offs = torch.tensor(counts, device="cuda")
-    y = grouped_mm(x, w, offs, weight_layout=layout)
+    y = grouped_mm(x, w, offs, weight_layout=layout, impl="kernel")
     dy = torch.randn_like(y)
-    for _ in range(4):  # blocks of dW's size, NaN-filled and freed: the allocator reuses them
-        torch.full(shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+    poison = torch.full(shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+    del poison  # its block, NaN-filled, is the one dW gets
     y.backward(dy)
     s = 0
     for e, c in enumerate(counts):
@@ -276,6 +279,30 @@ def test_kernel_empty_experts_zero_on_poisoned_memory(layout):
             want = de.t() @ xe if layout == "nk" else xe.t() @ de
             assert torch.allclose(w.grad[e].float(), want, rtol=2e-2, atol=2e-1), f"expert {e}"
         s += c
+
+
+@pytest.mark.skipif(not _gpu_ok(), reason="needs a CUDA GPU and triton")
+def test_every_tuned_wgrad_configuration():
+    """Each weight-gradient configuration the autotuner may pick, run alone on NaN-filled dW:
+    every element written, the loop's dW within bf16 tolerance, zeros for experts without rows."""
+    from flux.ops import _triton_gmm as tg
+    counts = [0, 300, 5, 0, 131, 64]
+    gen = torch.Generator().manual_seed(4)
+    n, k = 384, 320
+    x = torch.randn(sum(counts), k, generator=gen).to("cuda", torch.bfloat16)
+    dy = torch.randn(sum(counts), n, generator=gen).to("cuda", torch.bfloat16)
+    offs = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+    starts = [0] + offs.tolist()[:-1]
+    want = torch.stack([dy[a:a + c].float().t() @ x[a:a + c].float() for a, c in zip(starts, counts)])
+    for m, p, q, warps, stages in tg._WGRAD_TUNE:
+        dw = torch.full((len(counts), n, k), float("nan"), device="cuda", dtype=torch.bfloat16)
+        grid = (len(counts), -(-n // p), -(-k // q))
+        tg._wgrad_kernel[grid](dy, x, dw, offs, n, k, dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
+                               dw.stride(0), dw.stride(1), dw.stride(2), 64, BLOCK_M=m, BLOCK_P=p, BLOCK_Q=q,
+                               PRECISION="tf32", UPCAST=False, num_warps=warps, num_stages=stages)
+        assert torch.isfinite(dw).all(), (m, p, q)
+        assert torch.allclose(dw.float(), want, rtol=2e-2, atol=0.25), (m, p, q, (dw.float() - want).abs().max())
+        assert (dw[0] == 0).all() and (dw[3] == 0).all(), (m, p, q)
 
 
 if __name__ == "__main__":

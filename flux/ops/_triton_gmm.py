@@ -29,7 +29,9 @@ import triton.language as tl
 _FWD_GPU = (128, 128, 64, 8, 8, 3)
 _WGRAD_GPU = (64, 128, 128, 0, 8, 3)  # (BLOCK_M rows per step, BLOCK_P, BLOCK_Q, -, warps, stages)
 # The weight gradient on CUDA in bf16 / fp16 is autotuned over these (the first the fixed one), per
-# (P, Q, rows per expert rounded to a power of two), on its first call for each: its one cost.
+# (P, Q, rows per expert rounded to a power of two), on its first call for each: that call times the
+# five (it synchronises, so it must not be the first inside a CUDA-graph capture), and dW's bits may
+# differ between processes that tuned to different configurations.
 _WGRAD_TUNE = ((64, 128, 128, 8, 3), (128, 128, 128, 8, 3), (64, 128, 256, 8, 3), (64, 256, 128, 8, 3),
                (32, 128, 128, 4, 4))
 _FWD_CPU = (16, 16, 16, 2, 4, 1)  # the interpreter: small tiles, several per expert
@@ -103,7 +105,7 @@ def _tiles_kernel(x_ptr, w_ptr, out_ptr, ts_ptr, te_ptr, tx_ptr, num_tiles, N, K
                      mask=m_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["avg_rows"])
 def _wgrad_kernel(a_ptr, b_ptr, c_ptr, offs_ptr, P, Q, sam, sap, sbm, sbq, sce, scp, scq, avg_rows,
                   BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, PRECISION: tl.constexpr,
                   UPCAST: tl.constexpr):
@@ -133,7 +135,7 @@ def _wgrad_kernel(a_ptr, b_ptr, c_ptr, offs_ptr, P, Q, sam, sap, sbm, sbq, sce, 
 _wgrad_tuned = triton.autotune(
     configs=[triton.Config({"BLOCK_M": m, "BLOCK_P": p, "BLOCK_Q": q}, num_warps=w, num_stages=st)
              for m, p, q, w, st in _WGRAD_TUNE],
-    key=["P", "Q", "avg_rows"])(_wgrad_kernel)
+    key=["P", "Q", "avg_rows"], restore_value=["c_ptr"])(_wgrad_kernel)
 
 
 def _dot_args(t: torch.Tensor) -> dict:

@@ -200,11 +200,11 @@ class _GroupedMMKernel(torch.autograd.Function):
             dw = wgrad(dy, x, offs, w.shape, ctx.weight_layout)
         elif ctx.needs_input_grad[1]:  # dW_e = dy_e^T x_e ([N, K]) or x_e^T dy_e ([K, N])
             dw = _gmm(dy.t(), x, offs) if nk else _gmm(x.t(), dy, offs)
-            if ctx.empty is None and not (dw.is_cuda and torch.cuda.get_device_capability(dw.device)[0]
-                                          in _EMPTY_GROUPS_ZEROED):
+            zeroed = dw.is_cuda and torch.cuda.get_device_capability(dw.device)[0] in _EMPTY_GROUPS_ZEROED
+            if ctx.empty is None and not zeroed:
                 sizes = torch.diff(offs, prepend=offs.new_zeros(1))
                 dw.masked_fill_((sizes == 0).view(-1, 1, 1), 0)
-            elif ctx.empty:
+            elif ctx.empty and not zeroed:
                 dw[list(ctx.empty)] = 0
         return dx, dw, None, None, None, None
 
@@ -232,10 +232,12 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: Counts, *, cumulative: 
     torch._grouped_mm's ``offs``, the last one R). ``w``: ``[E, N, K]`` (``weight_layout="nk"``)
     or ``[E, K, N]`` (``"kn"``). ``counts_host``: the same counts as a list, where the caller
     has them on the host (spares the loop a copy from the device). ``impl``: "auto" (the
-    kernel where ``grouped_mm_impl`` allows it, else the loop; FLUX_GROUPED_MM=triton makes it
-    "triton"), "kernel" (raise where it is not allowed), "loop" or "triton" (the Triton
-    prototype; raise where it cannot run). Differentiable in x and w. The kernels do not check
-    that the counts sum to R (it would take a synchronisation); the loop does.
+    kernel where ``grouped_mm_impl`` allows it, else the loop; FLUX_GROUPED_MM=triton or
+    =hybrid makes it that one where it can run), "kernel" (raise where it is not allowed),
+    "loop", "triton" (the Triton prototype) or "hybrid" (the kernel with the Triton weight
+    gradient), each of the last two raising where it cannot run; with no rows (R = 0) every
+    impl gives the empty product. Differentiable in x and w. The kernels do not check that the
+    counts sum to R (it would take a synchronisation); the loop does.
     """
     what = "flux.grouped_mm"
     _check(x, w, weight_layout, 2, what)
@@ -243,6 +245,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: Counts, *, cumulative: 
         raise ValueError(f"{what}: impl must be one of {IMPLS}, got {impl!r}")
     experts = w.shape[0]
     use, why = grouped_mm_impl(x, w, weight_layout, impl)
+    if impl in ("kernel", "hybrid") and x.shape[0] == 0:
+        use = "loop"  # no rows: an empty product, the same on every rank whatever else holds
     if impl == "kernel" and use != "kernel":
         raise ValueError(f"{what}: impl='kernel' but torch._grouped_mm cannot run here: {why}")
     if impl in ("triton", "hybrid") and use != impl:
