@@ -100,22 +100,14 @@ def grouped_mm_impl(x: torch.Tensor, w: torch.Tensor, weight_layout: str = "nk",
     asked = _resolve(impl)
     if asked == "loop":
         return "loop", "asked for"
-    if asked == "triton":
-        why = _triton_why_not(x)
+    if asked in ("triton", "hybrid"):  # hybrid: the kernel's conditions, then Triton's
+        why = grouped_mm_impl(x, w, weight_layout, "kernel")[1] if asked == "hybrid" else ""
+        why = why or _triton_why_not(x)
         if not why:
-            return "triton", ""
-        if impl == "triton":
+            return asked, ""
+        if impl == asked:
             return "loop", why
-        # FLUX_GROUPED_MM=triton where the Triton kernels cannot run: the choice of "auto"
-    if asked == "hybrid":
-        use, why = grouped_mm_impl(x, w, weight_layout, "kernel")
-        if use == "kernel":
-            why = _triton_why_not(x)
-            if not why:
-                return "hybrid", ""
-        if impl == "hybrid":
-            return "loop", why
-        return use, why if use != "kernel" else ""
+        # asked for by FLUX_GROUPED_MM where it cannot run: the choice of "auto", below
     if not hasattr(torch, "_grouped_mm"):
         return "loop", f"torch {torch.__version__} has no torch._grouped_mm"
     if x.device.type != "cuda":
