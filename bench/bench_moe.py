@@ -257,6 +257,10 @@ def parse_args(argv=None):
     p.add_argument("--skew", type=float, default=1.0, help="skewed routing: expert i drawn with weight (i+1)^-skew")
     p.add_argument("--ffn", type=int, default=None, help="the layer's expert FFN size (default 2048, with --cpu 16)")
     p.add_argument("--no-layer", action="store_true", help="skip the MoE layer forward+backward")
+    p.add_argument("--profile-layer", action="store_true",
+                   help="world size 1, CUDA: also run the flux and stock layers' loops under torch.profiler: "
+                        "per step, wall ms and the GPU's busy ms (the sum of its kernels' times) in the same loop, "
+                        "and the kernels taking most of it (layer.profile in the JSON)")
     p.add_argument("--no-bounded", action="store_true", help="skip the bounded (max_tokens_per_rank) variant")
     p.add_argument("--flux-only", action="store_true",
                    help="only flux (checked against flux.moe_dispatch_ref), no baseline and no layer: for ranks "
@@ -393,7 +397,33 @@ def layer_case(args, bench, layer, tokens, topk, dev, dtype, rank, tol):
             res["dense"] = timed(bench, gemms_only(layer, x, idx, dense=True), args, graph=False)
         except Exception as e:  # noqa: BLE001
             res["dense_status"] = f"error: {type(e).__name__}: {str(e)[:300]}"
+        if args.profile_layer:
+            res["profile"] = {}
+            for name, s in (("flux", step), ("stock", ref_step)):
+                try:
+                    res["profile"][name] = gpu_busy(s, args.steps)
+                except Exception as e:  # noqa: BLE001
+                    res["profile"][name] = {"status": f"error: {type(e).__name__}: {str(e)[:300]}"}
     return res
+
+
+def gpu_busy(step, steps, top=12):
+    """``steps`` calls of ``step`` under torch.profiler (CUDA activity): per call, the wall ms
+    (events around the loop) and the GPU's busy ms (the sum of its kernels' and copies' times):
+    their difference is where the GPU waited for the host. The ``top`` device activities by time."""
+    step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            step()
+        end.record()
+        end.synchronize()
+    acts = [(e.key, e.self_device_time_total / 1e3 / steps) for e in prof.key_averages() if e.self_device_time_total > 0]
+    acts.sort(key=lambda a: -a[1])
+    return {"wall_ms": start.elapsed_time(end) / steps, "gpu_busy_ms": sum(t for _, t in acts),
+            "top": [[k[:120], t] for k, t in acts[:top]]}
 
 
 def run(args):
@@ -464,6 +494,11 @@ def layer_table(records):
         lines.append(f"{r['tokens']:>5} {r['hidden']:>5} {r['topk']:>2} {r['experts']:>3} | {_f(f):>7} {_f(s):>7} "
                      f"{_f(g):>7} {ratio(s, f):>10} {ratio(f, g):>10} {ratio(g, d):>11} | {us('dispatch', 'graph_ms'):>17} "
                      f"{host('dispatch'):>13} | {us('combine', 'graph_ms'):>17} {host('combine'):>13}")
+    for r in records:
+        prof = (r.get("layer") or {}).get("profile") or {}
+        if prof:
+            lines.append(f"T={r['tokens']} E={r['experts']} under the profiler, wall / GPU-busy ms per step: "
+                         + ", ".join(f"{n} {_f(p.get('wall_ms'))} / {_f(p.get('gpu_busy_ms'))}" for n, p in prof.items()))
     lines.append("layer: flux.nn.MoE forward+backward, loop ms; stock: the same layer in stock PyTorch "
                  "(--reference grouped); gemms: its grouped GEMMs alone; dense: the same FLOPs as dense GEMMs; "
                  "host us: repeat calls (the hot path), "
