@@ -40,7 +40,7 @@ def __getattr__(name):
     if name in ("nn", "integrations"):
         return importlib.import_module(f"flux.{name}")
     if name in _TP_MOE:
-        value = getattr(importlib.import_module("flux.ops.moe_tp"), name)
+        value = getattr(importlib.import_module("flux.ops.moe.tp"), name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'flux' has no attribute {name!r}")

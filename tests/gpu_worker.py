@@ -811,7 +811,7 @@ def timeout_case(rank, world, dev, strategy="decomposed", op="ag", mode="skip"):
     others in the routing's all-gather, a host collective)."""
     import time
 
-    if op in ("moetp", "moetp_rs"):  # the TP MoE ops' exchange (flux/ops/moe_tp.py): part 1, part 2
+    if op in ("moetp", "moetp_rs"):  # the TP MoE ops' exchange (flux/ops/moe/tp_strategies.py): part 1, part 2
         os.environ["FLUX_STRATEGY_MOE_TP"] = strategy
         gen = torch.Generator().manual_seed(60 + rank)
         x = torch.randn(64, 256, generator=gen).to(dev, BF16)

@@ -1,4 +1,4 @@
-"""The dispatcher ops of the tensor-parallel MoE functions (flux/ops/_moe_tp_api.py):
+"""The dispatcher ops of the tensor-parallel MoE functions (flux/ops/moe/tp.py):
 ``torch.ops.flux.ag_scatter_grouped_mm`` / ``grouped_mm_gather_rs`` and their backward ops pass
 ``torch.library.opcheck`` and agree with the eager path, forward and gradients, in-process on a
 one-rank gloo group (CPU, float64). The multi-rank behaviour is tests/test_moe_tp.py's."""

@@ -175,7 +175,8 @@ def test_former_strategy_names_are_read_as_the_current_ones(monkeypatch):
     monkeypatch.setenv("FLUX_STRATEGY_MOE", "symm")
     assert moe.strategies._forced() == "symm"
     # ... and FLUX_STRATEGY_MOE_TP (the workspace's availability stubbed: that needs GPUs).
-    monkeypatch.setattr(moe_tp, "decomposed_usable", lambda device, group: None)
+    from flux.ops.moe import tp_routing
+    monkeypatch.setattr(tp_routing, "decomposed_usable", lambda device, group: None)
     for name in ("symm", "decomposed"):
         monkeypatch.setenv("FLUX_STRATEGY_MOE_TP", name)
         assert moe_tp._choose_strategy(torch.device("cpu"), None, 1, 1) == ("decomposed", None)

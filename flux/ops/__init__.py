@@ -10,11 +10,12 @@ from flux.ops._checks import FluxInputError
 
 
 def __getattr__(name):
-    # flux.ops.moe_tp (tensor-parallel MoE) is imported on first use: it imports torch._dynamo.
+    # flux.ops.moe_tp (tensor-parallel MoE, the module flux.ops.moe.tp) is imported on first use:
+    # it imports torch._dynamo.
     if name == "moe_tp":
         import importlib
 
-        return importlib.import_module("flux.ops.moe_tp")
+        return importlib.import_module("flux.ops.moe.tp")
     raise AttributeError(f"module 'flux.ops' has no attribute {name!r}")
 
 

@@ -10,6 +10,7 @@ Modules: ``api`` (the public functions, autograd, the dispatcher ops), ``handle`
 the shared names and row pieces), ``checks``, ``strategies`` (the choice and the
 implementations), one module per strategy (``all_to_all``: the ``sequential`` strategy; ``symm``,
 ``local``), ``fp8`` and ``reference``. The names below are the package's interface (``flux.ops.moe.<name>``).
+The tensor-parallel MoE ops (``tp_routing``, ``tp_strategies``, ``tp``) are imported on first use.
 """
 from flux.ops.moe import local, symm  # noqa: F401  (the strategies' modules)
 from flux.ops.moe.api import moe_combine, moe_dispatch

@@ -1,10 +1,13 @@
-"""The public functions of the tensor-parallel MoE ops (flux/ops/moe_tp.py holds the routing, the
-checks and the strategies), their eager autograd, and the dispatcher ops
+"""flux.ag_scatter_grouped_mm / flux.grouped_mm_gather_rs, the two halves of a tensor-parallel MoE
+layer: the public functions, their eager autograd, and the dispatcher ops
 ``torch.ops.flux.ag_scatter_grouped_mm`` / ``grouped_mm_gather_rs`` (and their ``_backward`` ops)
 built with ``define_op``: fake implementations (part 1's row count P is a dynamic size) and
 registered autograd, so torch.compile, fake tensors and tensor subclasses reach them. The routing
 travels through the ops as its tensors: the gathered ``topk_idx [T, K]``, ``pairs [P]`` and the
 per-(source rank, expert) counts as a CPU int64 ``[W * E]`` tensor (host data, no device read).
+``tp_routing`` holds the routing, the checks and the choice, ``tp_strategies`` the strategies;
+the names below are the module's interface (``flux.ops.moe_tp`` is this module). flux imports it
+on first use (it imports torch._dynamo).
 """
 from typing import Optional, Tuple
 
@@ -13,9 +16,11 @@ import torch.distributed as dist
 
 from flux.ops._common import call_mode
 from flux.ops._opdef import define_op
-from flux.ops.moe_tp import (_AG_SCATTER, _MM_GATHER_RS, OP, OP_RS, TpMoeRouting, _acc_dtype, _ag_scatter_impl,
-                             _choose_strategy, _flip, _make_routing, _mm, _mm_gather_rs_impl, _scatter_rows,
-                             _weight_grad)
+from flux.ops.moe.tp_routing import (OP, OP_RS, OVERLAP_MIN_SHARD, STRATEGIES, STRATEGY_ENV,  # noqa: F401
+                                     TpMoeRouting, _choose_strategy, _is_gloo, _make_routing, _should_overlap,
+                                     decomposed_usable)
+from flux.ops.moe.tp_strategies import (_AG_SCATTER, _MM_GATHER_RS, _acc_dtype, _ag_scatter_impl, _flip, _mm,
+                                        _mm_gather_rs_impl, _scatter_rows, _weight_grad)
 from flux.runtime import (all_gather_dim0, differentiable_all_gather_dim0, differentiable_reduce_scatter_dim0,
                           group_from_name, group_name, reduce_scatter_dim0, resolve_group)
 
@@ -385,3 +390,7 @@ def grouped_mm_gather_rs_ref(h: torch.Tensor, weight: torch.Tensor, routing: TpM
         start += tok.shape[0]
         y = y.index_add(0, tok, wg[tok, slot].to(acc)[:, None] * part.to(acc))
     return differentiable_reduce_scatter_dim0(y.to(h.dtype), group)
+
+
+__all__ = ["OVERLAP_MIN_SHARD", "STRATEGIES", "STRATEGY_ENV", "TpMoeRouting", "ag_scatter_grouped_mm",
+           "ag_scatter_grouped_mm_ref", "decomposed_usable", "grouped_mm_gather_rs", "grouped_mm_gather_rs_ref"]
