@@ -17,6 +17,8 @@ import torch.nn as nn
 
 from flux.ops.ag_gemm import ag_gemm
 from flux.ops.gemm_rs import gemm_rs
+from flux.nn._init import _shared_seed, uniform_lines  # noqa: F401  (uniform_lines: part of flux.nn)
+from flux.nn.moe import MoE
 from flux.runtime import resolve_group
 
 
@@ -25,28 +27,6 @@ def _shard(t: torch.Tensor, dim: int, group: dist.ProcessGroup, what: str) -> to
     if t.shape[dim] % world:
         raise ValueError(f"flux.nn: {what} has {t.shape[dim]} along dim {dim}, not divisible by the group size {world}")
     return t.chunk(world, dim=dim)[rank].contiguous()
-
-
-def _shared_seed(seed: Optional[int], group: dist.ProcessGroup) -> int:
-    """``seed``, or the group's first rank's draw from its default generator (broadcast, so that
-    the ranks need not share a seed)."""
-    if seed is not None:
-        return int(seed)
-    box = [int(torch.randint(0, 2 ** 62, (1,)).item())]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-    return box[0]
-
-
-def uniform_lines(seed: int, first: int, count: int, length: int, bound: float) -> torch.Tensor:
-    """Lines ``first .. first + count`` of a [lines, length] matrix of U(-bound, bound) values in
-    which line i depends only on (seed, i): a shard of any group size is the same slice of the
-    same full matrix, made without making the rest of it (float32, CPU)."""
-    out = torch.empty(count, length)
-    gen = torch.Generator()
-    for i in range(count):
-        gen.manual_seed((seed * 1_000_003 + first + i) % (2 ** 63))
-        out[i].uniform_(-bound, bound, generator=gen)
-    return out
 
 
 class _ParallelLinear(nn.Module):
@@ -145,7 +125,5 @@ class RowParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return gemm_rs(x, self.weight, self.bias, group=self.group)
 
-
-from flux.nn.moe import MoE  # noqa: E402  (last: flux.nn.moe uses uniform_lines and _shared_seed above)
 
 __all__ = ["ColumnParallelLinear", "MoE", "RowParallelLinear"]

@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import flux
-from flux.nn import _shared_seed, uniform_lines
+from flux.nn._init import _shared_seed, uniform_lines
 from flux.ops.grouped_mm import grouped_mm, grouped_mm_padded
 from flux.runtime import group_name, resolve_group
 
