@@ -3,6 +3,7 @@ configuration table adapter, the analytic default's rules, the kernel cache (rou
 precedence, shipped files, entries from a benchmark JSON) and the benchmark's exit without a GPU."""
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -420,3 +421,39 @@ def test_gpu_every_config_correct_and_tuned(op, shape, tmp_path):
     cache = K.KernelCache(K.gpu_key()[0], str(tmp_path))
     e = K.tune(op, m, n, k, torch.bfloat16, quick=True, cache=cache)
     assert K.cached_choice(cache, op, m, n, k, "bf16", "bf16") == K.parse_label(e["choice"])
+
+
+def test_fused_scoreboard(tmp_path):
+    """bench/fused_scoreboard.py: the targets' counts for a two-file set (the later file winning a
+    shared shape), each choice, and the shipped choice timed for every grid shape of the H200 files."""
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    import fused_scoreboard as S
+
+    def doc(results):
+        return {"device": "GPU X", "sm_count": 132, "dtype": "bf16", "out_dtype": "bf16", "results": results}
+
+    def res(op, m, ms, served, base=1.0, add=None):
+        r = {"op": op, "m": m, "n": 64, "k": 64, "served": served, "cublas": {"ms": {"loop": base, "graph": base}},
+             "variants": {lab: {"ok": True, "config": 0, "tile": "t", "ms": {"loop": v, "graph": v}} for lab, v in ms.items()}}
+        if add is not None:
+            r["cublas_add"] = {"ms": {"loop": add, "graph": add}}
+        return r
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(doc([res("ag", 1024, {"c0/r1/s1": 1.5}, "c0/r1/s1"),
+                                 res("ag", 256, {"c0/r1/s1": 1.04}, "c0/r1/s1")])))
+    b.write_text(json.dumps(doc([res("ag", 1024, {"c0/r1/s1": 1.01, "c2/r1/s1": 0.9}, "c0/r1/s1"),
+                                 res("rs", 2048, {"c3/r1/s1": 1.03}, "c3/r1/s1", add=1.2)])))
+    s = S.scoreboard([str(a), str(b)], "served")
+    t = s["timings"]["loop"]
+    assert s["shapes"] == 3 and not s["untimed"]
+    assert t["ag_within_2pct_from_1024"]["missed"] == 0  # b's 1.01 replaced a's 1.5
+    assert t["ag_within_5pct_at_256"] == {"shapes": 1, "missed": 0, "which": []}
+    assert abs(t["ag_geomean"] - math.sqrt(1.01 * 1.04)) < 1e-9
+    assert t["rs_faster_than_mm_add_from_128"]["missed"] == 0  # 1.03 < 1.2
+    assert t["rs_within_2pct_of_mm_from_1024"]["missed"] == 1  # 1.03 > 1.02
+    assert "1.030" in t["rs_within_2pct_of_mm_from_1024"]["which"][0]
+    files = [os.path.join(REPO, "bench", "results", f) for f in ("fused_gemm-h200-streamk.json",
+                                                                  "fused_gemm-h200-served-big.json")]
+    if all(os.path.exists(f) for f in files):
+        shipped = S.scoreboard(files, "shipped")
+        assert shipped["shapes"] == 144 and not shipped["untimed"], shipped["untimed"][:5]

@@ -1,0 +1,115 @@
+"""The fused kernels' targets over bench/bench_fused_gemm.py JSON files, no GPU needed:
+
+    python bench/fused_scoreboard.py bench/results/fused_gemm-h200-streamk.json \\
+        bench/results/fused_gemm-h200-served-big.json [--choice shipped|served|tuned] [--json FILE]
+
+Per shape the library's configuration, as timed in the file (a later file wins for the shapes it
+shares with an earlier one): ``shipped`` (default), the choice in flux/autotune/shipped/ for the
+file's GPU, which is made from such files, so on the files it came from it is, by construction,
+their choice; ``served``, the one the run itself used (the library's choice at the run's commit);
+``tuned``, the one ``python -m flux.autotune.kernels --from-bench`` would ship from the file.
+Ratios are the kernel's ms over ``torch.mm``'s (cuBLAS), per timing (loop, graph). The targets:
+AG within 2% of cuBLAS from 1024 rows, within 5% at 256, geometric mean at most 1.00; RS (one
+rank's block of rows) faster than ``mm`` then ``add`` from 128 rows, within 2% of ``mm`` from 1024.
+"""
+import argparse
+import json
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from flux.autotune import kernels as K  # noqa: E402
+
+TIMINGS = ("loop", "graph")
+CHOICES = ("shipped", "served", "tuned")
+
+
+def shapes(paths):
+    """{(op, m, n, k): (result, doc)}, later files winning."""
+    out = {}
+    for path in paths:
+        doc = json.load(open(path))
+        for r in doc["results"]:
+            out[(r["op"], r["m"], r["n"], r["k"])] = (r, doc)
+    return out
+
+
+def chosen(r, doc, how, tuned_cache):
+    """The label of the configuration ``how`` picks for result ``r`` (None where there is none);
+    ``tuned_cache``: the tuner's entries per document (id of a document alive for the call)."""
+    if how == "served":
+        return r.get("served")
+    ek = K.entry_key(r["op"], r["m"], r["n"], r["k"], doc["dtype"], doc["out_dtype"])
+    if how == "tuned":
+        if id(doc) not in tuned_cache:
+            tuned_cache[id(doc)] = K.entries_from_bench(doc)[1]
+        e = tuned_cache[id(doc)].get(ek)
+    else:
+        e = K.KernelCache(f"kernels|{doc['device']}|sm{doc['sm_count']}").shipped.get(ek)
+    return e["choice"] if e else None
+
+
+def ratios(r, lab, base):
+    v = r["variants"].get(lab) if lab else None
+    if not v or not v.get("ok"):
+        return None
+    out = {}
+    for t in TIMINGS:
+        ms, ref = (v.get("ms") or {}).get(t), ((r.get(base) or {}).get("ms") or {}).get(t)
+        out[t] = ms / ref if ms and ref else None
+    return out
+
+
+def scoreboard(paths, how="shipped"):
+    """The targets' figures per timing, with the shapes each one missed."""
+    rows, tuned = [], {}
+    for (op, m, n, k), (r, doc) in sorted(shapes(paths).items()):
+        lab = chosen(r, doc, how, tuned)
+        rows.append({"op": op, "m": m, "n": n, "k": k, "choice": lab, "vs_cublas": ratios(r, lab, "cublas"),
+                     "vs_cublas_add": ratios(r, lab, "cublas_add") if op == "rs" else None})
+    untimed = [f"{x['op']} {x['m']}x{x['n']}x{x['k']}" for x in rows if x["vs_cublas"] is None]
+    out = {"files": list(paths), "choice": how, "shapes": len(rows), "untimed": untimed, "timings": {}}
+    for t in TIMINGS:
+        def over(op, rows_min, rows_max, limit, key="vs_cublas"):
+            sel = [x for x in rows if x["op"] == op and rows_min <= x["m"] <= rows_max and x[key]
+                   and x[key][t] is not None]
+            bad = [f"{x['m']}x{x['n']}x{x['k']} {x[key][t]:.3f}" for x in sel if x[key][t] > limit]
+            return {"shapes": len(sel), "missed": len(bad), "which": bad}
+        ag = [x["vs_cublas"][t] for x in rows if x["op"] == "ag" and x["vs_cublas"] and x["vs_cublas"][t]]
+        out["timings"][t] = {
+            "ag_within_2pct_from_1024": over("ag", 1024, 1 << 40, 1.02),
+            "ag_within_5pct_at_256": over("ag", 256, 256, 1.05),
+            "ag_geomean": math.exp(sum(map(math.log, ag)) / len(ag)) if ag else None,
+            "rs_faster_than_mm_add_from_128": over("rs", 128, 1 << 40, 1.0 - 1e-12, "vs_cublas_add"),
+            "rs_within_2pct_of_mm_from_1024": over("rs", 1024, 1 << 40, 1.02)}
+    return out
+
+
+def text(s):
+    lines = [f"{s['shapes']} shapes, choice: {s['choice']}" + (f"; untimed: {len(s['untimed'])}" if s["untimed"] else "")]
+    names = (("ag_within_2pct_from_1024", "AG over 2% of cuBLAS, M >= 1024"), ("ag_within_5pct_at_256",
+             "AG over 5% of cuBLAS, M = 256"), ("rs_faster_than_mm_add_from_128", "RS not faster than mm + add, "
+             ">= 128 rows"), ("rs_within_2pct_of_mm_from_1024", "RS over 2% of mm, >= 1024 rows"))
+    for t, v in s["timings"].items():
+        parts = [f"{label}: {v[key]['missed']} of {v[key]['shapes']}" for key, label in names]
+        lines.append(f"{t}: " + "; ".join(parts) + f"; AG geometric mean {v['ag_geomean']:.3f}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("files", nargs="+")
+    p.add_argument("--choice", choices=CHOICES, default="shipped")
+    p.add_argument("--json", default=None, help="write the figures (and the shapes that missed) here")
+    args = p.parse_args(argv)
+    s = scoreboard(args.files, args.choice)
+    print(text(s))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(s, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
