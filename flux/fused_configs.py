@@ -81,6 +81,8 @@ CONFIGS = {
         C(12, (128, 128, 64), (1, 1), "cooperative", (), "streamk"),
         C(13, (128, 256, 64), (1, 1), "cooperative", (), "streamk"),
         C(14, (128, 128, 64), (2, 1), "cooperative", BF16, "streamk"),
+        # Narrow tiles for the fewest-tile shapes (256 rows, N 768..3072: 24..96 tiles of 128x64).
+        C(15, (128, 64, 64), (1, 1), "cooperative", (), "streamk"),
     ),
     "rs": (
         C(0, (128, 256, 64), (2, 1), "cooperative", ()),
@@ -94,6 +96,7 @@ CONFIGS = {
         C(8, (128, 128, 64), (1, 1), "cooperative", (), "streamk"),
         C(9, (128, 256, 64), (1, 1), "cooperative", (), "streamk"),
         C(10, (128, 128, 64), (2, 1), "cooperative", (), "streamk"),
+        C(11, (128, 64, 64), (1, 1), "cooperative", (), "streamk"),  # as AG 15
     ),
 }
 OPS = tuple(CONFIGS)

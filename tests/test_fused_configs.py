@@ -45,8 +45,8 @@ def test_select_and_parse():
     # One stream-K configuration, AG's, bf16, in the default build.
     sk = [(op, i, d) for op, i, d in default if fc.config(op, i).scheduler == "streamk"]
     assert sk == [("ag", 14, "bf16")]
-    assert fc.select("streamk") == [("ag", 12, "bf16"), ("ag", 13, "bf16"), ("ag", 14, "bf16"),
-                                    ("rs", 8, "bf16"), ("rs", 9, "bf16"), ("rs", 10, "bf16")]
+    assert fc.select("streamk") == [("ag", 12, "bf16"), ("ag", 13, "bf16"), ("ag", 14, "bf16"), ("ag", 15, "bf16"),
+                                    ("rs", 8, "bf16"), ("rs", 9, "bf16"), ("rs", 10, "bf16"), ("rs", 11, "bf16")]
     assert len(fc.select("all")) == sum(len(v) for v in fc.CONFIGS.values()) * len(fc.DTYPES)
     assert fc.select("minimal") == [("ag", 0, "bf16"), ("rs", 0, "bf16")]
     assert fc.select("ag:2") == [("ag", 2, d) for d in fc.DTYPES]
