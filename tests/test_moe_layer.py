@@ -30,6 +30,54 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # --------------------------------------------------------------------------------------
+# the router's logits (in process; the 16-bit path on CUDA only)
+
+
+def _rel(a, b):
+    return float((a.double() - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_router_logits_on_the_cpu_are_the_wide_product(dtype):
+    from flux.nn.moe import router_logits
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 64, generator=gen).to(dtype)
+    w = torch.randn(5, 64, generator=gen).to(dtype)
+    out = router_logits(x, w)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, F.linear(x.float(), w.float()))
+    assert router_logits(x.double(), w).dtype == torch.float64
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_router_logits_16bit_path_against_float64(dtype):
+    """Forward: within 2x the error of the fp32 product of the converted operands (the old path);
+    backward: within 2x the error of the 16-bit linear layer's own gradients (torch's autograd of
+    F.linear in that dtype), all against float64."""
+    from flux.nn.moe import _MIXED_LOGITS_FAILED, router_logits
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    t, h, e = 1000, 2048, 64
+    x = torch.randn(t, h, generator=gen, device="cuda").to(dtype).requires_grad_()
+    w = (torch.randn(e, h, generator=gen, device="cuda") / h ** 0.5).to(dtype).requires_grad_()
+    g = torch.randn(t, e, generator=gen, device="cuda")
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ref = F.linear(x64, w64)
+    ref.backward(g.double())
+    out = router_logits(x, w)
+    assert not _MIXED_LOGITS_FAILED, "torch.mm(..., out_dtype=float32) is not available here"
+    assert out.dtype == torch.float32
+    out.backward(g)
+    base = F.linear(x.detach().float(), w.detach().float())
+    assert _rel(out, ref) <= 2 * _rel(base, ref) + 1e-7
+    xb, wb = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    F.linear(xb, wb).backward(g.to(dtype))
+    for got, b, r, what in ((x.grad, xb.grad, x64.grad, "x"), (w.grad, wb.grad, w64.grad, "w")):
+        assert got.dtype == dtype and torch.isfinite(got).all(), what
+        assert _rel(got, r) <= 2 * _rel(b, r), f"d{what}: {_rel(got, r):.3g} against {_rel(b, r):.3g}"
+
+
+# --------------------------------------------------------------------------------------
 # grouped_mm (in process)
 
 

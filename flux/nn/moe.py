@@ -191,10 +191,10 @@ class MoE(nn.Module):
 
     def route(self, x: torch.Tensor):
         """``(topk_idx [T, k] int64, topk_weights [T, k])`` for ``x [T, H]``: the softmax over the
-        router's logits in fp32 (or wider, for float64 inputs), its top k, renormalised over the k
-        when ``renormalize``. The weights stay in that precision (moe_combine accumulates in fp32)."""
-        ct = torch.promote_types(x.dtype, torch.float32)
-        probs = F.linear(x.to(ct), self.router.weight.to(ct)).softmax(dim=-1)
+        router's logits in fp32 (or wider, for float64 inputs; ``router_logits``), its top k,
+        renormalised over the k when ``renormalize``. The weights stay in that precision
+        (moe_combine accumulates in fp32)."""
+        probs = router_logits(x, self.router.weight).softmax(dim=-1)
         weights, idx = probs.topk(self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -281,6 +281,48 @@ class MoE(nn.Module):
         return (f"hidden={self.hidden}, ffn={self.ffn}, num_experts={self.num_experts} "
                 f"({self.local_experts} per rank, from {self.first_expert}), top_k={self.top_k}, "
                 f"renormalize={self.renormalize}, max_tokens_per_rank={self.max_tokens_per_rank}, chunks={self.chunks}")
+
+
+class _RouterLogits(torch.autograd.Function):
+    """``x @ w^T`` of 16-bit ``x [T, H]`` and ``w [E, H]`` (one dtype, CUDA) as fp32 logits, on
+    tensor cores with fp32 accumulation: each product of two 16-bit values is exact in fp32, so the
+    logits are those of the fp32 product of the converted operands up to the order of the sums,
+    without an fp32 copy of x (a pass over it, and that copy kept for the backward). Backward: the
+    logits' gradient rounded to x's dtype, then the two 16-bit products (fp32 accumulation), as a
+    mixed-precision linear layer computes its gradients."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return torch.mm(x, w.t(), out_dtype=torch.float32)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        g = grad.to(x.dtype)
+        dx = g @ w if ctx.needs_input_grad[0] else None
+        dw = g.t() @ x if ctx.needs_input_grad[1] else None
+        return dx, dw
+
+
+_MIXED_LOGITS_FAILED = []  # set once torch.mm(..., out_dtype=) has raised here (older torch)
+
+
+def router_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The router's logits ``x [T, H] @ w [E, H]^T`` in fp32 (float64 for float64 x).
+    bf16 / fp16 on CUDA: ``_RouterLogits`` (16-bit operands, fp32 accumulation and output);
+    elsewhere both operands converted first (``F.linear`` in the wider dtype)."""
+    if (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype and x.dim() == 2
+            and not _MIXED_LOGITS_FAILED):
+        try:
+            return _RouterLogits.apply(x, w)
+        except torch.OutOfMemoryError:
+            raise
+        except (TypeError, RuntimeError, NotImplementedError):
+            _MIXED_LOGITS_FAILED.append(True)
+    ct = torch.promote_types(x.dtype, torch.float32)
+    return F.linear(x.to(ct), w.to(ct))
 
 
 class _SwiGLUKernel(torch.autograd.Function):
@@ -393,4 +435,4 @@ class _Streams:
         _record(tensors, waiter)
 
 
-__all__ = ["FluxDispatcher", "MoE", "swiglu"]
+__all__ = ["FluxDispatcher", "MoE", "router_logits", "swiglu"]
