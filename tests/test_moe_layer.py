@@ -71,7 +71,7 @@ def test_router_logits_16bit_path_against_float64(dtype):
     base = F.linear(x.detach().float(), w.detach().float())
     # fp32 accumulation of H products on tensor cores: within the recursive-summation bound
     # H * 2^-24 * | |x| |w|^T | (far below a 16-bit rounding of the logits, 2^-9 relative)
-    bound = h * 2.0 ** -24 * float((x64.abs() @ w64.abs().t()).norm() / ref.norm())
+    bound = h * 2.0 ** -24 * float((x64.detach().abs() @ w64.detach().abs().t()).norm() / ref.detach().norm())
     assert _rel(out, ref) <= max(2 * _rel(base, ref), bound), (_rel(out, ref), _rel(base, ref), bound)
     xb, wb = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
     F.linear(xb, wb).backward(g.to(dtype))
