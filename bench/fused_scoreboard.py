@@ -1,14 +1,16 @@
 """The fused kernels' targets over bench/bench_fused_gemm.py JSON files, no GPU needed:
 
     python bench/fused_scoreboard.py bench/results/fused_gemm-h200-streamk.json \\
-        bench/results/fused_gemm-h200-served-big.json [--choice shipped|served|tuned] [--json FILE]
+        bench/results/fused_gemm-h200-served-big.json [--choice shipped|served|tuned|analytic] [--json FILE]
 
 Per shape the library's configuration, as timed in the file (a later file wins for the shapes it
 shares with an earlier one): ``shipped`` (default), the choice in flux/autotune/shipped/ for the
 file's GPU, which is made from such files, so on the files it came from it is, by construction,
 their choice; ``served``, the one the run itself used (the library's choice at the run's commit);
-``tuned``, the one ``python -m flux.autotune.kernels --from-bench`` would ship from the file.
-Ratios are the kernel's ms over ``torch.mm``'s (cuBLAS), per timing (loop, graph). The targets:
+``tuned``, the one ``python -m flux.autotune.kernels --from-bench`` would ship from the file;
+``analytic``, the analytic default over the default build (flux.autotune.kernels.analytic_config;
+untimed where the file did not time its swizzle). Ratios are the kernel's ms over ``torch.mm``'s
+(cuBLAS), per timing (loop, graph), and over the tuned choice's ms. The targets:
 AG within 2% of cuBLAS from 1024 rows, within 5% at 256, geometric mean at most 1.00; RS (one
 rank's block of rows) faster than ``mm`` then ``add`` from 128 rows, within 2% of ``mm`` from 1024.
 """
@@ -22,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from flux.autotune import kernels as K  # noqa: E402
 
 TIMINGS = ("loop", "graph")
-CHOICES = ("shipped", "served", "tuned")
+CHOICES = ("shipped", "served", "tuned", "analytic")
 
 
 def shapes(paths):
@@ -40,6 +42,10 @@ def chosen(r, doc, how, tuned_cache):
     ``tuned_cache``: the tuner's entries per document (id of a document alive for the call)."""
     if how == "served":
         return r.get("served")
+    if how == "analytic":
+        cfgs = list(K._allowed("default", doc["dtype"], doc["out_dtype"])[K._op(r["op"])].values())
+        return K.label(*K.analytic_config(r["op"], K.m_bucket(r["m"]), r["n"], r["k"], doc["dtype"],
+                                          doc["out_dtype"], doc["sm_count"], cfgs))
     ek = K.entry_key(r["op"], r["m"], r["n"], r["k"], doc["dtype"], doc["out_dtype"])
     if how == "tuned":
         if id(doc) not in tuned_cache:
@@ -66,8 +72,12 @@ def scoreboard(paths, how="shipped"):
     rows, tuned = [], {}
     for (op, m, n, k), (r, doc) in sorted(shapes(paths).items()):
         lab = chosen(r, doc, how, tuned)
-        rows.append({"op": op, "m": m, "n": n, "k": k, "choice": lab, "vs_cublas": ratios(r, lab, "cublas"),
-                     "vs_cublas_add": ratios(r, lab, "cublas_add") if op == "rs" else None})
+        tuned_lab = chosen(r, doc, "tuned", tuned)
+        mine, best = ratios(r, lab, "cublas"), ratios(r, tuned_lab, "cublas")
+        vs_tuned = ({t: mine[t] / best[t] if mine[t] and best[t] else None for t in TIMINGS}
+                    if mine and best else None)
+        rows.append({"op": op, "m": m, "n": n, "k": k, "choice": lab, "vs_cublas": mine,
+                     "vs_cublas_add": ratios(r, lab, "cublas_add") if op == "rs" else None, "vs_tuned": vs_tuned})
     untimed = [f"{x['op']} {x['m']}x{x['n']}x{x['k']}" for x in rows if x["vs_cublas"] is None]
     out = {"files": list(paths), "choice": how, "shapes": len(rows), "untimed": untimed, "timings": {}}
     for t in TIMINGS:
@@ -83,6 +93,10 @@ def scoreboard(paths, how="shipped"):
             "ag_geomean": math.exp(sum(map(math.log, ag)) / len(ag)) if ag else None,
             "rs_faster_than_mm_add_from_128": over("rs", 128, 1 << 40, 1.0 - 1e-12, "vs_cublas_add"),
             "rs_within_2pct_of_mm_from_1024": over("rs", 1024, 1 << 40, 1.02)}
+        vt = [x["vs_tuned"][t] for x in rows if x["vs_tuned"] and x["vs_tuned"][t]]
+        out["timings"][t]["vs_tuned"] = {
+            "shapes": len(vt), "geomean": math.exp(sum(map(math.log, vt)) / len(vt)) if vt else None,
+            "over_5pct": sum(v > 1.05 for v in vt), "max": max(vt) if vt else None}
     return out
 
 
@@ -93,7 +107,10 @@ def text(s):
              ">= 128 rows"), ("rs_within_2pct_of_mm_from_1024", "RS over 2% of mm, >= 1024 rows"))
     for t, v in s["timings"].items():
         parts = [f"{label}: {v[key]['missed']} of {v[key]['shapes']}" for key, label in names]
-        lines.append(f"{t}: " + "; ".join(parts) + f"; AG geometric mean {v['ag_geomean']:.3f}")
+        vt = v["vs_tuned"]
+        lines.append(f"{t}: " + "; ".join(parts) + f"; AG geometric mean {v['ag_geomean']:.3f}"
+                     + (f"; over the tuned choice: geometric mean {vt['geomean']:.3f}, {vt['over_5pct']} of "
+                        f"{vt['shapes']} over 5%, max {vt['max']:.2f}" if vt["shapes"] else ""))
     return "\n".join(lines)
 
 

@@ -46,6 +46,13 @@ MARGIN = 0.01  # a tuned configuration must beat the analytic default by more th
 SM_FLOPS = 780e12 / 132
 HBM_BW = 3.3e12
 SWIZZLES = (1, 2, 4, 8)
+SATURATING_SM_SHARE = 0.5  # the share of SMs whose loads in flight saturate HBM
+# Fitted to the H200 bench files (bench/results/fused_gemm-h200-*.json; docs/tuning.md): a tile
+# taller than the rows runs slower than the model's terms say, by this factor per halving of the
+# rows (RS blocks of 32-64 rows: 128-row tiles 1.02-1.59x the time of 64-row ones the model had equal);
+# a stream-K launch costs a fixed few microseconds more (its workspace memset, no PDL overlap).
+PADDED_TILE_PENALTY = 1.3
+STREAM_K_FIXED_S = 5e-6
 
 
 def _tile_eff(c: KernelConfig) -> float:
@@ -86,7 +93,8 @@ def predict_s(c: KernelConfig, op: str, m: int, n: int, k: int, swizzle: int = 1
     padded to 24, ran 1.31x slower with swizzle 8 than with 1 on an H200), whole
     waves of the persistent grid, the epilogue's HBM traffic per tile (cooperative: after its
     mainloop; ping-pong: overlapped with the other warpgroup's mainloop), and the whole
-    kernel's HBM traffic at a bandwidth that falls where few CTAs hold useful tiles."""
+    kernel's HBM traffic at a bandwidth that falls where few CTAs hold useful tiles; times
+    PADDED_TILE_PENALTY per halving of the rows below the tile's."""
     tiles_m, tiles_n, padded, ctas = _grid(c, m, n, swizzle, sm)
     waves = math.ceil(padded / ctas)
     mainloop = 2.0 * c.tile_m * c.tile_n * k / (SM_FLOPS * _tile_eff(c))
@@ -97,8 +105,8 @@ def predict_s(c: KernelConfig, op: str, m: int, n: int, k: int, swizzle: int = 1
         t_compute = waves * (mainloop + epilogue)
     real = tiles_m * tiles_n
     useful = min(real, ctas) if padded <= ctas else ctas * real / padded
-    bw = HBM_BW * min(1.0, useful / (0.5 * ctas))  # half the SMs' loads in flight saturate HBM
-    return max(t_compute, hbm / bw)
+    bw = HBM_BW * min(1.0, useful / (SATURATING_SM_SHARE * ctas))
+    return max(t_compute, hbm / bw) * PADDED_TILE_PENALTY ** max(0.0, math.log2(c.tile_m / max(m, 1)))
 
 
 # Stream-K: where the best persistent configuration's tiles fill less than WAVE_FRACTION of one
@@ -124,7 +132,8 @@ def predict_stream_k_s(c: KernelConfig, op: str, m: int, n: int, k: int, swizzle
     """Modelled seconds of a stream-K launch of ``c``: the padded tiles' K loops spread evenly
     over the grid, then the reduction of a tile's split partials (each fp32 tile read once from
     L2 by the CTA that finishes the tile) and its epilogue; no less than the kernel's HBM
-    traffic. More tiles than CTAs: CUTLASS's heuristic falls back to whole tiles (predict_s)."""
+    traffic; plus STREAM_K_FIXED_S. More tiles than CTAs: CUTLASS's heuristic falls back to
+    whole tiles (predict_s)."""
     _, _, tiles, ctas = _grid(c, m, n, swizzle, sm)
     if tiles >= ctas:
         return predict_s(c, op, m, n, k, swizzle, in_bytes, out_bytes, sm)
@@ -132,11 +141,13 @@ def predict_stream_k_s(c: KernelConfig, op: str, m: int, n: int, k: int, swizzle
     compute = 2.0 * tiles * c.tile_m * c.tile_n * k / (ctas * SM_FLOPS * _tile_eff(c))
     reduction = (splits - 1) * c.tile_m * c.tile_n * 4 / (L2_BW / sm)
     epilogue, hbm = _traffic(c, op, m, n, k, in_bytes, out_bytes, sm)
-    return max(compute + reduction + epilogue, hbm / HBM_BW)
+    return max(compute + reduction + epilogue, hbm / HBM_BW) + STREAM_K_FIXED_S
 
 
-def _swizzle(c: KernelConfig, m: int, n: int, big: bool) -> int:
-    if big:
+def _swizzle(c: KernelConfig, m: int, n: int, big: bool, op: str = "rs") -> int:
+    """AG: 1 (bands of 8 measured slower than 1 on the AG grid shapes, geometric mean 1.08x where
+    the operands exceed L2); RS: the widest band (<= 8) that pads nothing, where they exceed L2."""
+    if big and op == "rs":
         tiles_m, tiles_n = math.ceil(m / c.tile_m), math.ceil(n / c.tile_n)
         for s in (8, 4, 2):
             if tiles_m % (c.cluster_m * s) == 0 and tiles_n % (c.cluster_n * s) == 0:
@@ -149,7 +160,7 @@ def _least(cfgs, predict, op, m, n, k, big, ib, ob, sm):
     earlier configuration of the table."""
     best = None
     for c in cfgs:
-        swz = _swizzle(c, m, n, big)
+        swz = _swizzle(c, m, n, big, op)
         t = predict(c, op, m, n, k, swz, ib, ob, sm)
         if best is None or t < best[0] * 0.98:
             best = (t, c.id, swz)
@@ -161,10 +172,10 @@ def analytic_config(op: str, m: int, n: int, k: int, dtype="bf16", out_dtype=Non
     """(config, raster, swizzle): among the persistent configurations the one of least modelled
     time; where it leaves SMs idle on a deep K loop (``_should_use_stream_k``) and a stream-K
     configuration is built, the stream-K one of least modelled time instead, if that time is
-    less. Near-ties (within 2%) go to the earlier configuration of the table. Swizzle: the
-    widest band (<= 8) that pads no tile row or column, where the operands exceed L2 (a band
-    then reuses operand tiles in L2); else 1. Raster 1 (along N): the order the fused
-    strategies depend on."""
+    less. Near-ties (within 2%) go to the earlier configuration of the table. Swizzle
+    (``_swizzle``): AG 1; RS the widest band (<= 8) that pads no tile row or column, where the
+    operands exceed L2 (a band then reuses operand tiles in L2), else 1. Raster 1 (along N): the
+    order the fused strategies depend on."""
     op = _op(op)
     out_dtype = out_dtype if out_dtype is not None else dtype
     cfgs = list(configs) if configs is not None else kernel_configs(op, dtype, out_dtype)
