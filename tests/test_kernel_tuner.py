@@ -463,3 +463,14 @@ def test_fused_scoreboard(tmp_path):
     if all(os.path.exists(f) for f in files):
         shipped = S.scoreboard(files, "shipped")
         assert shipped["shapes"] == 144 and not shipped["untimed"], shipped["untimed"][:5]
+        # The analytic default over every recorded H200 shape (the grid file too), against the
+        # tuned choice: every shape timed, and the geometric mean within 3% (docs/tuning.md).
+        grid = os.path.join(REPO, "bench", "results", "fused_gemm-h200-grid-bf16.json")
+        if os.path.exists(grid):
+            analytic = S.scoreboard([grid] + files, "analytic")
+            assert analytic["shapes"] == 144 and not analytic["untimed"], analytic["untimed"][:5]
+            for t in S.TIMINGS:
+                vt = analytic["timings"][t]["vs_tuned"]
+                assert vt["shapes"] == 144 and vt["geomean"] < 1.03, (t, vt)
+    # No tuned choice on the two-file set (its tiles name no built configuration): no ratio to it.
+    assert s["timings"]["loop"]["vs_tuned"] == {"shapes": 0, "geomean": None, "over_5pct": 0, "max": None}
