@@ -32,6 +32,17 @@ Counts = Union[torch.Tensor, Sequence[int]]
 # writes zeros for a group without rows, so no mask pass is needed (tests/test_grouped_mm_triton.py
 # checks it on the GPU with a NaN-poisoned allocator); elsewhere (10.x) such groups are masked.
 _EMPTY_GROUPS_ZEROED = (9,)
+_zeroes: Dict[torch.device, bool] = {}
+
+
+def _zeroes_empty_groups(device: torch.device) -> bool:
+    """Whether torch._grouped_mm's weight gradient on ``device`` writes zeros for empty groups."""
+    z = _zeroes.get(device)
+    if z is None:
+        z = _zeroes[device] = torch.cuda.get_device_capability(device)[0] in _EMPTY_GROUPS_ZEROED
+    return z
+
+
 _kernel_failed: Dict[Tuple, str] = {}  # (device, dtype, layout) -> why torch._grouped_mm raised there
 _triton_import: List[str] = []  # why flux.ops._triton_gmm did not import ("" where it did), once known
 
@@ -192,12 +203,13 @@ class _GroupedMMKernel(torch.autograd.Function):
             dw = wgrad(dy, x, offs, w.shape, ctx.weight_layout)
         elif ctx.needs_input_grad[1]:  # dW_e = dy_e^T x_e ([N, K]) or x_e^T dy_e ([K, N])
             dw = _gmm(dy.t(), x, offs) if nk else _gmm(x.t(), dy, offs)
-            zeroed = dw.is_cuda and torch.cuda.get_device_capability(dw.device)[0] in _EMPTY_GROUPS_ZEROED
-            if ctx.empty is None and not zeroed:
-                sizes = torch.diff(offs, prepend=offs.new_zeros(1))
-                dw.masked_fill_((sizes == 0).view(-1, 1, 1), 0)
-            elif ctx.empty and not zeroed:
-                dw[list(ctx.empty)] = 0
+            # Only where some expert may lack rows (the common case, none known, asks nothing).
+            if ctx.empty != () and not (dw.is_cuda and _zeroes_empty_groups(dw.device)):
+                if ctx.empty is None:
+                    sizes = torch.diff(offs, prepend=offs.new_zeros(1))
+                    dw.masked_fill_((sizes == 0).view(-1, 1, 1), 0)
+                else:
+                    dw[list(ctx.empty)] = 0
         return dx, dw, None, None, None, None
 
 
