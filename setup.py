@@ -144,9 +144,31 @@ def _generate_fused_sources(with_sm90):
         dt_index = table["DTYPES"].index(dtype)
         cases[op].append(f"    case {cid * 4 + dt_index}: {name}(a); return true;")
         names.append(f"{op}:{cid}:{dtype}")
+    grouped = table["select_grouped"](spec) if with_sm90 else []
+    g_decls, g_cases, g_names = [], [], []
+    for cid, kind in grouped:
+        cfg = table["grouped_config"](cid)
+        name = table["grouped_kernel_name"](cid, kind)
+        (tm, tn, tk), (cm, cn) = cfg.tile, cfg.cluster
+        kind_id = table["GROUPED_KINDS"].index(kind)
+        text = (
+            f"{_HEADER}// grouped GEMM configuration {cid}: {cfg.describe()}; kind {kind}.\n"
+            f"#define FLUX_GROUPED_IMPL\n#include \"moe/grouped_gemm.cuh\"\n\nnamespace flux {{\n\n"
+            f"void {name}(const GroupedGemmArgs& a) {{\n"
+            f"  launch_grouped<GroupedGemm<cute::Shape<cute::_{tm}, cute::_{tn}, cute::_{tk}>,\n"
+            f"      cute::Shape<cute::_{cm}, cute::_{cn}, cute::_1>, /*Pingpong=*/{str(cfg.schedule == 'pingpong').lower()}, "
+            f"{kind_id}>>(a);\n}}\n\n}}  // namespace flux\n")
+        rel = os.path.join(GENERATED, name + ".cu")
+        _write_if_changed(os.path.join(ROOT, rel), text)
+        sources.append(rel)
+        g_decls.append(f"void {name}(const GroupedGemmArgs& a);\n")
+        g_cases.append(f"    case {cid * 3 + kind_id}: {name}(a); return true;\n")
+        g_names.append(f"gmm:{cid}:{kind}")
     body = [_HEADER, "// The dispatch over the fused GEMM instantiations built (a bounded switch on\n"
-            "// config * 4 + dtype variant); anything else returns false, and the op fails naming it.\n",
-            '#include "ag_gemm/ag_gemm_fused.cuh"\n#include "gemm_rs/rs_fused.cuh"\n\nnamespace flux {\n']
+            "// config * 4 + dtype variant) and over the grouped GEMMs (config * 3 + kind); anything\n"
+            "// else returns false, and the op fails naming it.\n",
+            '#include "ag_gemm/ag_gemm_fused.cuh"\n#include "gemm_rs/rs_fused.cuh"\n#include "moe/grouped_gemm.cuh"\n\n'
+            'namespace flux {\n']
     for op, (_, _, args_t, _, _, fn) in _OP_CXX.items():
         body += [d + "\n" for d in decls[op]]
         body.append(f"\nbool {fn}(int config, int dtype, const {args_t}& a) {{\n"
@@ -156,13 +178,22 @@ def _generate_fused_sources(with_sm90):
         body.append("    default: return false;\n  }\n}\n\n")
         if not cases[op]:  # no launch at all: `a` is unused
             body[-2] = body[-2].replace(f"const {args_t}& a", f"const {args_t}&")
-    body.append(f'std::string fused_kernels_built() {{ return "{" ".join(names)}"; }}\n\n}}  // namespace flux\n')
+    body += g_decls
+    body.append("\nbool grouped_dispatch(int config, int kind, const GroupedGemmArgs& a) {\n"
+                "  if (config < 0 || kind < 0 || kind > 2) return false;\n  switch (config * 3 + kind) {\n")
+    body += g_cases
+    body.append("    default: return false;\n  }\n}\n\n")
+    if not g_cases:
+        body[-2] = body[-2].replace("const GroupedGemmArgs& a", "const GroupedGemmArgs&")
+    body.append(f'std::string fused_kernels_built() {{ return "{" ".join(names)}"; }}\n')
+    body.append(f'std::string grouped_kernels_built() {{ return "{" ".join(g_names)}"; }}\n\n}}  // namespace flux\n')
     rel = os.path.join(GENERATED, "fused_dispatch.cpp")
     _write_if_changed(os.path.join(ROOT, rel), "".join(body))
     for stale in glob.glob(os.path.join(out_dir, "*")):  # instantiations no longer selected
         if os.path.relpath(stale, ROOT) not in sources and not stale.endswith("fused_dispatch.cpp"):
             os.remove(stale)
-    print(f"flux: {len(chosen)} fused GEMM instantiations (FLUX_KERNELS={spec})", file=sys.stderr)
+    print(f"flux: {len(chosen)} fused GEMM and {len(grouped)} grouped GEMM instantiations (FLUX_KERNELS={spec})",
+          file=sys.stderr)
     return [rel] + sources
 
 

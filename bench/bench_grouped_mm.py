@@ -1,6 +1,8 @@
-"""The expert GEMMs of a MoE layer alone, on one GPU: ``flux.ops.grouped_mm`` through
-torch._grouped_mm with flux's backward (``kernel``, the counts on the host as flux.nn.MoE passes
-them), with the Triton weight gradient (``hybrid``), through the Triton prototype (``triton``);
+"""The expert GEMMs of a MoE layer alone, on one GPU: ``flux.ops.grouped_mm`` as flux.nn.MoE
+calls it (``auto``: flux's CUTLASS grouped kernels where its rule picks one, else torch's; the
+counts on the host), flux's kernels for every product (``cutlass``), torch._grouped_mm with
+flux's backward (``kernel``), with the Triton weight gradient (``hybrid``), through the Triton
+prototype (``triton``);
 torch._grouped_mm with torch's own autograd (``torch``, what the stock layer runs); one dense
 ``torch.mm`` of the same FLOPs (``dense``: the floor a grouped GEMM would reach without any
 per-group cost).
@@ -9,7 +11,7 @@ For T tokens routed top-k (uniformly at random) over E experts, R = T x k rows s
 the layer's two GEMMs: W13 (N = 2 x FFN, K = H) and W2 (N = H, K = FFN), weights "nk", bf16.
 Each cell times the forward and the forward+backward (dx and dW) as a loop of --steps calls
 between CUDA events, after --warmup calls, --rounds times: the median ms per call. Before timing,
-the Triton output is compared with torch._grouped_mm's (relative error recorded).
+the Triton and CUTLASS outputs are compared with torch._grouped_mm's (relative error recorded).
 
     python bench/bench_grouped_mm.py --out grouped_mm.json
 """
@@ -27,7 +29,7 @@ from bench_layers import _f, attempt, ratio, rel_err  # noqa: E402
 from bench_moe import _commit  # noqa: E402
 from flux.ops.grouped_mm import grouped_mm  # noqa: E402
 
-IMPLS = ("kernel", "hybrid", "triton", "torch", "dense")
+IMPLS = ("auto", "cutlass", "kernel", "hybrid", "triton", "torch", "dense")
 DEV = "cuda"
 
 
@@ -97,9 +99,10 @@ def cell(args, rec, impls, gen):
     dy = torch.randn(rows, n, generator=gen).to(dev, dtype)
     flops = 2.0 * rows * n * k
     fns = {impl: calls(impl, x, w, offs, dy, counts.tolist()) for impl in impls}
-    if "kernel" in fns and "triton" in fns:
-        with torch.no_grad():
-            rec["triton_vs_kernel_rel_err"] = rel_err(fns["triton"][0](), fns["kernel"][0]())
+    for other in ("triton", "cutlass"):
+        if "kernel" in fns and other in fns:
+            with torch.no_grad():
+                rec[f"{other}_vs_kernel_rel_err"] = rel_err(fns[other][0](), fns["kernel"][0]())
     for impl, (fwd, both) in fns.items():
         sub = {}
         rec[impl] = sub
@@ -115,16 +118,17 @@ def cell(args, rec, impls, gen):
 
 def table(records, impls):
     head = f"{'T':>5} {'E':>3} {'gemm':>4} " + " ".join(f"{i + ' fwd':>11} {i + ' f+b':>11}" for i in impls)
-    others = [i for i in ("hybrid", "triton", "torch") if i in impls]
+    others = [i for i in ("auto", "cutlass", "hybrid", "triton", "torch") if i in impls]
     head += "".join(f"  {i + '/kernel':>14}" for i in others)
-    lines = [head + "  err", "-" * len(head)]
+    lines = [head + "  err (triton, cutlass)", "-" * len(head)]
     for r in records:
         ms = [(r.get(i, {}).get("fwd_ms"), r.get(i, {}).get("fwd_bwd_ms")) for i in impls]
         kern = r.get("kernel", {}).get("fwd_bwd_ms")
         lines.append(f"{r['tokens']:>5} {r['experts']:>3} {r['gemm']:>4} "
                      + " ".join(f"{_f(a):>11} {_f(b):>11}" for a, b in ms)
                      + "".join(f"  {ratio(r.get(i, {}).get('fwd_bwd_ms'), kern):>14}" for i in others)
-                     + f"  {_f(r.get('triton_vs_kernel_rel_err'), '.1e')}")
+                     + f"  {_f(r.get('triton_vs_kernel_rel_err'), '.1e')}"
+                     + f" {_f(r.get('cutlass_vs_kernel_rel_err'), '.1e')}")
     return "\n".join(lines) + "\n(ms per call, median; x/kernel: forward+backward, < 1: faster than the kernel path)"
 
 

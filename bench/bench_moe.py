@@ -78,6 +78,7 @@ import torch.distributed as dist  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import flux  # noqa: E402
+from flux.ops.grouped_mm import grouped_mm  # noqa: E402
 from bench_layers import _f, attempt, finish, ratio, rel_err, start  # noqa: E402
 
 
@@ -204,9 +205,11 @@ def grouped_reference_layer(layer):
     return fn
 
 
-def gemms_only(layer, x, idx, dense=False):
+def gemms_only(layer, x, idx, dense=False, impl="flux"):
     """``step()`` of the layer's grouped GEMMs alone, forward and backward (the floor): W13 on the
     dispatched rows, W2 on an [R, F] input, each backward (dx, dW) from a fixed gradient.
+    ``impl``: "flux", flux.grouped_mm as flux.nn.MoE calls it (the counts on the host), or
+    "torch", torch._grouped_mm with torch's autograd (what the stock layer runs).
     ``dense``: the same rows through one dense GEMM per weight (expert 0's, for every row): the
     same FLOPs at the dense-GEMM rate, what a grouped GEMM would reach without per-group cost."""
     flat = idx.reshape(-1)
@@ -225,8 +228,14 @@ def gemms_only(layer, x, idx, dense=False):
     w13, w2 = ((layer.w13[0].detach().clone().requires_grad_(), layer.w2[0].detach().clone().requires_grad_())
                if dense else (layer.w13, layer.w2))
 
+    counts_host = counts.tolist()
+
     def mm(rows, w):
-        return rows @ w.t() if dense else torch._grouped_mm(rows, w.transpose(-2, -1), offs=offs)
+        if dense:
+            return rows @ w.t()
+        if impl == "flux":
+            return grouped_mm(rows, w, offs, cumulative=True, counts_host=counts_host)
+        return torch._grouped_mm(rows, w.transpose(-2, -1), offs=offs)
 
     def step():
         for p in (xp, a, w13, w2):
@@ -391,6 +400,7 @@ def layer_case(args, bench, layer, tokens, topk, dev, dtype, rank, tol):
             with torch.no_grad():
                 idx, _ = layer.route(x)
             res["gemms"] = timed(bench, gemms_only(layer, x, idx), args, graph=False)
+            res["gemms_torch"] = timed(bench, gemms_only(layer, x, idx, impl="torch"), args, graph=False)
         except Exception as e:  # noqa: BLE001
             res["grouped_status"] = f"error: {type(e).__name__}: {str(e)[:300]}"
         try:
@@ -471,8 +481,9 @@ def layer_table(records):
     """World size 1: the layer's forward+backward (loop ms) against the stock grouped-GEMM layer and
     its GEMMs alone; the bounded dispatch and combine in graph replay and host us per repeat call
     (in parentheses: the C++ entry alone)."""
-    lines = [f"{'T':>5} {'H':>5} {'K':>2} {'E':>3} | {'flux':>7} {'stock':>7} {'gemms':>7} {'stock/flux':>10} "
-             f"{'flux/gemms':>10} {'gemms/dense':>11} | {'bnd disp graph us':>17} {'host us (C++)':>13} | "
+    lines = [f"{'T':>5} {'H':>5} {'K':>2} {'E':>3} | {'flux':>7} {'stock':>7} {'gemms':>7} {'torch':>7} "
+             f"{'stock/flux':>10} {'flux/gemms':>10} {'gemms/dense':>11} | {'bnd disp graph us':>17} "
+             f"{'host us (C++)':>13} | "
              f"{'bnd comb graph us':>17} {'host us (C++)':>13}"]
     for r in records:
         if r.get("status") != "ok":
@@ -481,6 +492,7 @@ def layer_table(records):
         f = (lay.get("flux") or {}).get("loop_ms")
         s = (lay.get("grouped") or {}).get("loop_ms")
         g = (lay.get("gemms") or {}).get("loop_ms")
+        gt = (lay.get("gemms_torch") or {}).get("loop_ms")
         d = (lay.get("dense") or {}).get("loop_ms")
         b = r.get("flux_bounded", {})
 
@@ -492,7 +504,8 @@ def layer_table(records):
             return f"{us(op, 'host_us')} ({us(op, 'entry_host_us')})"
 
         lines.append(f"{r['tokens']:>5} {r['hidden']:>5} {r['topk']:>2} {r['experts']:>3} | {_f(f):>7} {_f(s):>7} "
-                     f"{_f(g):>7} {ratio(s, f):>10} {ratio(f, g):>10} {ratio(g, d):>11} | {us('dispatch', 'graph_ms'):>17} "
+                     f"{_f(g):>7} {_f(gt):>7} {ratio(s, f):>10} {ratio(f, g):>10} {ratio(g, d):>11} | "
+                     f"{us('dispatch', 'graph_ms'):>17} "
                      f"{host('dispatch'):>13} | {us('combine', 'graph_ms'):>17} {host('combine'):>13}")
     for r in records:
         prof = (r.get("layer") or {}).get("profile") or {}
@@ -500,7 +513,8 @@ def layer_table(records):
             lines.append(f"T={r['tokens']} E={r['experts']} under the profiler, wall / GPU-busy ms per step: "
                          + ", ".join(f"{n} {_f(p.get('wall_ms'))} / {_f(p.get('gpu_busy_ms'))}" for n, p in prof.items()))
     lines.append("layer: flux.nn.MoE forward+backward, loop ms; stock: the same layer in stock PyTorch "
-                 "(--reference grouped); gemms: its grouped GEMMs alone; dense: the same FLOPs as dense GEMMs; "
+                 "(--reference grouped); gemms: flux's grouped GEMMs alone (flux.grouped_mm, as the layer calls "
+                 "it); torch: the stock layer's (torch._grouped_mm); dense: the same FLOPs as dense GEMMs; "
                  "host us: repeat calls (the hot path), "
                  "batches behind a GPU spin, median")
     return "\n".join(lines)

@@ -81,4 +81,9 @@ std::vector<at::Tensor> moe_local_combine_backward(const at::Tensor& grad_out, c
 at::Tensor moe_swiglu(const at::Tensor& h);
 at::Tensor moe_swiglu_backward(const at::Tensor& grad, const at::Tensor& h);
 
+// Grouped GEMM of the MoE experts (csrc/moe/grouped_gemm.cuh, grouped_gemm.cpp) and what was built.
+at::Tensor grouped_mm_cutlass(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs, int64_t kind,
+                              int64_t config);
+std::string grouped_kernels_built();
+
 }  // namespace flux

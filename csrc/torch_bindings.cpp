@@ -43,6 +43,12 @@ TORCH_LIBRARY(flux, m) {
   // SwiGLU of the experts' [R, 2F] GEMM output (csrc/moe/moe_swiglu.cu) and its backward.
   m.def("moe_swiglu(Tensor h) -> Tensor");
   m.def("moe_swiglu_backward(Tensor grad, Tensor h) -> Tensor");
+  // Grouped GEMM of the MoE experts (csrc/moe/grouped_gemm.cuh): kind 0 (nk) / 1 (kn): a [R, K],
+  // b [E, N, K] / [E, K, N] -> [R, N]; kind 2 (wgrad): a [R, M], b [R, N] -> [E, M, N]; rows
+  // grouped by offs (int32 cumulative row ends, one per expert); config: flux/fused_configs.py GROUPED.
+  m.def("grouped_mm_cutlass(Tensor a, Tensor b, Tensor offs, int kind, int config) -> Tensor");
+  // The grouped GEMM instantiations compiled in: "gmm:config:kind" separated by spaces.
+  m.def("grouped_kernels_built() -> str");
   // Fused AllGather+GEMM (csrc/ag_gemm/ag_gemm_fused.cpp): out = a_full @ weight^T (+ bias), tiles of
   // remote rows waiting on flags[src]; a_full is a symmetric workspace written by peers;
   // error_record: host-mapped address of 2 uint32 (waiting rank + 1, missing rank), or 0.
@@ -68,6 +74,7 @@ TORCH_LIBRARY(flux, m) {
 TORCH_LIBRARY_IMPL(flux, CompositeExplicitAutograd, m) {
   m.impl("ag_gemm_fused_supported", &flux::ag_gemm_fused_supported);
   m.impl("fused_kernels_built", &flux::fused_kernels_built);
+  m.impl("grouped_kernels_built", &flux::grouped_kernels_built);
   m.impl("set_fused_pdl", &flux::set_fused_pdl);
   m.impl("fused_pdl", &flux::fused_pdl);
 }
@@ -86,6 +93,7 @@ TORCH_LIBRARY_IMPL(flux, CUDA, m) {
   m.impl("moe_local_combine_backward", &flux::moe_local_combine_backward);
   m.impl("moe_swiglu", &flux::moe_swiglu);
   m.impl("moe_swiglu_backward", &flux::moe_swiglu_backward);
+  m.impl("grouped_mm_cutlass", &flux::grouped_mm_cutlass);
   m.impl("ag_gemm_fused_", &flux::ag_gemm_fused_);
   m.impl("gemm_rs_fused_", &flux::gemm_rs_fused_);
 }

@@ -52,7 +52,8 @@ KERNELS = _var("FLUX_KERNELS", str, "default",
                 "build time, read by setup.py: the fused GEMM kernels compiled, e.g. 'default,ag:*:fp16' "
                 "(flux/fused_configs.py)")
 GROUPED_MM = _var("FLUX_GROUPED_MM", str, None,
-                  "triton (the Triton prototype) or hybrid (torch._grouped_mm with the Triton weight gradient): "
+                  "cutlass (flux's grouped kernels for every product), kernel (torch._grouped_mm only), triton (the "
+                  "Triton prototype) or hybrid (torch._grouped_mm with the Triton weight gradient): "
                   "flux.ops.grouped_mm with impl='auto' takes it where it can run")
 VLLM = _var("FLUX_VLLM", _flag, False, "1: the vLLM plugin swaps in flux's layers (flux/integrations/vllm.py)")
 STRATEGY_PREFIX = "FLUX_STRATEGY_"  # FLUX_STRATEGY_<OP>: a forced strategy label, below

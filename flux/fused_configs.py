@@ -17,9 +17,10 @@ setup.py reads this file by path (no import of flux, no torch) and generates one
 unit per (op, config, dtype) and the dispatch over them; ``torch.ops.flux.fused_kernels_built()``
 says which were compiled (``built()`` below). Configuration ids are stable: tuned choices name them.
 
-FLUX_KERNELS (build setting): "default", "all", "minimal" (config 0 of each op, bf16), "streamk"
-(every stream-K configuration, bf16), or a comma list of those and of terms op:id[:dtype] with "*"
-wildcards, e.g. "default,ag:*:fp16".
+FLUX_KERNELS (build setting): "default", "all", "minimal" (config 0 of each op, bf16, no grouped
+GEMM), "streamk" (every stream-K configuration, bf16), or a comma list of those and of terms
+op:id[:dtype] and gmm:id[:kind] (grouped GEMMs, GROUPED below) with "*" wildcards, e.g.
+"default,ag:*:fp16,gmm:1".
 """
 from typing import NamedTuple
 
@@ -102,6 +103,34 @@ CONFIGS = {
 OPS = tuple(CONFIGS)
 SCHEDULERS = ("persistent", "streamk")
 
+# The grouped GEMMs of the MoE experts (csrc/moe/grouped_gemm.cuh; flux.grouped_mm with
+# impl="cutlass"): CUTLASS sm90 ptr-array kernels, bf16, one instantiation per (configuration,
+# kind). Kinds: "nk" / "kn" (rows grouped by expert times a [E, N, K] / [E, K, N] weight: the
+# forward and the input gradient) and "wgrad" (the weight gradient, K grouped).
+GROUPED_KINDS = ("nk", "kn", "wgrad")  # index = the C++ kind id
+
+
+class GroupedConfig(NamedTuple):
+    id: int
+    tile: tuple  # (M, N, K) elements
+    cluster: tuple  # (cluster_m, cluster_n) CTAs
+    schedule: str  # "cooperative" | "pingpong"
+    default: tuple  # kinds built by default
+
+    def describe(self):
+        m, n, k = self.tile
+        return f"{m}x{n}x{k} tile, cluster {self.cluster[0]}x{self.cluster[1]}, {self.schedule}"
+
+
+# Chosen over an H200 measurement against torch._grouped_mm on the MoE layer's products
+# (bench/bench_grouped_mm.py; flux/ops/grouped_mm.py's rule picks among the built ones).
+GROUPED = (
+    GroupedConfig(0, (64, 256, 64), (1, 1), "pingpong", ("nk", "kn")),  # <= 1024 rows per expert
+    GroupedConfig(1, (128, 256, 64), (1, 1), "cooperative", ()),
+    GroupedConfig(2, (128, 128, 64), (2, 1), "pingpong", ("wgrad",)),  # wgrad, > 256 rows per expert
+    GroupedConfig(3, (128, 256, 64), (2, 1), "cooperative", ("wgrad",)),  # wgrad, <= 256 rows per expert
+)
+
 
 def _check_schedulers():
     for op, cfgs in CONFIGS.items():
@@ -121,7 +150,29 @@ def config(op, cid):
     return None
 
 
+def _expand_grouped(term):
+    """The (config id, kind) pairs of the grouped GEMMs a FLUX_KERNELS term names."""
+    if term == "all":
+        return {(c.id, k) for c in GROUPED for k in GROUPED_KINDS}
+    if term == "default":
+        return {(c.id, k) for c in GROUPED for k in c.default}
+    if term != "gmm" and not term.startswith("gmm:"):
+        return set()
+    parts = term.split(":")
+    cid, kind = (parts[1:] or ["*"])[0], (parts[2:] or ["*"])[0]
+    ids = [c.id for c in GROUPED] if cid == "*" else [int(cid)] if cid.isdigit() else [-1]
+    kinds = GROUPED_KINDS if kind == "*" else [kind]
+    if len(parts) > 3 or any(i not in {c.id for c in GROUPED} for i in ids) or any(
+            k not in GROUPED_KINDS for k in kinds):
+        raise ValueError(f"FLUX_KERNELS: {term!r} names no grouped GEMM (gmm:id[:kind], ids "
+                         f"{[c.id for c in GROUPED]}, kinds {GROUPED_KINDS})")
+    return {(i, k) for i in ids for k in kinds}
+
+
 def _expand(term):
+    if term == "gmm" or term.startswith("gmm:"):
+        _expand_grouped(term)  # checked; built by select_grouped
+        return set()
     if term == "all":
         return {(op, c.id, d) for op in OPS for c in CONFIGS[op] for d in DTYPES}
     if term == "default":
@@ -132,8 +183,8 @@ def _expand(term):
         return {(op, c.id, "bf16") for op in OPS for c in CONFIGS[op] if c.scheduler == "streamk"}
     parts = term.split(":")
     if not 1 <= len(parts) <= 3 or parts[0] not in OPS:
-        raise ValueError(f"FLUX_KERNELS: bad term {term!r} (default, all, minimal, streamk or op:id[:dtype], "
-                         f"op in {OPS})")
+        raise ValueError(f"FLUX_KERNELS: bad term {term!r} (default, all, minimal, streamk, op:id[:dtype] "
+                         f"with op in {OPS}, or gmm:id[:kind])")
     op, cid, dt = parts[0], (parts[1:] or ["*"])[0], (parts[2:] or ["*"])[0]
     ids = [c.id for c in CONFIGS[op]] if cid == "*" else [int(cid)]
     dts = DTYPES if dt == "*" else [dt]
@@ -152,6 +203,40 @@ def select(spec="default"):
         if term:
             out |= _expand(term)
     return sorted(out, key=lambda t: (OPS.index(t[0]), t[1], DTYPES.index(t[2])))
+
+
+def select_grouped(spec="default"):
+    """The (config id, kind) grouped GEMM instantiations a FLUX_KERNELS value builds, sorted."""
+    out = set()
+    for term in (spec or "default").replace(" ", "").split(","):
+        if term:
+            _expand(term)  # every term checked as for the fused kernels
+            out |= _expand_grouped(term)
+    return sorted(out, key=lambda t: (t[0], GROUPED_KINDS.index(t[1])))
+
+
+def grouped_config(cid):
+    """The grouped GEMM configuration ``cid``, or None."""
+    return next((c for c in GROUPED if c.id == cid), None)
+
+
+def grouped_kernel_name(cid, kind):
+    return f"gmm_c{cid}_{kind}"
+
+
+def grouped_built():
+    """The (config id, kind) grouped GEMMs compiled into flux._C (empty without it)."""
+    import torch
+
+    from flux.runtime.extension import extension_error
+
+    if extension_error() is not None:
+        return frozenset()
+    try:
+        text = torch.ops.flux.grouped_kernels_built()
+    except (AttributeError, RuntimeError):
+        return frozenset()
+    return frozenset((int(i.split(":")[1]), i.split(":")[2]) for i in text.split())
 
 
 def kernel_name(op, cid, dtype):

@@ -206,7 +206,9 @@ def test_triton_refused_on_cpu(monkeypatch):
     monkeypatch.setenv("FLUX_GROUPED_MM", "hybrid")  # asked through the environment: falls back
     assert grouped_mm_impl(x, w)[0] == "loop"
     assert grouped_mm(x, w, [2, 3]).shape == (5, 4)
-    monkeypatch.setenv("FLUX_GROUPED_MM", "cutlass")
+    monkeypatch.setenv("FLUX_GROUPED_MM", "cutlass")  # asked through the environment: falls back
+    assert grouped_mm(x, w, [2, 3]).shape == (5, 4)
+    monkeypatch.setenv("FLUX_GROUPED_MM", "cuBLAS")
     with pytest.raises(ValueError, match="FLUX_GROUPED_MM"):
         grouped_mm(x, w, [2, 3])
 

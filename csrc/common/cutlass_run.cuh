@@ -30,7 +30,7 @@ bool& smem_limit_set(int device) {
 
 template <class Gemm>
 void run_cutlass_gemm(const char* op, const typename Gemm::Arguments& args, const at::TensorOptions& byte_options,
-                      cudaStream_t stream, int m, int n, int k) {
+                      cudaStream_t stream, int m, int n, int k, bool pdl_allowed = true) {
   Gemm gemm;
   FLUX_CHECK(gemm.can_implement(args) == cutlass::Status::kSuccess, op, "CUTLASS cannot run this problem (M=", m,
              " N=", n, " K=", k, ")");
@@ -63,8 +63,10 @@ void run_cutlass_gemm(const char* op, const typename Gemm::Arguments& args, cons
   // alongside (FLUX_CUDA_ARCH) would not.
   // With a workspace the kernel follows its memset, not a kernel: nothing for PDL to overlap, and
   // the stream-K consumer warps, which touch the workspace, never execute griddepcontrol.wait.
-  const bool pdl = fused_pdl() && ws_bytes == 0 && at::cuda::getDeviceProperties(device)->major == 9;
+  // pdl_allowed: false where the kernel reads, before its wait, what the kernel before it writes.
+  const bool pdl = pdl_allowed && fused_pdl() && ws_bytes == 0 && at::cuda::getDeviceProperties(device)->major == 9;
 #else
+  (void)pdl_allowed;
   const bool pdl = false;  // the kernels have no griddepcontrol.wait: an early start would be unsafe
 #endif
   FLUX_CHECK(gemm.run(stream, /*cuda_adapter=*/nullptr, pdl) == cutlass::Status::kSuccess, op,

@@ -6,7 +6,10 @@ two layouts of ``flux.moe_dispatch``:
     grouped_mm_padded(x [E, C, K], w, counts=None) -> [E, C, N]  (bounded dispatch)
         a batched GEMM; with counts, rows at or past counts[e] count as zeros
 
-Implementations (``grouped_mm_impl`` tells which a call takes): ``kernel``, torch's
+Implementations (``grouped_mm_impl`` tells which a call takes): ``cutlass``, flux's CUTLASS
+grouped kernels (csrc/moe/grouped_gemm.cuh; bf16, sm 9.0, where built), each product (forward,
+dx, dW) taking the built configuration the rule ``cutlass_config`` picks for its rows per
+expert, or torch's kernel where the rule finds none faster; ``kernel``, torch's
 ``torch._grouped_mm`` with a backward written here, where torch runs it natively (bf16, sm 9.x or
 10.x, 16-byte strides and pointers); ``loop``, one ``torch.mm`` per expert with rows, everywhere
 else (it needs the counts on the host); ``triton``, a contiguous-grouped Triton prototype
@@ -24,7 +27,7 @@ import torch
 from flux import envs
 
 WEIGHT_LAYOUTS = ("nk", "kn")
-IMPLS = ("auto", "kernel", "loop", "triton", "hybrid")
+IMPLS = ("auto", "cutlass", "kernel", "loop", "triton", "hybrid")
 
 Counts = Union[torch.Tensor, Sequence[int]]
 
@@ -44,7 +47,62 @@ def _zeroes_empty_groups(device: torch.device) -> bool:
 
 
 _kernel_failed: Dict[Tuple, str] = {}  # (device, dtype, layout) -> why torch._grouped_mm raised there
+_cutlass_failed: Dict[torch.device, str] = {}  # device -> why flux's grouped kernel raised there
+_built: List[frozenset] = []  # the grouped GEMMs flux._C holds, once asked
+
+# The rule over flux's grouped GEMMs (flux/fused_configs.py GROUPED), from an H200 measurement
+# against torch._grouped_mm on the MoE layer's products (bench/bench_grouped_mm.py): configuration
+# 0 (64x256 ping-pong) for the forward and dx up to ROWS_MAX rows per expert (torch's kernel was
+# as fast or faster at 4096); for dW configuration 3 (128x256, cluster 2x1) up to WGRAD_SMALL
+# rows per expert, configuration 2 (128x128 ping-pong, cluster 2x1) above.
+ROWS_MAX = 1024
+WGRAD_SMALL = 256
 _triton_import: List[str] = []  # why flux.ops._triton_gmm did not import ("" where it did), once known
+
+
+def grouped_built() -> frozenset:
+    """The (configuration, kind) grouped GEMMs built into flux._C (empty without it)."""
+    if not _built:
+        from flux import fused_configs
+
+        _built.append(fused_configs.grouped_built())
+    return _built[0]
+
+
+def cutlass_config(kind: str, rows_per_expert: float, forced: bool = False,
+                   built: Optional[frozenset] = None) -> Optional[int]:
+    """The configuration of flux's grouped GEMM for one product (``kind`` "nk" or "kn": rows
+    grouped by expert, the forward and dx; "wgrad": dW) at ``rows_per_expert`` (R / E), among
+    ``built`` (default: what flux._C holds); None where torch's kernel is to run it (none built
+    for the kind, or the rule finds none faster; ``forced``: any built one instead)."""
+    have = sorted(c for c, k in (grouped_built() if built is None else built) if k == kind)
+    if not have:
+        return None
+    if kind == "wgrad":
+        prefer = 3 if rows_per_expert <= WGRAD_SMALL else 2
+        return prefer if prefer in have else have[0]
+    if rows_per_expert <= ROWS_MAX and 0 in have:
+        return 0
+    return have[0] if forced else None
+
+
+def _cutlass_why_not(x: torch.Tensor, w: torch.Tensor, weight_layout: str) -> str:
+    """Why flux's grouped kernels cannot run this call ("" where they can)."""
+    if x.device.type != "cuda":
+        return f"{x.device.type} tensors"
+    if x.dtype != torch.bfloat16:
+        return f"{x.dtype} (flux's grouped kernels are bf16 only)"
+    if torch.cuda.get_device_capability(x.device) != (9, 0):
+        return "a device other than sm 9.0 (flux's grouped kernels are built for sm_90a)"
+    if not grouped_built():
+        return "flux._C holds no grouped GEMM (FLUX_KERNELS, or no extension)"
+    n, k = _nk_shape(w, weight_layout)
+    if n % 8 or k % 8:
+        return f"N={n}, K={k}: the kernels need multiples of 8 (16-byte strides)"
+    if x.shape[0] == 0 or x.shape[0] >= 2 ** 31:
+        return "no rows" if x.shape[0] == 0 else "more rows than int32 offsets hold"
+    failed = _cutlass_failed.get(x.device)
+    return f"flux's grouped kernel raised earlier: {failed}" if failed is not None else ""
 
 
 def _nk_shape(w: torch.Tensor, weight_layout: str) -> Tuple[int, int]:
@@ -90,27 +148,36 @@ def _triton_why_not(x: torch.Tensor) -> str:
 
 
 def _resolve(impl: str) -> str:
-    """``impl``, or for "auto" the implementation FLUX_GROUPED_MM asks for ("triton", "hybrid"), if any."""
+    """``impl``, or for "auto" the implementation FLUX_GROUPED_MM asks for ("cutlass", "kernel",
+    "triton", "hybrid"), if any."""
     if impl != "auto":
         return impl
     asked = envs.GROUPED_MM.get()
-    if asked not in (None, "auto", "triton", "hybrid"):
-        raise ValueError(f"flux.grouped_mm: FLUX_GROUPED_MM must be 'triton', 'hybrid' or 'auto', got {asked!r}")
+    if asked not in (None, "auto", "cutlass", "kernel", "triton", "hybrid"):
+        raise ValueError(f"flux.grouped_mm: FLUX_GROUPED_MM must be 'cutlass', 'kernel', 'triton', 'hybrid' or "
+                         f"'auto', got {asked!r}")
     return asked or "auto"
 
 
 def grouped_mm_impl(x: torch.Tensor, w: torch.Tensor, weight_layout: str = "nk",
                     impl: str = "auto") -> Tuple[str, str]:
     """The implementation ``grouped_mm(x, w, ..., impl=impl)`` takes, with why where it is not
-    the one asked for: ``("kernel", "")`` where it would call ``torch._grouped_mm``,
-    ``("triton", "")`` / ``("hybrid", "")`` where that one is asked for (``impl=`` or, for
-    "auto", FLUX_GROUPED_MM) and can run (hybrid: where the kernel and Triton both can), else
-    ``("loop", why not)`` (an explicit "triton" or "hybrid" call that cannot run raises instead;
-    an "auto" one asked for either by the environment chooses as without it). Looks at shapes,
-    dtypes, device and the environment only."""
+    the one asked for: ``("cutlass", "")`` where flux's grouped kernels run it (for "auto": where
+    torch's kernel could run too, so that a product the rule leaves to it can),
+    ``("kernel", "")`` where it would call ``torch._grouped_mm`` only, ``("triton", "")`` /
+    ``("hybrid", "")`` where that one is asked for (``impl=`` or, for "auto", FLUX_GROUPED_MM)
+    and can run (hybrid: where the kernel and Triton both can), else ``("loop", why not)`` (an
+    explicit "cutlass", "triton" or "hybrid" call that cannot run raises instead; an "auto" one
+    asked for by the environment chooses as without it). Looks at shapes, dtypes, device, what
+    flux._C holds and the environment only."""
     asked = _resolve(impl)
     if asked == "loop":
         return "loop", "asked for"
+    if asked == "cutlass":
+        why = _cutlass_why_not(x, w, weight_layout)
+        if not why or impl == "cutlass":
+            return ("cutlass", "") if not why else ("loop", why)
+        asked = "auto"  # asked for by FLUX_GROUPED_MM where it cannot run
     if asked in ("triton", "hybrid"):  # hybrid: the kernel's conditions, then Triton's
         why = grouped_mm_impl(x, w, weight_layout, "kernel")[1] if asked == "hybrid" else ""
         why = why or _triton_why_not(x)
@@ -138,6 +205,8 @@ def grouped_mm_impl(x: torch.Tensor, w: torch.Tensor, weight_layout: str = "nk",
     failed = _kernel_failed.get((x.device, x.dtype, weight_layout))
     if failed is not None:
         return "loop", f"torch._grouped_mm raised earlier: {failed}"
+    if asked == "auto" and not _cutlass_why_not(x, w, weight_layout):
+        return "cutlass", ""
     return "kernel", ""
 
 
@@ -175,42 +244,63 @@ def _gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     return torch._grouped_mm(a, b, offs=offs)
 
 
+def _product(kind: str, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, rows_per_expert: float,
+             cutlass: Optional[str]) -> Tuple[torch.Tensor, bool]:
+    """One product of the layer, and whether flux's kernel ran it. ``kind``: "nk" (a [R, K] @
+    b[e]^T, b [E, N, K]), "kn" (a @ b[e], b [E, K, N]) or "wgrad" (a [R, M], b [R, N] -> [E, M, N],
+    a_e^T @ b_e). ``cutlass``: None (torch's kernel), "auto" (the rule's configuration, else
+    torch's kernel) or "forced" (any built configuration)."""
+    cfg = cutlass_config(kind, rows_per_expert, cutlass == "forced") if cutlass else None
+    if cfg is not None:
+        from flux.fused_configs import GROUPED_KINDS
+
+        a = a if _aligned(a) else a.clone()
+        b = b if _aligned(b) else b.clone()
+        return torch.ops.flux.grouped_mm_cutlass(a, b, offs, GROUPED_KINDS.index(kind), cfg), True
+    if kind == "wgrad":
+        return _gmm(a.t(), b, offs), False
+    return _gmm(a, b.transpose(-2, -1) if kind == "nk" else b, offs), False
+
+
 class _GroupedMMKernel(torch.autograd.Function):
-    """torch._grouped_mm forward and backward for 2-D x (rows grouped by ``offs``) and a 3-D
-    weight; gradients for x and w (not for the offsets)."""
+    """A grouped GEMM's forward and backward for 2-D x (rows grouped by ``offs``) and a 3-D
+    weight, through torch._grouped_mm or flux's kernels (``cutlass``, as in ``_product``);
+    gradients for x and w (not for the offsets)."""
 
     @staticmethod
-    def forward(ctx, x, w, offs, weight_layout, empty=None, triton_wgrad=False):
+    def forward(ctx, x, w, offs, weight_layout, empty=None, triton_wgrad=False, cutlass=None):
         # empty: the experts without rows when the caller knows them on the host (a tuple), so the
         # backward zeroes just those weight gradients; None: unknown, every empty one is masked (a
-        # pass over dW). triton_wgrad ("hybrid"): dW from the Triton kernel, which writes zeros
-        # for an expert without rows itself.
-        ctx.weight_layout, ctx.empty, ctx.triton_wgrad = weight_layout, empty, triton_wgrad
+        # pass over dW) where torch's kernel may leave them unwritten. flux's dW kernel and the
+        # Triton one ("hybrid": triton_wgrad) write zeros for an expert without rows themselves.
+        ctx.weight_layout, ctx.empty, ctx.triton_wgrad, ctx.cutlass = weight_layout, empty, triton_wgrad, cutlass
         ctx.save_for_backward(x, w, offs)
-        return _gmm(x, w.transpose(-2, -1) if weight_layout == "nk" else w, offs)
+        return _product(weight_layout, x, w, offs, x.shape[0] / w.shape[0], cutlass)[0]
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         x, w, offs = ctx.saved_tensors
         nk = ctx.weight_layout == "nk"
+        rows = x.shape[0] / w.shape[0]
         dy = dy.contiguous()
         dx = dw = None
-        if ctx.needs_input_grad[0]:  # dx_e = dy_e @ W_e, W_e [N, K]
-            dx = _gmm(dy, w if nk else w.transpose(-2, -1), offs)
+        if ctx.needs_input_grad[0]:  # dx_e = dy_e @ W_e (W_e [N, K]) or dy_e @ W_e^T (W_e [K, N])
+            dx = _product("kn" if nk else "nk", dy, w, offs, rows, ctx.cutlass)[0]
         if ctx.needs_input_grad[1] and ctx.triton_wgrad:
             from flux.ops._triton_gmm import wgrad
             dw = wgrad(dy, x, offs, w.shape, ctx.weight_layout)
         elif ctx.needs_input_grad[1]:  # dW_e = dy_e^T x_e ([N, K]) or x_e^T dy_e ([K, N])
-            dw = _gmm(dy.t(), x, offs) if nk else _gmm(x.t(), dy, offs)
+            dw, ours = _product("wgrad", dy, x, offs, rows, ctx.cutlass) if nk else \
+                _product("wgrad", x, dy, offs, rows, ctx.cutlass)
             # Only where some expert may lack rows (the common case, none known, asks nothing).
-            if ctx.empty != () and not (dw.is_cuda and _zeroes_empty_groups(dw.device)):
+            if not ours and ctx.empty != () and not (dw.is_cuda and _zeroes_empty_groups(dw.device)):
                 if ctx.empty is None:
                     sizes = torch.diff(offs, prepend=offs.new_zeros(1))
                     dw.masked_fill_((sizes == 0).view(-1, 1, 1), 0)
                 else:
                     dw[list(ctx.empty)] = 0
-        return dx, dw, None, None, None, None
+        return dx, dw, None, None, None, None, None
 
 
 def _loop(x: torch.Tensor, w: torch.Tensor, counts: List[int], weight_layout: str) -> torch.Tensor:
@@ -235,11 +325,13 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: Counts, *, cumulative: 
     length E = ``w.shape[0]`` and sum R (with ``cumulative=True``: the cumulative row ends,
     torch._grouped_mm's ``offs``, the last one R). ``w``: ``[E, N, K]`` (``weight_layout="nk"``)
     or ``[E, K, N]`` (``"kn"``). ``counts_host``: the same counts as a list, where the caller
-    has them on the host (spares the loop a copy from the device). ``impl``: "auto" (the
-    kernel where ``grouped_mm_impl`` allows it, else the loop; FLUX_GROUPED_MM=triton or
-    =hybrid makes it that one where it can run), "kernel" (raise where it is not allowed),
-    "loop", "triton" (the Triton prototype) or "hybrid" (the kernel with the Triton weight
-    gradient), each of the last two raising where it cannot run; with no rows (R = 0) every
+    has them on the host (spares the loop a copy from the device). ``impl``: "auto" (flux's
+    grouped kernels or torch's where ``grouped_mm_impl`` allows them, else the loop;
+    FLUX_GROUPED_MM=cutlass, =kernel, =triton or =hybrid makes it that one where it can run),
+    "cutlass" (flux's kernels for every product, any built configuration where the rule names
+    none), "kernel" (torch._grouped_mm only), "loop", "triton" (the Triton prototype) or
+    "hybrid" (torch's kernel with the Triton weight gradient), each but "loop" raising where it
+    cannot run; with no rows (R = 0) every
     impl gives the empty product. Differentiable in x and w. The kernels do not check that the
     counts sum to R (it would take a synchronisation); the loop does.
     """
@@ -249,21 +341,31 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: Counts, *, cumulative: 
         raise ValueError(f"{what}: impl must be one of {IMPLS}, got {impl!r}")
     experts = w.shape[0]
     use, why = grouped_mm_impl(x, w, weight_layout, impl)
-    if impl in ("kernel", "hybrid") and x.shape[0] == 0:
+    if impl in ("kernel", "hybrid", "cutlass") and x.shape[0] == 0 and x.is_cuda:
         use = "loop"  # no rows: an empty product, the same on every rank whatever else holds
-    if impl == "kernel" and use != "kernel":
+    elif impl == "kernel" and use != "kernel":
         raise ValueError(f"{what}: impl='kernel' but torch._grouped_mm cannot run here: {why}")
-    if impl in ("triton", "hybrid") and use != impl:
+    elif impl in ("triton", "hybrid", "cutlass") and use != impl:
         raise ValueError(f"{what}: impl={impl!r} but it cannot run here: {why}")
     if use == "triton":
         from flux.ops._triton_gmm import grouped_mm_triton
         return grouped_mm_triton(x, w.contiguous(), _offsets(counts, cumulative, x.device, experts, what),
                                  weight_layout)
-    if impl != "loop" and use in ("kernel", "hybrid"):
+    if impl != "loop" and use in ("kernel", "hybrid", "cutlass"):
         offs = _offsets(counts, cumulative, x.device, experts, what)
         empty = None
         if counts_host is not None and len(counts_host) == experts:
             empty = tuple(e for e, c in enumerate(counts_host) if c == 0)
+        if use == "cutlass":
+            try:
+                return _GroupedMMKernel.apply(x.contiguous(), w.contiguous(), offs, weight_layout, empty, False,
+                                              "forced" if impl == "cutlass" else "auto")
+            except (RuntimeError, TypeError, NotImplementedError) as e:
+                if impl == "cutlass":
+                    raise
+                _cutlass_failed[x.device] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                warnings.warn(f"{what}: flux's grouped kernel raised ({_cutlass_failed[x.device]}); using "
+                              f"torch._grouped_mm on {x.device} from now on", RuntimeWarning, stacklevel=2)
         try:
             return _GroupedMMKernel.apply(x.contiguous(), w.contiguous(), offs, weight_layout, empty,
                                           use == "hybrid")
