@@ -129,7 +129,8 @@ def _generate_fused_sources(with_sm90):
         (tm, tn, tk), (cm, cn) = cfg.tile, cfg.cluster
         kernel_sched, epi_sched = _SCHEDULES[cfg.schedule]
         src_in, src_out = table["DTYPE_IO"][dtype]
-        stream_k = ", /*StreamK=*/true" if cfg.scheduler == "streamk" else ""  # the alias's default: false
+        # the alias's StreamK mode: 0 persistent (its default), 1 stream-K by CUTLASS's heuristic, 2 always
+        stream_k = {"persistent": "", "streamk": ", /*StreamK=*/1", "streamk-all": ", /*StreamK=*/2"}[cfg.scheduler]
         text = (
             f"{_HEADER}// {op} configuration {cid}: {cfg.describe()}; {src_in} inputs, {src_out} output.\n"
             f"#define {macro}\n#include \"{header}\"\n\nnamespace flux {{\n\n"

@@ -7,7 +7,8 @@ two consumer warpgroups split each tile's rows, tile_m >= 128; "pingpong": each 
 warpgroup runs whole tiles, alternating, which suits 64-row tiles and small problems), and a tile
 scheduler ("persistent": one CTA per tile, whole K; "streamk": CUTLASS's stream-K scheduler,
 cooperative only, which splits K among CTAs where there are fewer tiles than SMs and reduces the
-partial accumulators in a workspace before the tile's one epilogue). Every configuration is built
+partial accumulators in a workspace before the tile's one epilogue; "streamk-all": the same on every
+shape, not only where CUTLASS's heuristic chooses it). Every configuration is built
 for its ``default`` dtype variants; ``FLUX_KERNELS=all`` builds all four.
 
 dtype variants (inputs -> output; fp32 accumulation always; bias and, for "rs", the peer's
@@ -37,7 +38,7 @@ class FusedConfig(NamedTuple):
     cluster: tuple  # (cluster_m, cluster_n) CTAs
     schedule: str  # "cooperative" | "pingpong"
     default: tuple  # dtype variants built by default
-    scheduler: str = "persistent"  # "persistent" | "streamk" (cooperative only)
+    scheduler: str = "persistent"  # "persistent" | "streamk" | "streamk-all" (the last two cooperative only)
 
     @property
     def tile_m(self):
@@ -49,7 +50,7 @@ class FusedConfig(NamedTuple):
 
     def describe(self):
         m, n, k = self.tile
-        sk = ", stream-K" if self.scheduler == "streamk" else ""
+        sk = {"persistent": "", "streamk": ", stream-K", "streamk-all": ", stream-K always"}[self.scheduler]
         return f"{m}x{n}x{k} tile, cluster {self.cluster[0]}x{self.cluster[1]}, {self.schedule}{sk}"
 
 
@@ -84,6 +85,11 @@ CONFIGS = {
         C(14, (128, 128, 64), (2, 1), "cooperative", BF16, "streamk"),
         # Narrow tiles for the fewest-tile shapes (256 rows, N 768..3072: 24..96 tiles of 128x64).
         C(15, (128, 64, 64), (1, 1), "cooperative", (), "streamk"),
+        # Stream-K on every shape: CUTLASS's heuristic keeps whole tiles where the last wave is at
+        # least half full (80 tiles of 128x128 on 132 SMs: 52 idle), which these split.
+        C(16, (128, 128, 64), (1, 1), "cooperative", (), "streamk-all"),
+        C(17, (128, 256, 64), (1, 1), "cooperative", (), "streamk-all"),
+        C(18, (128, 64, 64), (1, 1), "cooperative", (), "streamk-all"),
     ),
     "rs": (
         C(0, (128, 256, 64), (2, 1), "cooperative", ()),
@@ -98,10 +104,11 @@ CONFIGS = {
         C(9, (128, 256, 64), (1, 1), "cooperative", (), "streamk"),
         C(10, (128, 128, 64), (2, 1), "cooperative", (), "streamk"),
         C(11, (128, 64, 64), (1, 1), "cooperative", (), "streamk"),  # as AG 15
+        C(12, (128, 128, 64), (1, 1), "cooperative", (), "streamk-all"),  # as AG 16
     ),
 }
 OPS = tuple(CONFIGS)
-SCHEDULERS = ("persistent", "streamk")
+SCHEDULERS = ("persistent", "streamk", "streamk-all")
 
 # The grouped GEMMs of the MoE experts (csrc/moe/grouped_gemm.cuh; flux.grouped_mm with
 # impl="cutlass"): CUTLASS sm90 ptr-array kernels, bf16, one instantiation per (configuration,
@@ -135,7 +142,7 @@ GROUPED = (
 def _check_schedulers():
     for op, cfgs in CONFIGS.items():
         for c in cfgs:  # CUTLASS's sm90 ping-pong kernel has no stream-K variant
-            if c.scheduler not in SCHEDULERS or (c.scheduler == "streamk" and c.schedule != "cooperative"):
+            if c.scheduler not in SCHEDULERS or (c.scheduler != "persistent" and c.schedule != "cooperative"):
                 raise ValueError(f"flux.fused_configs: {op} configuration {c.id}: bad scheduler {c.scheduler!r}")
 
 
@@ -180,7 +187,7 @@ def _expand(term):
     if term == "minimal":
         return {(op, 0, "bf16") for op in OPS}
     if term == "streamk":
-        return {(op, c.id, "bf16") for op in OPS for c in CONFIGS[op] if c.scheduler == "streamk"}
+        return {(op, c.id, "bf16") for op in OPS for c in CONFIGS[op] if c.scheduler != "persistent"}
     parts = term.split(":")
     if not 1 <= len(parts) <= 3 or parts[0] not in OPS:
         raise ValueError(f"FLUX_KERNELS: bad term {term!r} (default, all, minimal, streamk, op:id[:dtype] "

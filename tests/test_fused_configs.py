@@ -31,7 +31,7 @@ def test_table_is_consistent():
             assert set(c.default) <= set(fc.DTYPES), c
             # CUTLASS's sm90 stream-K scheduler runs in the cooperative kernel only.
             assert c.scheduler in fc.SCHEDULERS and (c.scheduler == "persistent" or c.schedule == "cooperative"), c
-            assert ("stream-K" in c.describe()) == (c.scheduler == "streamk"), c
+            assert ("stream-K" in c.describe()) == (c.scheduler != "persistent"), c
     assert fc.config("ag", 0).tile == (128, 256, 64) and fc.config("rs", 99) is None
     # Ids keep their meaning: the fields before `scheduler` unchanged, the old ones persistent.
     assert fc.config("ag", 4) == fc.FusedConfig(4, (128, 128, 64), (1, 1), "cooperative", ())
@@ -45,8 +45,7 @@ def test_select_and_parse():
     # One stream-K configuration, AG's, bf16, in the default build.
     sk = [(op, i, d) for op, i, d in default if fc.config(op, i).scheduler == "streamk"]
     assert sk == [("ag", 14, "bf16")]
-    assert fc.select("streamk") == [("ag", 12, "bf16"), ("ag", 13, "bf16"), ("ag", 14, "bf16"), ("ag", 15, "bf16"),
-                                    ("rs", 8, "bf16"), ("rs", 9, "bf16"), ("rs", 10, "bf16"), ("rs", 11, "bf16")]
+    assert fc.select("streamk") == [("ag", i, "bf16") for i in range(12, 19)] + [("rs", i, "bf16") for i in range(8, 13)]
     assert len(fc.select("all")) == sum(len(v) for v in fc.CONFIGS.values()) * len(fc.DTYPES)
     assert fc.select("minimal") == [("ag", 0, "bf16"), ("rs", 0, "bf16")]
     assert fc.select("ag:2") == [("ag", 2, d) for d in fc.DTYPES]
@@ -70,21 +69,26 @@ def test_setup_generates_one_unit_per_instantiation(tmp_path, monkeypatch):
     os.makedirs(tmp_path / "flux")
     with open(os.path.join(ROOT, "flux", "fused_configs.py")) as f:
         (tmp_path / "flux" / "fused_configs.py").write_text(f.read())
-    monkeypatch.setenv("FLUX_KERNELS", "minimal,ag:7:fp16_fp32,rs:8:bf16")
+    monkeypatch.setenv("FLUX_KERNELS", "minimal,ag:7:fp16_fp32,rs:8:bf16,rs:12:bf16,gmm:0:kn")
     sources = scope["_generate_fused_sources"](True)
     names = sorted(os.path.basename(s) for s in sources)
-    assert names == ["ag_fused_c0_bf16.cu", "ag_fused_c7_fp16_fp32.cu", "fused_dispatch.cpp", "rs_fused_c0_bf16.cu",
-                     "rs_fused_c8_bf16.cu"]
+    assert names == ["ag_fused_c0_bf16.cu", "ag_fused_c7_fp16_fp32.cu", "fused_dispatch.cpp", "gmm_c0_kn.cu",
+                     "rs_fused_c0_bf16.cu", "rs_fused_c12_bf16.cu", "rs_fused_c8_bf16.cu"]
     dispatch = (tmp_path / "build" / "flux_generated" / "fused_dispatch.cpp").read_text()
     assert "case 0: ag_fused_c0_bf16(a); return true;" in dispatch
     assert f"case {7 * 4 + 3}: ag_fused_c7_fp16_fp32(a); return true;" in dispatch
     assert f"case {8 * 4}: rs_fused_c8_bf16(a); return true;" in dispatch
-    assert '"ag:0:bf16 ag:7:fp16_fp32 rs:0:bf16 rs:8:bf16"' in dispatch
+    assert '"ag:0:bf16 ag:7:fp16_fp32 rs:0:bf16 rs:8:bf16 rs:12:bf16"' in dispatch
+    assert "case 1: gmm_c0_kn(a); return true;" in dispatch and '"gmm:0:kn"' in dispatch
     unit = (tmp_path / "build" / "flux_generated" / "ag_fused_c7_fp16_fp32.cu").read_text()
     assert "kFp16Fp32" in unit and "cute::_64, cute::_128, cute::_64" in unit and "Pingpong" in unit
     assert "StreamK" not in unit  # persistent units keep their text (and their build)
     unit = (tmp_path / "build" / "flux_generated" / "rs_fused_c8_bf16.cu").read_text()
-    assert "stream-K" in unit and "KernelTmaWarpSpecializedCooperative" in unit and "/*StreamK=*/true>>(a);" in unit
+    assert "stream-K" in unit and "KernelTmaWarpSpecializedCooperative" in unit and "/*StreamK=*/1>>(a);" in unit
+    unit = (tmp_path / "build" / "flux_generated" / "rs_fused_c12_bf16.cu").read_text()
+    assert "stream-K always" in unit and "/*StreamK=*/2>>(a);" in unit
+    unit = (tmp_path / "build" / "flux_generated" / "gmm_c0_kn.cu").read_text()
+    assert "FLUX_GROUPED_IMPL" in unit and "cute::_64, cute::_256, cute::_64" in unit and "/*Pingpong=*/true, 1>>" in unit
     # Without an sm_90a target nothing is instantiated, and stale units are removed.
     assert [os.path.basename(s) for s in scope["_generate_fused_sources"](False)] == ["fused_dispatch.cpp"]
     assert os.listdir(tmp_path / "build" / "flux_generated") == ["fused_dispatch.cpp"]

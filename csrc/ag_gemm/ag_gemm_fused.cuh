@@ -40,12 +40,13 @@ bool ag_fused_dispatch(int config, int dtype, const AgFusedArgs& a);
 
 namespace flux {
 
-// StreamK: CUTLASS's stream-K scheduler with the same readiness wait (cooperative schedule only).
+// StreamK (Sm90FusedGemm's StreamKMode): CUTLASS's stream-K scheduler with the same readiness wait
+// (cooperative schedule only).
 template <int Dtype, class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule,
-          bool StreamK = false>
+          int StreamK = 0>
 using AgGemm = Sm90FusedGemm<typename FusedTypes<Dtype>::In, typename FusedTypes<Dtype>::Out, TileShape, ClusterShape,
                              KernelSchedule, EpilogueSchedule, false, PlainEpilogue,
-                             std::conditional_t<StreamK, AgStreamKSchedulerTag, AgSchedulerTag>>;
+                             std::conditional_t<StreamK != 0, AgStreamKSchedulerTag, AgSchedulerTag>, StreamK>;
 
 template <class G>
 void launch_ag_fused(const AgFusedArgs& a) {

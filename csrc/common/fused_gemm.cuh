@@ -125,8 +125,13 @@ struct FusedTypes<kFp16Fp32> { using In = cutlass::half_t; using Out = float; };
 // D [M, N] row-major ElementOut (the input dtype or fp32), fp32 accumulation;
 // D = acc (+ C, ElementOut, where HasSource) + bias per column (ElementOut), rounded once.
 template <class ElementIn, class ElementOut, class TileShape_, class ClusterShape_, class KernelSchedule,
-          class EpilogueSchedule, bool HasSource, template <class> class EpilogueWrap, class Scheduler>
+          class EpilogueSchedule, bool HasSource, template <class> class EpilogueWrap, class Scheduler,
+          int StreamKMode = 0>
 struct Sm90FusedGemm {
+  // 0: a persistent scheduler; 1: CUTLASS's stream-K scheduler, its heuristic deciding between
+  // whole tiles, split-K and stream-K; 2: stream-K always (the heuristic keeps whole tiles where
+  // the last wave is at least half full, e.g. 80 tiles on 132 SMs, leaving SMs idle).
+  static constexpr int kStreamKMode = StreamKMode;
   using ElementA = ElementIn;
   using ElementB = ElementIn;
   using ElementC = std::conditional_t<HasSource, ElementOut, void>;  // void: no source
@@ -181,6 +186,9 @@ typename G::Gemm::Arguments gemm_arguments(const FusedGemmLaunch& l) {
   using Raster = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90::RasterOrderOptions;
   args.scheduler.raster_order = l.raster == 0 ? Raster::Heuristic : l.raster == 2 ? Raster::AlongM : Raster::AlongN;
   args.scheduler.max_swizzle_size = l.swizzle;
+  if constexpr (G::kStreamKMode == 2) {
+    args.scheduler.decomposition_mode = cutlass::gemm::kernel::detail::DecompositionMode::StreamK;
+  }
   return args;
 }
 

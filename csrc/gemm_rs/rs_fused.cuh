@@ -113,14 +113,14 @@ class SegmentWaitEpilogue : public Base {
   SegmentWait wait_;
 };
 
-// StreamK: CUTLASS's stream-K scheduler (cooperative schedule only); the wait stays in load(), see
-// SegmentWaitEpilogue.
+// StreamK (Sm90FusedGemm's StreamKMode): CUTLASS's stream-K scheduler (cooperative schedule only);
+// the wait stays in load(), see SegmentWaitEpilogue.
 template <int Dtype, class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule,
-          bool StreamK = false>
+          int StreamK = 0>
 using RsFoldGemm =
     Sm90FusedGemm<typename FusedTypes<Dtype>::In, typename FusedTypes<Dtype>::Out, TileShape, ClusterShape,
                   KernelSchedule, EpilogueSchedule, true, SegmentWaitEpilogue,
-                  std::conditional_t<StreamK, StreamKSchedulerTag, cutlass::gemm::PersistentScheduler>>;
+                  std::conditional_t<StreamK != 0, StreamKSchedulerTag, cutlass::gemm::PersistentScheduler>, StreamK>;
 
 template <class G>
 void launch_rs_fused(const RsFusedArgs& a) {

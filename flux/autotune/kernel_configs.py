@@ -19,6 +19,7 @@ _OP_ALIASES = {"ag": "ag", "ag_gemm": "ag", "rs": "rs", "gemm_rs": "rs"}
 _DT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
        "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "half": "fp16",
        "fp32": "fp32", "float32": "fp32", "float": "fp32"}
+_SCHED_TAG = {"persistent": "", "streamk": "/sk", "streamk-all": "/ska"}  # in choice descriptions
 
 
 def _op(op: str) -> str:
@@ -38,7 +39,8 @@ def _dt(d) -> str:
 class KernelConfig:
     """One configuration: a tile_m x tile_n x tile_k tile, a cluster_m x cluster_n cluster, a
     schedule ('cooperative' or 'pingpong'), the (input, output) dtypes built and the tile
-    scheduler ('persistent', or 'streamk': K split among CTAs where tiles are fewer than SMs)."""
+    scheduler ('persistent'; 'streamk': K split among CTAs where tiles are fewer than SMs, by
+    CUTLASS's heuristic; 'streamk-all': split on every shape)."""
     op: str
     id: int
     tile_m: int
@@ -53,20 +55,20 @@ class KernelConfig:
     def __post_init__(self):
         if self.op not in OPS or self.id < 0 or self.schedule not in ("cooperative", "pingpong"):
             raise ValueError(f"KernelConfig: bad op, id or schedule: {self}")
-        if self.scheduler not in table.SCHEDULERS or (self.scheduler == "streamk" and self.schedule != "cooperative"):
+        if self.scheduler not in table.SCHEDULERS or (self.scheduler != "persistent" and self.schedule != "cooperative"):
             raise ValueError(f"KernelConfig: bad scheduler (stream-K is cooperative only): {self}")
         if min(self.tile_m, self.tile_n, self.tile_k) < 16 or self.cluster_m * self.cluster_n not in (1, 2, 4):
             raise ValueError(f"KernelConfig: bad tile or cluster: {self}")
 
     @property
     def stream_k(self) -> bool:
-        return self.scheduler == "streamk"
+        return self.scheduler != "persistent"
 
     @property
     def desc(self) -> str:
         """As cached choices name it: a choice applies only to the same tile, cluster, schedule and scheduler."""
         return (f"{self.tile_m}x{self.tile_n}x{self.tile_k}/{self.cluster_m}x{self.cluster_n}/"
-                f"{'pp' if self.schedule == 'pingpong' else 'coop'}{'/sk' if self.stream_k else ''}")
+                f"{'pp' if self.schedule == 'pingpong' else 'coop'}{_SCHED_TAG[self.scheduler]}")
 
 
 def _built():
