@@ -165,18 +165,23 @@ def test_rule_swizzle():
 def test_rule_stream_k_for_few_tiles_and_deep_k():
     """The stream-K configuration where the persistent choice fills under 0.8 of a wave and K is
     deep (1024x1280x8192: 80 tiles of 128x128 on 132 SMs, 128 K tiles); the persistent one with
-    shallow K, with a wave nearly full, and with many tiles."""
+    shallow K, with a wave nearly full, and with many tiles. A "streamk" configuration splits only
+    where CUTLASS's heuristic does (the last wave under half full), "streamk-all" always."""
     pp, coop = _cfg(2, 128, 128, 2, 1, "pingpong"), _cfg(0, 128, 256, 2, 1)
-    sk = KC.KernelConfig("ag", 12, 128, 128, 64, 1, 1, "cooperative", scheduler="streamk")
+    sk = KC.KernelConfig("ag", 16, 128, 128, 64, 1, 1, "cooperative", scheduler="streamk-all")
     cfgs = [coop, pp, sk]
     for op in ("ag", "rs"):
-        assert K.analytic_config(op, 1024, 1280, 8192, configs=cfgs)[0] == 12
-        assert K.analytic_config(op, 256, 2560, 16384, configs=cfgs)[0] == 12
-        assert K.analytic_config(op, 1024, 1280, 1024, configs=cfgs)[0] != 12  # 16 K tiles
-        assert K.analytic_config(op, 1408, 1280, 8192, configs=cfgs)[0] != 12  # 110 tiles: 0.83 wave
-        assert K.analytic_config(op, 8192, 8192, 8192, configs=cfgs)[0] != 12
-    # Only stream-K built: it serves every shape (CUTLASS's heuristic runs whole tiles where many).
-    assert K.analytic_config("ag", 8192, 8192, 8192, configs=[sk])[0] == 12
+        assert K.analytic_config(op, 1024, 1280, 8192, configs=cfgs)[0] == 16
+        assert K.analytic_config(op, 256, 2560, 16384, configs=cfgs)[0] == 16
+        assert K.analytic_config(op, 1024, 1280, 1024, configs=cfgs)[0] != 16  # 16 K tiles
+        assert K.analytic_config(op, 1408, 1280, 8192, configs=cfgs)[0] != 16  # 110 tiles: 0.83 wave
+        assert K.analytic_config(op, 8192, 8192, 8192, configs=cfgs)[0] != 16
+    heur = KC.KernelConfig("ag", 12, 128, 128, 64, 1, 1, "cooperative", scheduler="streamk")
+    assert K.predict_stream_k_s(heur, "ag", 1024, 1280, 8192) == K.predict_s(heur, "ag", 1024, 1280, 8192)
+    assert K.analytic_config("ag", 1024, 1280, 8192, configs=[coop, pp, heur])[0] != 12  # 80 tiles: no split
+    assert K.analytic_config("ag", 256, 2560, 16384, configs=[coop, pp, heur])[0] == 12  # 40 tiles: split
+    # Only stream-K built: it serves every shape (CUTLASS runs whole tiles where many).
+    assert K.analytic_config("ag", 8192, 8192, 8192, configs=[sk])[0] == 16
     assert K._should_use_stream_k(pp, 1024, 1280, 8192, 1, 132)
     assert not K._should_use_stream_k(pp, 1024, 1280, 1984, 1, 132)  # 31 K tiles
     # The model: split K beats one wave of whole tiles on few tiles, equals predict_s on many.
@@ -189,13 +194,14 @@ def test_rule_stream_k_for_few_tiles_and_deep_k():
 
 def test_stream_k_configs_in_the_default_build():
     """The default build holds AG's stream-K configuration 14 (bf16) and none of RS's; the analytic
-    default picks it for the narrow AG layers at 256 and 1024 rows; its label names the scheduler."""
+    default picks it for a narrow AG layer at 256 rows (20 tiles), not at 1024 (80 tiles, where
+    CUTLASS's heuristic keeps whole tiles); its label names the scheduler."""
     ag = {c.id: c for c in K.kernel_configs("ag", "bf16")}
     rs = {c.id: c for c in K.kernel_configs("rs", "bf16")}
     assert [i for i, c in ag.items() if c.stream_k] == [14] and not [i for i, c in rs.items() if c.stream_k]
     assert ag[14].desc == "128x128x64/2x1/coop/sk" and ag[0].desc.count("/") == 2
     assert 8 not in ag and 12 not in ag  # 64x256 ping-pong left the default build for it
-    assert K.analytic_config("ag", 1024, 1280, 8192)[0] == 14
+    assert K.analytic_config("ag", 1024, 1280, 8192)[0] != 14
     assert K.analytic_config("ag", 256, 1280, 8192)[0] == 14
     assert not rs[K.analytic_config("rs", 128, 4096, 7168)[0]].stream_k
     assert K.analytic_config("ag", 8192, 14336, 8192)[0] != 14

@@ -132,10 +132,11 @@ def predict_stream_k_s(c: KernelConfig, op: str, m: int, n: int, k: int, swizzle
     """Modelled seconds of a stream-K launch of ``c``: the padded tiles' K loops spread evenly
     over the grid, then the reduction of a tile's split partials (each fp32 tile read once from
     L2 by the CTA that finishes the tile) and its epilogue; no less than the kernel's HBM
-    traffic; plus STREAM_K_FIXED_S. More tiles than CTAs: CUTLASS's heuristic falls back to
-    whole tiles (predict_s)."""
+    traffic; plus STREAM_K_FIXED_S. Whole tiles (predict_s) where CUTLASS's heuristic keeps them
+    ("streamk": more tiles than CTAs, or a last wave at least half full; "streamk-all": more tiles
+    than CTAs)."""
     _, _, tiles, ctas = _grid(c, m, n, swizzle, sm)
-    if tiles >= ctas:
+    if tiles >= ctas or (c.scheduler == "streamk" and 2 * tiles >= ctas):
         return predict_s(c, op, m, n, k, swizzle, in_bytes, out_bytes, sm)
     splits = math.ceil(ctas / tiles)  # units sharing a tile's K loop, at most
     compute = 2.0 * tiles * c.tile_m * c.tile_n * k / (ctas * SM_FLOPS * _tile_eff(c))
