@@ -60,6 +60,7 @@ unbounded one), so that ranks sharing a GPU over gloo (FLUX_GLOO_CUDA=1) can run
 correctness run, as their timings are those of one GPU time-sliced between processes.
 """
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -456,6 +457,10 @@ def run(args):
                                                            itemsize, tol, layers))
                         if rank == 0 and status != "ok":
                             print(f"T={tokens} H={hidden} K={topk} E={experts} {kind}: {status}", flush=True)
+                        if rank == 0 and args.out:  # a run cut short keeps the cells it finished
+                            with open(args.out, "w") as fh:
+                                json.dump({"metadata": {"partial": True, "commit": _commit()}, "results": records},
+                                          fh, indent=1)
     text = (table(records) + ("\n\n" + layer_table(records) if world == 1 else "")) if rank == 0 else ""
     launcher = ["python"] if "TORCHELASTIC_RUN_ID" not in os.environ else ["torchrun", f"--nproc_per_node={world}"]
     if os.environ.get("FLUX_GROUPED_MM"):  # the layer's grouped GEMM implementation (flux.ops.grouped_mm)
