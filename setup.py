@@ -113,6 +113,25 @@ def _write_if_changed(path, text):
         f.write(text)
 
 
+def _write_unit(name, comment, macro, header, args_t, launch):
+    """One generated translation unit, ``void name(const args_t& a) { launch(a); }``; its path."""
+    text = (f"{_HEADER}// {comment}\n#define {macro}\n#include \"{header}\"\n\nnamespace flux {{\n\n"
+            f"void {name}(const {args_t}& a) {{\n  {launch}(a);\n}}\n\n}}  // namespace flux\n")
+    rel = os.path.join(GENERATED, name + ".cu")
+    _write_if_changed(os.path.join(ROOT, rel), text)
+    return rel
+
+
+def _dispatch_fn(fn, args_t, second, count, cases):
+    """``bool fn(int config, int second, const args_t& a)``: a bounded switch on config * count +
+    second over ``cases`` ("case N: launcher(a); return true;"), false for anything else."""
+    text = (f"\nbool {fn}(int config, int {second}, const {args_t}& a) {{\n"
+            f"  if (config < 0 || {second} < 0 || {second} >= {count}) return false;\n"
+            f"  switch (config * {count} + {second}) {{\n" + "".join(c + "\n" for c in cases)
+            + "    default: return false;\n  }\n}\n\n")
+    return text if cases else text.replace(f"const {args_t}& a", f"const {args_t}&")  # no launch: `a` unused
+
+
 def _generate_fused_sources(with_sm90):
     """One translation unit per selected (op, config, dtype) instantiation, and the dispatch
     over them, into build/flux_generated/; returns their paths (relative to ROOT)."""
@@ -131,16 +150,10 @@ def _generate_fused_sources(with_sm90):
         src_in, src_out = table["DTYPE_IO"][dtype]
         # the alias's StreamK mode: 0 persistent (its default), 1 stream-K by CUTLASS's heuristic, 2 always
         stream_k = {"persistent": "", "streamk": ", /*StreamK=*/1", "streamk-all": ", /*StreamK=*/2"}[cfg.scheduler]
-        text = (
-            f"{_HEADER}// {op} configuration {cid}: {cfg.describe()}; {src_in} inputs, {src_out} output.\n"
-            f"#define {macro}\n#include \"{header}\"\n\nnamespace flux {{\n\n"
-            f"void {name}(const {args_t}& a) {{\n"
-            f"  {launch}<{alias}<{_DTYPE_ENUM[dtype]}, cute::Shape<cute::_{tm}, cute::_{tn}, cute::_{tk}>,\n"
-            f"      cute::Shape<cute::_{cm}, cute::_{cn}, cute::_1>, {kernel_sched}, {epi_sched}{stream_k}>>(a);\n"
-            f"}}\n\n}}  // namespace flux\n")
-        rel = os.path.join(GENERATED, name + ".cu")
-        _write_if_changed(os.path.join(ROOT, rel), text)
-        sources.append(rel)
+        sources.append(_write_unit(
+            name, f"{op} configuration {cid}: {cfg.describe()}; {src_in} inputs, {src_out} output.", macro, header,
+            args_t, f"{launch}<{alias}<{_DTYPE_ENUM[dtype]}, cute::Shape<cute::_{tm}, cute::_{tn}, cute::_{tk}>,\n"
+            f"      cute::Shape<cute::_{cm}, cute::_{cn}, cute::_1>, {kernel_sched}, {epi_sched}{stream_k}>>"))
         decls[op].append(f"void {name}(const {args_t}& a);")
         dt_index = table["DTYPES"].index(dtype)
         cases[op].append(f"    case {cid * 4 + dt_index}: {name}(a); return true;")
@@ -152,18 +165,14 @@ def _generate_fused_sources(with_sm90):
         name = table["grouped_kernel_name"](cid, kind)
         (tm, tn, tk), (cm, cn) = cfg.tile, cfg.cluster
         kind_id = table["GROUPED_KINDS"].index(kind)
-        text = (
-            f"{_HEADER}// grouped GEMM configuration {cid}: {cfg.describe()}; kind {kind}.\n"
-            f"#define FLUX_GROUPED_IMPL\n#include \"moe/grouped_gemm.cuh\"\n\nnamespace flux {{\n\n"
-            f"void {name}(const GroupedGemmArgs& a) {{\n"
-            f"  launch_grouped<GroupedGemm<cute::Shape<cute::_{tm}, cute::_{tn}, cute::_{tk}>,\n"
-            f"      cute::Shape<cute::_{cm}, cute::_{cn}, cute::_1>, /*Pingpong=*/{str(cfg.schedule == 'pingpong').lower()}, "
-            f"{kind_id}>>(a);\n}}\n\n}}  // namespace flux\n")
-        rel = os.path.join(GENERATED, name + ".cu")
-        _write_if_changed(os.path.join(ROOT, rel), text)
-        sources.append(rel)
+        pingpong = str(cfg.schedule == "pingpong").lower()
+        sources.append(_write_unit(
+            name, f"grouped GEMM configuration {cid}: {cfg.describe()}; kind {kind}.", "FLUX_GROUPED_IMPL",
+            "moe/grouped_gemm.cuh", "GroupedGemmArgs",
+            f"launch_grouped<GroupedGemm<cute::Shape<cute::_{tm}, cute::_{tn}, cute::_{tk}>,\n"
+            f"      cute::Shape<cute::_{cm}, cute::_{cn}, cute::_1>, /*Pingpong=*/{pingpong}, {kind_id}>>"))
         g_decls.append(f"void {name}(const GroupedGemmArgs& a);\n")
-        g_cases.append(f"    case {cid * 3 + kind_id}: {name}(a); return true;\n")
+        g_cases.append(f"    case {cid * 3 + kind_id}: {name}(a); return true;")
         g_names.append(f"gmm:{cid}:{kind}")
     body = [_HEADER, "// The dispatch over the fused GEMM instantiations built (a bounded switch on\n"
             "// config * 4 + dtype variant) and over the grouped GEMMs (config * 3 + kind); anything\n"
@@ -172,20 +181,9 @@ def _generate_fused_sources(with_sm90):
             'namespace flux {\n']
     for op, (_, _, args_t, _, _, fn) in _OP_CXX.items():
         body += [d + "\n" for d in decls[op]]
-        body.append(f"\nbool {fn}(int config, int dtype, const {args_t}& a) {{\n"
-                    "  if (config < 0 || dtype < 0 || dtype > 3) return false;\n"
-                    "  switch (config * 4 + dtype) {\n")
-        body += [c + "\n" for c in cases[op]]
-        body.append("    default: return false;\n  }\n}\n\n")
-        if not cases[op]:  # no launch at all: `a` is unused
-            body[-2] = body[-2].replace(f"const {args_t}& a", f"const {args_t}&")
+        body.append(_dispatch_fn(fn, args_t, "dtype", 4, cases[op]))
     body += g_decls
-    body.append("\nbool grouped_dispatch(int config, int kind, const GroupedGemmArgs& a) {\n"
-                "  if (config < 0 || kind < 0 || kind > 2) return false;\n  switch (config * 3 + kind) {\n")
-    body += g_cases
-    body.append("    default: return false;\n  }\n}\n\n")
-    if not g_cases:
-        body[-2] = body[-2].replace("const GroupedGemmArgs& a", "const GroupedGemmArgs&")
+    body.append(_dispatch_fn("grouped_dispatch", "GroupedGemmArgs", "kind", 3, g_cases))
     body.append(f'std::string fused_kernels_built() {{ return "{" ".join(names)}"; }}\n')
     body.append(f'std::string grouped_kernels_built() {{ return "{" ".join(g_names)}"; }}\n\n}}  // namespace flux\n')
     rel = os.path.join(GENERATED, "fused_dispatch.cpp")
