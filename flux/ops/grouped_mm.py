@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from flux import envs
+from flux import envs, fused_configs
 
 WEIGHT_LAYOUTS = ("nk", "kn")
 IMPLS = ("auto", "cutlass", "kernel", "loop", "triton", "hybrid")
@@ -35,15 +35,20 @@ Counts = Union[torch.Tensor, Sequence[int]]
 # writes zeros for a group without rows, so no mask pass is needed (tests/test_grouped_mm_triton.py
 # checks it on the GPU with a NaN-poisoned allocator); elsewhere (10.x) such groups are masked.
 _EMPTY_GROUPS_ZEROED = (9,)
-_zeroes: Dict[torch.device, bool] = {}
+_capabilities: Dict[torch.device, Tuple[int, int]] = {}
+
+
+def _capability(device: torch.device) -> Tuple[int, int]:
+    """The compute capability of a CUDA ``device``, asked once per device (every call needs it)."""
+    cap = _capabilities.get(device)
+    if cap is None:
+        cap = _capabilities[device] = torch.cuda.get_device_capability(device)
+    return cap
 
 
 def _zeroes_empty_groups(device: torch.device) -> bool:
     """Whether torch._grouped_mm's weight gradient on ``device`` writes zeros for empty groups."""
-    z = _zeroes.get(device)
-    if z is None:
-        z = _zeroes[device] = torch.cuda.get_device_capability(device)[0] in _EMPTY_GROUPS_ZEROED
-    return z
+    return _capability(device)[0] in _EMPTY_GROUPS_ZEROED
 
 
 _kernel_failed: Dict[Tuple, str] = {}  # (device, dtype, layout) -> why torch._grouped_mm raised there
@@ -63,8 +68,6 @@ _triton_import: List[str] = []  # why flux.ops._triton_gmm did not import ("" wh
 def grouped_built() -> frozenset:
     """The (configuration, kind) grouped GEMMs built into flux._C (empty without it)."""
     if not _built:
-        from flux import fused_configs
-
         _built.append(fused_configs.grouped_built())
     return _built[0]
 
@@ -92,7 +95,7 @@ def _cutlass_why_not(x: torch.Tensor, w: torch.Tensor, weight_layout: str) -> st
         return f"{x.device.type} tensors"
     if x.dtype != torch.bfloat16:
         return f"{x.dtype} (flux's grouped kernels are bf16 only)"
-    if torch.cuda.get_device_capability(x.device) != (9, 0):
+    if _capability(x.device) != (9, 0):
         return "a device other than sm 9.0 (flux's grouped kernels are built for sm_90a)"
     if not grouped_built():
         return "flux._C holds no grouped GEMM (FLUX_KERNELS, or no extension)"
@@ -192,7 +195,7 @@ def grouped_mm_impl(x: torch.Tensor, w: torch.Tensor, weight_layout: str = "nk",
         return "loop", f"{x.device.type} tensors"
     if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
         return "loop", f"{x.dtype} (torch._grouped_mm's kernel is bf16 only)"
-    major, minor = torch.cuda.get_device_capability(x.device)
+    major, minor = _capability(x.device)
     if major not in (9, 10):
         return "loop", f"compute capability {major}.{minor} (torch._grouped_mm's kernel needs 9.x or 10.x)"
     n, k = _nk_shape(w, weight_layout)
@@ -252,11 +255,9 @@ def _product(kind: str, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, ro
     torch's kernel) or "forced" (any built configuration)."""
     cfg = cutlass_config(kind, rows_per_expert, cutlass == "forced") if cutlass else None
     if cfg is not None:
-        from flux.fused_configs import GROUPED_KINDS
-
         a = a if _aligned(a) else a.clone()
         b = b if _aligned(b) else b.clone()
-        return torch.ops.flux.grouped_mm_cutlass(a, b, offs, GROUPED_KINDS.index(kind), cfg), True
+        return torch.ops.flux.grouped_mm_cutlass(a, b, offs, fused_configs.GROUPED_KINDS.index(kind), cfg), True
     if kind == "wgrad":
         return _gmm(a.t(), b, offs), False
     return _gmm(a, b.transpose(-2, -1) if kind == "nk" else b, offs), False
