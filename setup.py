@@ -115,7 +115,8 @@ def _write_if_changed(path, text):
 
 def _write_unit(name, comment, macro, header, args_t, launch):
     """One generated translation unit, ``void name(const args_t& a) { launch(a); }``; its path."""
-    text = (f"{_HEADER}// {comment}\n#define {macro}\n#include \"{header}\"\n\nnamespace flux {{\n\n"
+    text = (f"{_HEADER}// {comment}\n#define FLUX_KERNEL_UNIT  // without ATen (csrc/common/check.h)\n"
+            f"#define {macro}\n#include \"{header}\"\n\nnamespace flux {{\n\n"
             f"void {name}(const {args_t}& a) {{\n  {launch}(a);\n}}\n\n}}  // namespace flux\n")
     rel = os.path.join(GENERATED, name + ".cu")
     _write_if_changed(os.path.join(ROOT, rel), text)

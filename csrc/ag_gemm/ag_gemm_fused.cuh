@@ -15,9 +15,6 @@
 // bias in the epilogue; the autotuner chooses among them.
 #pragma once
 
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAGuard.h>
-
 #include "common/check.h"
 #include "common/fused_gemm.cuh"
 
@@ -61,7 +58,7 @@ void launch_ag_fused(const AgFusedArgs& a) {
   args.scheduler.tile_m = G::kTileM;
   args.scheduler.timeout_ns = a.timeout_ns;
   args.scheduler.error = a.error_record;
-  run_cutlass_gemm<typename G::Gemm>(op, args, a.byte_options, a.stream, a.m, a.n, a.k);
+  run_cutlass_gemm<typename G::Gemm>(op, args, a.device, a.stream, a.m, a.n, a.k);
 }
 
 }  // namespace flux

@@ -1,9 +1,7 @@
 // Running a CUTLASS 3.x device-level GEMM (GemmUniversalAdapter) from a torch op: the checks,
 // the CUTLASS workspace (from PyTorch's allocator) and the launch, each failure naming the op.
+// Included by the generated kernel units, which are compiled without ATen (common/check.h).
 #pragma once
-
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
 
 #include "common/check.h"
 #include "cutlass/cutlass.h"
@@ -16,7 +14,7 @@ bool fused_pdl();  // common/fused_gemm.cuh
 inline cutlass::KernelHardwareInfo hardware_info(int device) {
   cutlass::KernelHardwareInfo hw;
   hw.device_id = device;
-  hw.sm_count = at::cuda::getDeviceProperties(device)->multiProcessorCount;
+  hw.sm_count = device_sm_count(device);
   return hw;
 }
 
@@ -29,8 +27,8 @@ bool& smem_limit_set(int device) {
 }
 
 template <class Gemm>
-void run_cutlass_gemm(const char* op, const typename Gemm::Arguments& args, const at::TensorOptions& byte_options,
-                      cudaStream_t stream, int m, int n, int k, bool pdl_allowed = true) {
+void run_cutlass_gemm(const char* op, const typename Gemm::Arguments& args, int device, cudaStream_t stream, int m,
+                      int n, int k, bool pdl_allowed = true) {
   Gemm gemm;
   FLUX_CHECK(gemm.can_implement(args) == cutlass::Status::kSuccess, op, "CUTLASS cannot run this problem (M=", m,
              " N=", n, " K=", k, ")");
@@ -40,10 +38,8 @@ void run_cutlass_gemm(const char* op, const typename Gemm::Arguments& args, cons
   // CUDA-graph capture from the graph's pool. (A buffer cached here would be raced by launches on
   // other streams, or by the next launch while this one runs.)
   const size_t ws_bytes = Gemm::get_workspace_size(args);
-  at::Tensor ws;
-  if (ws_bytes > 0) ws = at::empty({(int64_t)ws_bytes}, byte_options);
-  void* ws_ptr = ws_bytes > 0 ? ws.data_ptr() : nullptr;
-  const int device = byte_options.device().index();
+  const Workspace ws = ws_bytes > 0 ? cutlass_workspace(ws_bytes, device) : Workspace{};
+  void* ws_ptr = ws.ptr;
   if (!smem_limit_set<Gemm>(device)) {
     // The workspace, the parameters, and the kernel's dynamic shared memory limit.
     FLUX_CHECK(gemm.initialize(args, ws_ptr, stream) == cutlass::Status::kSuccess, op, "CUTLASS initialize failed");
@@ -64,7 +60,7 @@ void run_cutlass_gemm(const char* op, const typename Gemm::Arguments& args, cons
   // With a workspace the kernel follows its memset, not a kernel: nothing for PDL to overlap, and
   // the stream-K consumer warps, which touch the workspace, never execute griddepcontrol.wait.
   // pdl_allowed: false where the kernel reads, before its wait, what the kernel before it writes.
-  const bool pdl = pdl_allowed && fused_pdl() && ws_bytes == 0 && at::cuda::getDeviceProperties(device)->major == 9;
+  const bool pdl = pdl_allowed && fused_pdl() && ws_bytes == 0 && device_major(device) == 9;
 #else
   (void)pdl_allowed;
   const bool pdl = false;  // the kernels have no griddepcontrol.wait: an early start would be unsafe

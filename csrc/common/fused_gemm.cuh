@@ -5,13 +5,16 @@
 // table flux/fused_configs.py; setup.py generates their translation units and dispatch.
 #pragma once
 
+#include <cuda_runtime.h>
+
 #include <optional>
 #include <string>
 
+#include "common/check.h"
+#if !defined(FLUX_KERNEL_UNIT)
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
-
-#include "common/check.h"
+#endif
 
 namespace flux {
 
@@ -28,7 +31,6 @@ struct FusedGemmLaunch {
   uint64_t timeout_ns = 0;
   int device = 0;
   cudaStream_t stream = nullptr;
-  at::TensorOptions byte_options;  // for a CUTLASS workspace, if one is needed
 };
 
 // The dtype variants, numbered as flux/fused_configs.py DTYPES: inputs -> output (fp32
@@ -51,6 +53,8 @@ std::string fused_kernels_built();
 // no such wait, and the switch is ignored.
 bool fused_pdl();
 void set_fused_pdl(bool enabled);
+
+#if !defined(FLUX_KERNEL_UNIT)  // the dispatchers' side (ag_gemm_fused.cpp, rs_fused.cpp)
 
 // The variant of (input, output) dtypes, or -1 where none is defined.
 inline int fused_dtype_of(at::ScalarType in, at::ScalarType out) {
@@ -85,9 +89,10 @@ inline FusedGemmLaunch fused_gemm_launch(at::Tensor& out, const at::Tensor& a, c
   l.timeout_ns = (uint64_t)timeout_ms * 1000000ull;
   l.device = a.get_device();
   l.stream = at::cuda::getCurrentCUDAStream();
-  l.byte_options = a.options().dtype(at::kByte);
   return l;
 }
+
+#endif  // !FLUX_KERNEL_UNIT
 
 }  // namespace flux
 

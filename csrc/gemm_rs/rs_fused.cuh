@@ -20,9 +20,6 @@
 // the bias are too.
 #pragma once
 
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAGuard.h>
-
 #include "common/check.h"
 #include "common/fused_gemm.cuh"
 
@@ -136,7 +133,7 @@ void launch_rs_fused(const RsFusedArgs& a) {
   args.epilogue.peer = a.peer;
   args.epilogue.timeout_ns = a.timeout_ns;
   args.epilogue.error = a.error_record;
-  run_cutlass_gemm<typename G::Gemm>(op, args, a.byte_options, a.stream, a.m, a.n, a.k);
+  run_cutlass_gemm<typename G::Gemm>(op, args, a.device, a.stream, a.m, a.n, a.k);
 }
 
 }  // namespace flux

@@ -1,5 +1,7 @@
 // torch.ops.flux.grouped_mm_cutlass: checks, the output and the per-expert argument scratch, then
 // one instantiation of the grouped GEMM (grouped_gemm.cuh; generated from flux/fused_configs.py).
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include "moe/grouped_gemm.cuh"
@@ -56,7 +58,7 @@ at::Tensor grouped_mm_cutlass(const at::Tensor& a, const at::Tensor& b, const at
   args.n = static_cast<int>(n);
   args.k = static_cast<int>(k);
   args.scratch = scratch.data_ptr();
-  args.byte_options = bytes;
+  args.device = a.device().index();
   args.stream = at::cuda::getCurrentCUDAStream(a.device().index()).stream();
   FLUX_CHECK(grouped_dispatch(static_cast<int>(config), static_cast<int>(kind), args), op, "configuration ", config,
              " for kind ", kind, " is not built into flux._C (built: ", grouped_kernels_built(),

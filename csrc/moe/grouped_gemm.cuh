@@ -15,9 +15,9 @@
 // GROUPED, from which setup.py generates one translation unit per (configuration, kind).
 #pragma once
 
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <cuda_runtime.h>
 
+#include <cstdint>
 #include <string>
 
 #include "common/check.h"
@@ -38,7 +38,7 @@ struct GroupedGemmArgs {
   int groups = 0;
   int n = 0, k = 0;  // nk / kn: the product's N and K; wgrad: M (a's columns) and N (b's columns)
   void* scratch = nullptr;  // groups * kGroupedArgBytes device bytes
-  at::TensorOptions byte_options;
+  int device = 0;
   cudaStream_t stream = nullptr;
 };
 
@@ -172,9 +172,9 @@ void launch_grouped(const GroupedGemmArgs& a) {
        S::template at<const Elem*>(s, S::kB, g), S::template at<typename G::StrideB>(s, S::kSB, g)},
       {fusion, nullptr, S::template at<typename G::StrideD>(s, S::kSD, g), S::template at<Elem*>(s, S::kD, g),
        S::template at<typename G::StrideD>(s, S::kSD, g)},
-      hardware_info(a.byte_options.device().index())};
+      hardware_info(a.device)};
   // No programmatic dependent launch: the kernel reads the arguments grouped_prepare writes.
-  run_cutlass_gemm<typename G::Gemm>(op, args, a.byte_options, a.stream, -1, a.n, a.k, /*pdl_allowed=*/false);
+  run_cutlass_gemm<typename G::Gemm>(op, args, a.device, a.stream, -1, a.n, a.k, /*pdl_allowed=*/false);
 }
 
 }  // namespace flux
