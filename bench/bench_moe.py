@@ -16,6 +16,9 @@ Per cell, each timed after --warmup calls:
 
   dispatch / combine, flux   flux.moe_dispatch(x, idx, w, E) and flux.moe_combine(y, handle)
                              (y: the dispatched rows), unbounded layout, loop mode
+  dispatch, flux unread      world size 1: the unbounded dispatch with read_counts=False (no count
+                             read; recv_x [T * K, H]), loop and graph mode, host us
+                             (``flux.dispatch_unread``)
   dispatch / combine, flux bounded   the same with max_tokens_per_rank=T, loop mode and graph
                              mode (--steps calls captured once in a CUDA graph, replayed); skipped
                              where the [E/W, W*T, H] slab is over --bounded-max-gib; the
@@ -559,6 +562,14 @@ def cell(args, bench, rec, group, rank, world, dev, dtype, itemsize, tol, layers
         rec["rel_err_combine"] = check_same(bench, "combine", [flux.moe_combine(fr, fh)], [bcomb(br)], tol)
     rec["flux"] = {"dispatch": timed(bench, fx_dispatch(), args, graph=False),
                    "combine": timed(bench, lambda: flux.moe_combine(fr, fh), args, graph=False, host=True)}
+    if fh.strategy == "local":  # one rank: the unbounded dispatch without the count read (read_counts=False)
+        def unread():
+            return flux.moe_dispatch(x, idx, w, experts, group=group, read_counts=False)
+
+        ur, uc, _ = unread()
+        check_same(bench, "dispatched rows, read_counts=False", [ur[:fr.shape[0]], uc.float()], [fr, fc.float()], 0.0)
+        del ur, uc
+        rec["flux"]["dispatch_unread"] = timed(bench, unread, args, graph=True, host=True)
     if not args.flux_only:
         rec["a2a"] = {"dispatch": timed(bench, a2a_dispatch, args, graph=False),
                       "combine": timed(bench, lambda: bcomb(br), args, graph=False)}
@@ -595,7 +606,7 @@ def cell(args, bench, rec, group, rank, world, dev, dtype, itemsize, tol, layers
         rec["bounded_status"] = "ok"
         del fr, fc, fbh, br, bc
     for name in ("flux", "a2a", "flux_bounded"):
-        for op in ("dispatch", "dispatch_nopad", "combine"):
+        for op in ("dispatch", "dispatch_unread", "dispatch_nopad", "combine"):
             r = rec.get(name, {}).get(op)
             if r is not None:
                 nbytes = rec["remote_bytes"]
@@ -645,6 +656,9 @@ def table(records):
             nopad = r.get("flux_bounded", {}).get("dispatch_nopad") if op == "dispatch" else None
             if nopad is not None:
                 bnd += f" ({_f(nopad.get('graph_ms'))})"
+            unread = r["flux"].get("dispatch_unread") if op == "dispatch" else None
+            if unread is not None:
+                bnd += f" u{_f(unread['loop_ms'])}/{_f(unread.get('graph_ms'))}"
             g = f"{_f(f['gbps_loop'], '.1f')}/{_f(a.get('gbps_loop'), '.1f')}"
             parts.append(f"{_f(f['loop_ms']):>8}/{_f(a.get('loop_ms')):<8} {bnd:>{21 if op == 'dispatch' else 13}} {g:>11} "
                          f"{ratio(a.get('loop_ms'), f['loop_ms']):>5}")
@@ -653,7 +667,8 @@ def table(records):
         lay_x = "-" if lay is None else ratio(lay["a2a"]["loop_ms"], lay["flux"]["loop_ms"])
         lines.append(f"{head} | {parts[0]} | {parts[1]} | {lay_s:>15} {lay_x:>5}")
     lines.append("x: the baseline's ms / flux's (loop mode); bnd: flux with max_tokens_per_rank=T, loop/graph ms "
-                 "(dispatch: with zero_pad=False, graph ms, in parentheses); "
+                 "(dispatch: with zero_pad=False, graph ms, in parentheses; u: one rank, unbounded with "
+                 "read_counts=False, loop/graph ms); "
                  "GB/s: remote rows' bytes per call (see the module docstring)")
     return "\n".join(lines)
 

@@ -25,6 +25,10 @@ def _gather(x, send_pairs, k, rows, zero_pad=True):
 
 
 def dispatch(x, topk_idx, num_experts, capacity, host_code, zero_pad):
+    """capacity C >= 0: bounded; -1: unbounded, recv sized later (moe_local_rows); -2: unbounded at
+    the worst case, recv [T * K, H] here, rows past the counts' sum padding (send_pairs T * K)."""
+    worst = capacity == -2
+    capacity = -1 if worst else capacity
     t, k = topk_idx.shape
     n = t * k
     flat = topk_idx.reshape(-1).to(torch.int64)
@@ -55,6 +59,8 @@ def dispatch(x, topk_idx, num_experts, capacity, host_code, zero_pad):
         send_pairs[row] = order
     if capacity >= 0:
         recv = _gather(x, send_pairs, k, num_experts * capacity).view(num_experts, capacity, x.shape[1])
+    elif worst:
+        recv = _gather(x, send_pairs, k, n)
     else:
         recv = x.new_empty((0, x.shape[1]))
     return [recv, info[:num_experts], info[num_experts:], pair_row, send_pairs, info]

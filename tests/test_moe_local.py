@@ -150,6 +150,87 @@ def test_bounded_entry_matches_emulation(group, t, e, k, cap, h, zero_pad, data)
         assert torch.equal(torch.where(keep, recv.cpu(), 0), ref[0])
 
 
+@pytest.mark.parametrize("t,e,k,h", [(64, 8, 2, 256), (300, 64, 8, 256), (0, 8, 2, 256), (5, 1024, 8, 256),
+                                     (700, 16, 4, 100), (72, 1024, 64, 64)])
+@pytest.mark.parametrize("zero_pad", [True, False])
+@pytest.mark.parametrize("data", ["valid", "dropped_slots", "bad_id", "duplicate"])
+def test_unread_counts_entry_matches_emulation(group, t, e, k, h, zero_pad, data):
+    """torch.ops.flux.moe_local_dispatch with capacity -2 (unbounded at the worst case: recv
+    [T * K, H] in the same call, nothing for the host to read) against its CPU statement: the
+    layout and counts bit for bit, recv's first sum(counts) rows exactly and, with zero_pad, its
+    padding rows zero; send_pairs T * K on every padding row. Outputs poisoned first."""
+    import _moe_local_emulation
+
+    if t == 0 and data != "valid":
+        pytest.skip("no token to make invalid")
+    gen = torch.Generator().manual_seed(t * 5 + e + k)
+    x, idx = _ints((t, h), gen), _routing(t, e, k, gen, empty_slots=data == "dropped_slots")
+    if data == "bad_id":
+        idx[t // 2, k - 1] = e
+    elif data == "duplicate" and k > 1:
+        idx[t - 1, k - 1] = idx[t - 1, 0]
+    elif data == "duplicate":
+        pytest.skip("K = 1 has no duplicate")
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
+        nbytes = t * k * h * x.element_size() + (e + 1 + 2 * t * k) * 8
+        poison = torch.full((nbytes,), 0x7F, dtype=torch.uint8, device=DEV)
+        del poison
+    recv, counts, verdict, pair_row, send_pairs, info = torch.ops.flux.moe_local_dispatch(x, idx, e, -2, 0, zero_pad)
+    ref = _moe_local_emulation.dispatch(x.cpu(), idx.cpu(), e, -2, 0, zero_pad)
+    assert torch.equal(info.cpu(), ref[5]) and torch.equal(pair_row.cpu(), ref[3])
+    assert torch.equal(send_pairs.cpu(), ref[4])
+    assert (int(verdict[0]) != 0) == (data in ("bad_id", "duplicate"))
+    assert recv.shape == (t * k, h)
+    r = int(counts.sum())
+    assert r == (t * k if data == "valid" else int(ref[1].sum()))
+    assert torch.equal(recv[:r].cpu(), ref[0][:r])
+    if zero_pad:
+        assert not recv[r:].any()
+
+
+@pytest.mark.parametrize("zero_pad", [True, False])
+def test_unread_counts_dispatch(group, zero_pad):
+    """flux.moe_dispatch(read_counts=False) on one rank: recv_x [T * K, H], its first R rows those of
+    the default (read) dispatch, counts equal, no host counts, combine and gradients equal to the
+    read dispatch's; bad ids deferred to handle.check() (every count zero, combine zeros)."""
+    gen = torch.Generator().manual_seed(23)
+    t, e, k, h = 150, 16, 4, 128
+    x0 = _ints((t, h), gen)
+    idx, w0 = _routing(t, e, k, gen), _weights(t, k, gen)
+    g = _ints((t, h), gen)
+    res = {}
+    for read in (True, False):
+        x, w = x0.clone().float().requires_grad_(), w0.clone().requires_grad_()
+        recv, counts, handle = flux.moe_dispatch(x, idx, w, e, read_counts=read, zero_pad=zero_pad)
+        assert handle.strategy == "local"
+        out = flux.moe_combine(recv * 3 - 1, handle)
+        out.backward(g.float())
+        res[read] = (recv.detach(), counts, handle, out.detach(), x.grad, w.grad)
+    r = int(res[True][1].sum())
+    assert r < t * k  # some slots dropped: padding rows exist
+    recv, counts, handle = res[False][:3]
+    assert recv.shape == (t * k, h) and handle.counts_host is None and handle.recv_shape == (t * k, h)
+    assert torch.equal(counts, res[True][1]) and torch.equal(recv[:r], res[True][0])
+    if zero_pad:
+        assert not recv[r:].any()
+    for a, b in zip(res[False][3:], res[True][3:]):
+        assert torch.equal(a, b)
+    handle.check()
+    bad = idx.clone()
+    bad[3, 1] = e
+    recv, counts, handle = flux.moe_dispatch(x0, bad, w0, e, read_counts=False)  # deferred, as bounded
+    assert not counts.any() and not recv.any() and not flux.moe_combine(recv, handle).any()
+    with pytest.raises(flux.FluxInputError, match="outside"):
+        handle.check()
+    # Through the dispatcher op (torch.compile's path): static shapes, the same rows.
+    args = (x0, idx, w0, e, moe_ops.group_name(group), None, False, True, False)
+    torch.library.opcheck(torch.ops.flux.moe_dispatch, args, test_utils=("test_schema", "test_faketensor"))
+    op_recv, op_counts = torch.ops.flux.moe_dispatch(*args)[:2]
+    assert op_recv.shape == (t * k, h) and torch.equal(op_counts, res[True][1])
+    assert torch.equal(op_recv[:r], res[True][0].to(op_recv.dtype))
+
+
 def test_fp8_dispatch_exact(group):
     gen = torch.Generator().manual_seed(3)
     t, e, k, h = 200, 16, 4, 512
@@ -264,6 +345,37 @@ def test_bounded_graph_capture(group, zero_pad):
         assert torch.equal(out, flux.moe_combine_ref(ref_recv, idx, w, e, max_tokens_per_rank=cap))
 
 
+@gpu_only
+def test_unread_counts_graph_capture(group):
+    """The unbounded dispatch without the count read (read_counts=False) and its combine replay from
+    a CUDA graph: nothing on the host per call."""
+    gen = torch.Generator().manual_seed(29)
+    t, e, k, h = 128, 64, 8, 512
+    x, idx, w = _ints((t, h), gen), _routing(t, e, k, gen), _weights(t, k, gen)
+    flux.moe_dispatch(x, idx, w, e, read_counts=False)  # warm-up: checks remembered
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            recv, counts, handle = flux.moe_dispatch(x, idx, w, e, read_counts=False)
+            flux.moe_combine(recv, handle)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        recv, counts, handle = flux.moe_dispatch(x, idx, w, e, read_counts=False)
+        out = flux.moe_combine(recv, handle)
+    for _ in range(3):
+        x.copy_(_ints((t, h), gen))
+        idx.copy_(_routing(t, e, k, gen))
+        w.copy_(_weights(t, k, gen))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_recv, ref_counts = flux.moe_dispatch_ref(x, idx, w, e)
+        r = ref_recv.shape[0]
+        assert torch.equal(counts, ref_counts) and torch.equal(recv[:r], ref_recv) and not recv[r:].any()
+        assert torch.equal(out, flux.moe_combine_ref(ref_recv, idx, w, e))
+
+
 def test_layer_matches_sequential(group, monkeypatch):
     torch.manual_seed(0)
     t, h, f, e, k = 64, 256, 128, 8, 2
@@ -281,6 +393,33 @@ def test_layer_matches_sequential(group, monkeypatch):
     for cap in (None, t):
         for a, b in zip(results[("local", cap)], results[("sequential", cap)]):
             torch.testing.assert_close(a.float(), b.float(), atol=3e-2, rtol=3e-2)
+
+
+def test_layer_reads_counts_only_for_other_routers(group):
+    """flux.nn.MoE dispatches without the count read where its own router chose the ids (valid by
+    construction), with it where a subclass routes (its ids could be invalid: the read raises)."""
+    from flux.nn.moe import FluxDispatcher
+
+    seen = []
+
+    class Recording(FluxDispatcher):
+        @staticmethod
+        def dispatch(*args, **kw):
+            seen.append(kw.get("read_counts", True))
+            return FluxDispatcher.dispatch(*args, **kw)
+
+    class OwnRouter(flux.nn.MoE):
+        def route(self, x):
+            idx, w = super().route(x)
+            idx[0, 0] = self.num_experts  # invalid
+            return idx, w
+
+    x = torch.randn(16, 64, device=DEV, dtype=torch.bfloat16)
+    flux.nn.MoE(64, 32, 4, 2, seed=1, dtype=torch.bfloat16, device=DEV, dispatcher=Recording())(x)
+    assert seen == [False]
+    with pytest.raises(flux.FluxInputError, match="outside"):
+        OwnRouter(64, 32, 4, 2, seed=1, dtype=torch.bfloat16, device=DEV, dispatcher=Recording())(x)
+    assert seen == [False, True]
 
 
 def test_opcheck_and_compile_path(group):

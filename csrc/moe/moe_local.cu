@@ -147,12 +147,13 @@ count_kernel(const Idx* __restrict__ idx, int64_t n, int k, int per_block, int n
 
 // One block of kScanThreads. blk_counts becomes each block's exclusive offset within its expert
 // (one warp per expert at a time, 32 blocks per step); info[0, E) the counts, info[E] the verdict;
-// start[e] the first row of expert e. Bounded: send_pairs [E * C] filled with the padding value
-// first (place_kernel, which runs after, writes the real rows).
+// start[e] the first row of expert e. send_pairs[0, pad_fill) filled with the padding value first
+// (bounded: all E * C rows; unbounded at the worst case: all T * K; place_kernel, which runs
+// after, writes the real rows).
 __global__ void __launch_bounds__(kScanThreads)
     scan_kernel(int* __restrict__ blk_counts, const int* __restrict__ blk_code, int blocks, int num_experts,
                 int64_t capacity, int host_code, int64_t* __restrict__ info, int64_t* __restrict__ start,
-                int64_t* __restrict__ send_pairs, int64_t pad_value) {
+                int64_t* __restrict__ send_pairs, int64_t pad_value, int64_t pad_fill) {
   using Scan = cub::BlockScan<int64_t, kScanThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
   __shared__ int64_t s_total[kMaxExperts];
@@ -196,10 +197,7 @@ __global__ void __launch_bounds__(kScanThreads)
     }
   }
   if (threadIdx.x == 0) info[num_experts] = s_code;
-  if (capacity >= 0) {
-    const int64_t rows = num_experts * capacity;
-    for (int64_t r = threadIdx.x; r < rows; r += blockDim.x) send_pairs[r] = pad_value;
-  }
+  for (int64_t r = threadIdx.x; r < pad_fill; r += blockDim.x) send_pairs[r] = pad_value;
 }
 
 // pair_row[p] and send_pairs[row]; nothing (every pair -1) when the verdict is nonzero. Blocks of
@@ -268,7 +266,7 @@ __device__ __forceinline__ void zero_row(Vec* __restrict__ to, int64_t vecs) {
 // row of out written once: the HBM traffic of the permutation itself). Items, grid-stride, one
 // per block at a time:
 //   [0, tokens)                  token t: x[t] -> out[pair_row[t * k + j]] for each j with a row
-//   [tokens, tokens + pad_rows)  (bounded, zero_pad) row r = item - tokens: zeros where
+//   [tokens, tokens + pad_rows)  (padded layouts, zero_pad) row r = item - tokens: zeros where
 //                                send_pairs[r] is padding (not a pair of [0, tokens * k))
 template <typename Vec>
 __global__ void __launch_bounds__(kRowThreads)
@@ -563,14 +561,15 @@ void launch_count(const char* op, const Idx* idx, int64_t n, int k, int num_expe
 // scan_kernel and place_kernel after count_kernel (per_block = kPairsPerBlock).
 template <typename Idx>
 void launch_scan_place(const char* op, const Idx* idx, int64_t n, int k, int num_experts, int64_t capacity,
-                       int64_t host_code, Layout& l, cudaStream_t stream) {
+                       int64_t host_code, Layout& l, cudaStream_t stream, bool worst = false) {
   const size_t place_smem = kLayoutWarps * num_experts * sizeof(int);
   int64_t* info = l.info.data_ptr<int64_t>();
   int64_t* send_pairs = l.send_pairs.data_ptr<int64_t>();
   moe_launch::check(op, "scan_kernel", scan_kernel, 1, kScanThreads, 0);
   moe_launch::check(op, "place_kernel", place_kernel<Idx>, l.blocks, kPairsPerBlock, place_smem);
   scan_kernel<<<1, kScanThreads, 0, stream>>>(l.blk_counts, l.blk_code, l.blocks, num_experts, capacity,
-                                              static_cast<int>(host_code), info, l.start, send_pairs, n);
+                                              static_cast<int>(host_code), info, l.start, send_pairs, n,
+                                              capacity >= 0 ? num_experts * capacity : worst ? n : 0);
   FLUX_CHECK_LAUNCH();
   place_kernel<Idx><<<l.blocks, kPairsPerBlock, place_smem, stream>>>(
       idx, n, k, num_experts, capacity, l.blk_counts, info, l.start, l.pair_row.data_ptr<int64_t>(), send_pairs);
@@ -585,7 +584,11 @@ void launch_bounded_rows(const char* op, const Idx* idx, int64_t n, int k, int n
                          int64_t host_code, bool zero_pad, const at::Tensor& x, Layout& l, at::Tensor& out,
                          cudaStream_t stream) {
   const int64_t rows = num_experts * capacity;
-  const int64_t want = grid_for(x.size(0) + (zero_pad ? rows : 0), kFusedBlocksPerSm);
+  // A block per token, and with zero_pad one per padding row the counts leave for sure (rows - T * K,
+  // a lower bound): where the slabs hold about as many rows as pairs (E * C ~ T * K) the few
+  // padding rows do not multiply the blocks, each of which ranks its count block's pairs again.
+  const int64_t pad = zero_pad ? std::max<int64_t>(0, rows - n) : 0;
+  const int64_t want = grid_for(x.size(0) + pad, kFusedBlocksPerSm);
   const int64_t split = std::max<int64_t>(1, (want + l.blocks - 1) / l.blocks);
   const int64_t grid = l.blocks * split;
   const size_t smem = (kLayoutWarps + 2) * num_experts * sizeof(int);
@@ -631,7 +634,9 @@ void check_rows(const at::Tensor& t, const char* what, const char* op) {
 }  // namespace
 
 // Returns [recv, counts, verdict, pair_row, send_pairs, info]: recv [E, C, H] bounded, [0, H]
-// unbounded (the caller sizes it with moe_local_rows after its one host read of info); counts
+// unbounded (the caller sizes it with moe_local_rows after its one host read of info), [T * K, H]
+// for capacity -2, the unbounded layout at its worst case, rows in place in this call and no host
+// read needed (rows past the counts' sum are padding: send_pairs T * K, zeros when zero_pad); counts
 // (info[:E]) and verdict (info[E:], [1]) are views of info, so that the bounded caller uses the
 // outputs as they come (no slicing or reshaping on the host per call). info, pair_row and
 // send_pairs are views of one allocation (layout_buffers). Bounded: two launches where
@@ -650,14 +655,17 @@ std::vector<at::Tensor> moe_local_dispatch(const at::Tensor& x_in, const at::Ten
              "], got ", num_experts);
   const int64_t k = topk_idx.size(1), n = topk_idx.numel();
   FLUX_CHECK(k >= 1 && k <= kMaxTopk, op, "K must be in [1, ", kMaxTopk, "], got ", k);
-  FLUX_CHECK(capacity >= -1, op, "capacity must be -1 (unbounded) or >= 0, got ", capacity);
+  FLUX_CHECK(capacity >= -2, op, "capacity must be -1 (unbounded), -2 (unbounded, T * K rows) or >= 0, got ",
+             capacity);
+  const bool worst = capacity == -2;
+  if (worst) capacity = -1;
   const c10::cuda::CUDAGuard guard(x.device());
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const int whole = kPairsPerBlock - kPairsPerBlock % static_cast<int>(k);  // whole tokens per count block
   const bool fused = capacity >= 0 && std::max<int64_t>(1, (n + whole - 1) / whole) * num_experts <= kFusedCounts;
   Layout l = layout_buffers(topk_idx, num_experts, capacity, fused ? whole : kPairsPerBlock);
   at::Tensor recv = capacity >= 0 ? at::empty({num_experts, capacity, x.size(1)}, x.options())
-                                  : at::empty({0, x.size(1)}, x.options());  // unbounded: sized by the caller
+                                  : at::empty({worst ? n : 0, x.size(1)}, x.options());  // -1: sized by the caller
   const int e = static_cast<int>(num_experts), ki = static_cast<int>(k);
   AT_DISPATCH_INDEX_TYPES(topk_idx.scalar_type(), "moe_local_dispatch", [&] {
     const index_t* idx = topk_idx.data_ptr<index_t>();
@@ -671,7 +679,8 @@ std::vector<at::Tensor> moe_local_dispatch(const at::Tensor& x_in, const at::Ten
       }
       return;
     }
-    launch_scan_place(op, idx, n, ki, e, capacity, host_code, l, stream);
+    launch_scan_place(op, idx, n, ki, e, capacity, host_code, l, stream, worst);
+    if (worst) launch_rows(op, x, l.pair_row, l.send_pairs, k, zero_pad ? n : 0, recv, stream);
     if (capacity >= 0) launch_rows(op, x, l.pair_row, l.send_pairs, k, zero_pad ? num_experts * capacity : 0, recv,
                                    stream);
   });

@@ -31,14 +31,17 @@ class FluxDispatcher:
     with the same two methods, signatures and layouts can stand in for it (the benchmarks pass an
     all-to-all baseline); its handle needs a ``counts_host`` attribute (a list, or None). A
     dispatcher whose bounded slabs are zeros past the counts says so with ``zero_padded = True``,
-    and ``MoE`` then does not mask them again."""
+    and ``MoE`` then does not mask them again. ``read_counts`` is flux.moe_dispatch's: ``MoE``
+    passes False where its own router chose the ids (valid by construction), so that a group of
+    one rank dispatches without a host read; other dispatchers are called without it."""
 
     zero_padded = True  # flux.moe_dispatch's default zero_pad
 
     @staticmethod
-    def dispatch(x, topk_idx, topk_weights, num_experts, *, group=None, max_tokens_per_rank=None):
+    def dispatch(x, topk_idx, topk_weights, num_experts, *, group=None, max_tokens_per_rank=None,
+                 read_counts=True):
         return flux.moe_dispatch(x, topk_idx, topk_weights, num_experts, group=group,
-                                 max_tokens_per_rank=max_tokens_per_rank)
+                                 max_tokens_per_rank=max_tokens_per_rank, read_counts=read_counts)
 
     @staticmethod
     def combine(y, handle):
@@ -221,12 +224,22 @@ class MoE(nn.Module):
         idx, weights = self.route(x2)
         if self.chunks > 1:
             return self._forward_chunked(x2, idx, weights).reshape(shape)
-        recv_x, counts, handle = self.dispatcher.dispatch(x2, idx, weights, self.num_experts, group=self.group,
-                                                          max_tokens_per_rank=self.max_tokens_per_rank)
+        recv_x, counts, handle = self._dispatch(x2, idx, weights, self.max_tokens_per_rank)
         y = self.experts(recv_x, counts, getattr(handle, "counts_host", None), zero_padded=self._zero_padded())
         out = self.dispatcher.combine(y, handle)
         self._check(x2, [handle])
         return out.reshape(shape)
+
+    def _dispatch(self, x, idx, weights, cap):
+        """The dispatcher's dispatch. Unbounded, with flux's dispatcher and this class's router (its
+        top-k ids are in range and distinct, so no data error can arise), without the host read of
+        the counts on a group of one rank (``read_counts=False``: T * K rows, the counts on the
+        device, which the grouped GEMMs take as they are)."""
+        kw = {}
+        if cap is None and isinstance(self.dispatcher, FluxDispatcher) and type(self).route is MoE.route:
+            kw["read_counts"] = False
+        return self.dispatcher.dispatch(x, idx, weights, self.num_experts, group=self.group, max_tokens_per_rank=cap,
+                                        **kw)
 
     def _zero_padded(self) -> bool:
         return bool(getattr(self.dispatcher, "zero_padded", False))
@@ -256,8 +269,7 @@ class MoE(nn.Module):
 
         def dispatch(i):
             with streams.comm():
-                out = self.dispatcher.dispatch(*blocks[i], self.num_experts, group=self.group,
-                                               max_tokens_per_rank=cap)
+                out = self._dispatch(*blocks[i], cap)
             return out, streams.mark(side=True)
 
         outs, handles = [], []

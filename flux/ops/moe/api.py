@@ -28,9 +28,9 @@ class _DispatchFunction(torch.autograd.Function):
     gradient of recv_x then collected by dequantize_fp8 in ``ctx.fp8_grad`` (straight-through)."""
 
     @staticmethod
-    def forward(ctx, x, topk_idx, topk_weights, num_experts, group, capacity, fp8, zero_pad):
+    def forward(ctx, x, topk_idx, topk_weights, num_experts, group, capacity, fp8, zero_pad, read_counts):
         recv_x, counts, handle = _dispatch_impl(x, topk_idx, topk_weights, num_experts, group, capacity, fp8=fp8,
-                                                zero_pad=zero_pad)
+                                                zero_pad=zero_pad, read_counts=read_counts)
         ctx.handle, ctx.x_dtype, ctx.fp8_grad = handle, x.dtype, None
         if not fp8:
             return recv_x, counts, handle
@@ -53,7 +53,7 @@ class _DispatchFunction(torch.autograd.Function):
             # Every rank runs this collective whenever autograd reaches the node, with or without
             # a gradient, as it runs the forward's.
             grad_x = _dispatch_backward(grad_recv, ctx.handle, ctx.x_dtype)
-        return grad_x, None, None, None, None, None, None, None
+        return grad_x, None, None, None, None, None, None, None, None
 
 
 class _CombineFunction(torch.autograd.Function):
@@ -94,11 +94,12 @@ def _is_fake(t: torch.Tensor) -> bool:
 
 @torch.library.custom_op("flux::moe_dispatch", mutates_args=())
 def _moe_dispatch_op(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
-                     group_name: str, max_tokens_per_rank: Optional[int], fp8: bool = False, zero_pad: bool = True
+                     group_name: str, max_tokens_per_rank: Optional[int], fp8: bool = False, zero_pad: bool = True,
+                     read_counts: bool = True
                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """fp8: recv_x is the received packed byte rows (uint8), which moe_dispatch splits."""
     recv_x, counts, h = _dispatch_impl(x, topk_idx, topk_weights, num_experts, group_from_name(group_name),
-                                       max_tokens_per_rank, fp8=fp8, zero_pad=zero_pad)
+                                       max_tokens_per_rank, fp8=fp8, zero_pad=zero_pad, read_counts=read_counts)
     if h.strategy == "local":  # counts, verdict, send_pairs and recv_dest are views of one tensor there:
         # outputs must not alias
         return recv_x, counts.clone(), h.send_pairs.clone(), h.recv_dest.clone(), h.meta, h.verdict.clone()
@@ -107,7 +108,7 @@ def _moe_dispatch_op(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torc
 
 @_moe_dispatch_op.register_fake
 def _moe_dispatch_fake(x, topk_idx, topk_weights, num_experts, group_name, max_tokens_per_rank, fp8=False,
-                       zero_pad=True):
+                       zero_pad=True, read_counts=True):
     for name, t in (("topk_idx", topk_idx), ("topk_weights", topk_weights)):
         if t.device != x.device:
             raise FluxInputError(f"{OP}: {name} is on {t.device} but x is on {x.device}")
@@ -115,8 +116,10 @@ def _moe_dispatch_fake(x, topk_idx, topk_weights, num_experts, group_name, max_t
     world = dist.get_world_size(group)
     name = _strategies._choose_strategy(x, group, max_tokens_per_rank is not None, num_experts, topk_idx)
     rows = x.new_empty((x.shape[0], _packed_width(x.shape[-1])), dtype=torch.uint8) if fp8 else x
-    recv_x, counts, send_pairs, recv_dest, n_host = _STRATEGY_IMPLS[name].fake_dispatch(
-        rows, topk_idx, num_experts, world, max_tokens_per_rank)
+    impl = _STRATEGY_IMPLS[name]
+    recv_x, counts, send_pairs, recv_dest, n_host = (
+        impl.fake_dispatch(rows, topk_idx, num_experts, world, max_tokens_per_rank, read_counts)
+        if name == "local" else impl.fake_dispatch(rows, topk_idx, num_experts, world, max_tokens_per_rank))
     meta = torch.empty(1 + n_host, dtype=torch.int64, device="cpu")
     return recv_x, counts, send_pairs, recv_dest, meta, torch.empty(world, dtype=torch.int64, device=x.device)
 
@@ -136,7 +139,7 @@ def _dispatch_op_backward(ctx, grad_recv, *grad_rest):
         ones = torch.ones(wshape, dtype=_acc_dtype(grad_recv.dtype), device=grad_recv.device)
         grad_x = torch.ops.flux.moe_combine(grad_recv.contiguous(), ones, send_pairs, recv_dest, meta, gname,
                                             num_experts, cap)[0].to(x_dtype)
-    return grad_x, None, None, None, None, None, None, None
+    return grad_x, None, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("flux::moe_dispatch", _dispatch_op_backward, setup_context=_dispatch_setup)
@@ -204,7 +207,7 @@ def _moe_to_experts_fake(rows, recv_dest, meta, group_name, num_experts, max_tok
 
 def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, *,
                  group: Optional[dist.ProcessGroup] = None, max_tokens_per_rank: Optional[int] = None,
-                 fp8: bool = False, zero_pad: bool = True):
+                 fp8: bool = False, zero_pad: bool = True, read_counts: bool = True):
     """Send each token to the ranks owning the experts it is routed to (expert parallelism).
 
     Args:
@@ -230,6 +233,15 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
             experts' weights (a garbage row times a zero gradient can be NaN). The zeros are most
             of what a decode dispatch writes with many experts (E = 64, W = 2, C = 128, top-8:
             about 1/8 of recv_x's rows carry data). Need not agree across ranks.
+        read_counts: unbounded variant on a group of one rank (every expert on this GPU) only.
+            True (default): the counts are read on the host (one synchronisation), which sizes
+            recv_x to the R rows routed. False: nothing is read: recv_x has T * K rows, the worst
+            case, the first R grouped by expert as above and the rest padding (zeros unless
+            ``zero_pad=False``); counts stay on the device, ``handle.counts_host`` is None, and
+            invalid ids or duplicates are reported through ``handle.check()`` (every count zero),
+            as in the bounded variant. For callers whose ids are valid by construction (a top-k
+            router: R = T * K) and whose expert kernels take device counts. Ignored on larger
+            groups, where the receive size needs the peers' counts.
 
     Returns:
         ``(recv_x, counts, handle)``:
@@ -244,7 +256,7 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
             source; ``dequantize_fp8(recv_fp8, recv_scales)`` is the rows in bf16.
         counts: ``[E_l]`` int64 on x's device: rows per local expert.
         handle: a ``MoeHandle`` for ``moe_combine``; ``handle.counts_host`` is counts as a list
-            (unbounded; None when bounded).
+            (unbounded; None when bounded or ``read_counts=False``).
 
     Autograd: d x is the sum of the gradients of the token's copies. With fp8 it is
     straight-through: the gradient that reaches ``dequantize_fp8(recv_fp8, recv_scales)``'s
@@ -262,15 +274,15 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
         having sent nothing).
     """
     group = resolve_group(group, OP)
-    fp8, zero_pad = bool(fp8), bool(zero_pad)
+    fp8, zero_pad, read_counts = bool(fp8), bool(zero_pad), bool(read_counts)
     mode = call_mode(x, topk_idx, topk_weights)
     if mode == 0:
         recv_x, counts, handle = _dispatch_impl(x, topk_idx, topk_weights, num_experts, group, max_tokens_per_rank,
-                                                fp8=fp8, zero_pad=zero_pad)
+                                                fp8=fp8, zero_pad=zero_pad, read_counts=read_counts)
         return (_unpack_fp8(recv_x, handle.hidden) if fp8 else recv_x), counts, handle
     if mode == 1:
         out = _DispatchFunction.apply(x, topk_idx, topk_weights, num_experts, group, max_tokens_per_rank, fp8,
-                                      zero_pad)
+                                      zero_pad, read_counts)
         recv_x, (counts, handle) = (out[:2] if fp8 else out[0]), out[-2:]
         handle.topk_weights = topk_weights  # the caller's tensor, with its autograd history
         return recv_x, counts, handle
@@ -279,7 +291,7 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
                              "torch-function modes, tensor subclasses); call it eagerly for the straight-through "
                              "gradient, or pass x.detach()")
     recv_x, counts, send_pairs, recv_dest, meta, verdict = torch.ops.flux.moe_dispatch(
-        x, topk_idx, topk_weights, num_experts, group_name(group), max_tokens_per_rank, fp8, zero_pad)
+        x, topk_idx, topk_weights, num_experts, group_name(group), max_tokens_per_rank, fp8, zero_pad, read_counts)
     h = x.shape[-1]
     handle = _handle_from(group, num_experts, max_tokens_per_rank, topk_weights, send_pairs, recv_dest, meta, verdict,
                           tuple(recv_x.shape[:-1]) + (h,), h, fp8)

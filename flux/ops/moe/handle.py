@@ -104,9 +104,11 @@ class MoeHandle:
 
     @property
     def counts_host(self) -> Optional[List[int]]:
-        """Rows per local expert as a Python list (unbounded); None for the bounded variant,
-        whose counts stay on the device."""
-        return None if self.bounded else self.meta[1:1 + self.num_local_experts].tolist()
+        """Rows per local expert as a Python list (unbounded); None for the bounded variant and
+        for ``read_counts=False``, whose counts stay on the device."""
+        if self.bounded or self.meta.numel() < 1 + self.num_local_experts:
+            return None
+        return self.meta[1:1 + self.num_local_experts].tolist()
 
     def host_extra(self) -> List[int]:
         """The strategy's host-side integers (unbounded; see ``meta``)."""
@@ -114,8 +116,9 @@ class MoeHandle:
 
     def check(self) -> None:
         """Raise the dispatch's FluxInputError, the same on every rank, if some rank's data
-        was invalid (only the bounded variant on CUDA groups defers this; reading the verdict
-        synchronises with the device)."""
+        was invalid (only the bounded variant on CUDA groups, and the unbounded one with
+        ``read_counts=False`` on one rank, defer this; reading the verdict synchronises with the
+        device)."""
         codes = self.verdict.tolist()
         if any(codes):
             raise FluxInputError(_deferred_message(codes, self))

@@ -53,15 +53,17 @@ class LocalStrategy:
     checks_data = True  # the layout kernels compute the data verdict (no separate check pass)
 
     @staticmethod
-    def dispatch_local(x, topk_idx, num_experts, capacity, host_code, zero_pad):
+    def dispatch_local(x, topk_idx, num_experts, capacity, host_code, zero_pad, read_counts=True):
         """``(recv_x, counts, send_pairs, recv_dest, counts_host or None, verdict, code)``.
         Unbounded: the counts and the verdict are read on the host (one synchronisation) and
         ``code`` is that int (the caller raises when nonzero, before the rows move: recv_x is then
-        None); bounded: nothing is read, code None, and the kernels' outputs are used as they
-        come (recv_x ``[E, C, H]``, counts and verdict views of one tensor: no host work)."""
+        None); bounded, or unbounded with ``read_counts=False`` (recv_x ``[T * K, H]``, the
+        worst case, rows past the counts' sum padding): nothing is read, code None, and the
+        kernels' outputs are used as they come (counts and verdict views of one tensor)."""
+        worst = capacity is None and not read_counts
         recv, counts, verdict, pair_row, send_pairs, info = torch.ops.flux.moe_local_dispatch(
-            x, topk_idx, num_experts, -1 if capacity is None else capacity, host_code, zero_pad)
-        if capacity is not None:
+            x, topk_idx, num_experts, -2 if worst else -1 if capacity is None else capacity, host_code, zero_pad)
+        if capacity is not None or worst:
             return recv, counts, send_pairs, pair_row, None, verdict, None
         host = info.tolist()  # the one host read: sizes recv_x
         code = host[num_experts]
@@ -74,10 +76,13 @@ class LocalStrategy:
         return recv, counts, send_pairs, pair_row, counts_host, verdict, 0
 
     @staticmethod
-    def fake_dispatch(x, topk_idx, num_experts, world, capacity):
+    def fake_dispatch(x, topk_idx, num_experts, world, capacity, read_counts=True):
         t, k = topk_idx.shape
         h = x.shape[-1]
         i64 = dict(dtype=torch.int64, device=x.device)
+        if capacity is None and not read_counts:  # the worst case, T * K rows, nothing on the host
+            return (x.new_empty((t * k, h)), torch.empty(num_experts, **i64), torch.empty(t * k, **i64),
+                    torch.empty(t * k, **i64), 0)
         if capacity is None:
             r = torch.library.get_ctx().new_dynamic_size()
             return (x.new_empty((r, h)), torch.empty(num_experts, **i64), torch.empty(r, **i64),

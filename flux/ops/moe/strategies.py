@@ -101,18 +101,22 @@ def _choose_strategy(x, group: dist.ProcessGroup, bounded: bool, num_experts=Non
 
 
 def _dispatch_impl(x, topk_idx, topk_weights, num_experts, group, capacity, *, defer_verdict=None,
-                   strategy=None, fp8=False, zero_pad=True):
+                   strategy=None, fp8=False, zero_pad=True, read_counts=True):
     """Check (see the module docstring), choose a strategy, dispatch. Returns
     ``(recv_x, counts, handle)``; the handle's topk_weights is the argument. ``defer_verdict``:
     report data errors through ``handle.check()`` instead of raising (default: the bounded
     variant on CUDA groups). ``fp8``: x is quantised and moved as packed byte rows, and recv_x
     is the received byte rows (uint8 ``[..., _packed_width(H)]``; ``_unpack_fp8`` splits them).
-    ``zero_pad=False``: the bounded variant may leave recv_x's rows past the counts unwritten."""
+    ``zero_pad=False``: the bounded variant may leave recv_x's rows past the counts unwritten.
+    ``read_counts=False``: the unbounded variant of the ``local`` strategy reads nothing on the
+    host (recv_x has the worst case's T * K rows, the verdict deferred); other strategies ignore it."""
+    worst = capacity is None and not read_counts
     if _LOCAL_PLANS and defer_verdict is None and (strategy is None or strategy == "local"):
-        plan = _LOCAL_PLANS.get(_local_plan_key(x, topk_idx, topk_weights, num_experts, group, capacity, fp8))
+        plan = _LOCAL_PLANS.get(_local_plan_key(x, topk_idx, topk_weights, num_experts, group, capacity, fp8,
+                                                worst))
         if plan is not None:  # the hot path: a lookup, one C++ entry, the handle
             return _run_local(LocalStrategy, x, topk_idx, topk_weights, num_experts, group, capacity, plan.defer,
-                              fp8, zero_pad, 0, plan.meta)
+                              fp8, zero_pad, 0, plan.meta, worst)
     bounded = capacity is not None
     plannable = defer_verdict is None  # only the public functions' own choice is remembered
     if defer_verdict is None:
@@ -122,8 +126,8 @@ def _dispatch_impl(x, topk_idx, topk_weights, num_experts, group, capacity, *, d
     sig.add("strategy", STRATEGIES.index(name))
     impl = _STRATEGY_IMPLS[name]
     if getattr(impl, "checks_data", False):
-        return _dispatch_local(impl, sig, x, topk_idx, topk_weights, num_experts, group, capacity, defer_verdict,
-                               fp8, zero_pad, plannable)
+        return _dispatch_local(impl, sig, x, topk_idx, topk_weights, num_experts, group, capacity,
+                               defer_verdict or worst, fp8, zero_pad, plannable, worst)
     # A strategy with dispatch_bounded exchanges the data verdict along with the rows.
     fused = bounded and hasattr(impl, "dispatch_bounded")
     host_code, local, any_error = 0, None, None
@@ -157,12 +161,13 @@ def _dispatch_impl(x, topk_idx, topk_weights, num_experts, group, capacity, *, d
 
 
 def _dispatch_local(impl, sig, x, topk_idx, topk_weights, num_experts, group, capacity, defer, fp8, zero_pad,
-                    plannable=False):
+                    plannable=False, worst=False):
     """_dispatch_impl for a strategy whose kernels compute the data verdict (``local``: one rank):
     the signature is checked alone (check_collectively: no peer, nothing to exchange once it was
     seen), the ids and duplicates by the layout kernels: read with the counts (unbounded, which
-    raises before any row moves) or reported through ``handle.check()`` (bounded, deferred).
-    ``plannable``: a valid call leaves a plan (_LOCAL_PLANS) that serves the calls like it."""
+    raises before any row moves) or reported through ``handle.check()`` (bounded, and unbounded
+    at the worst case, ``worst``: deferred). ``plannable``: a valid call leaves a plan
+    (_LOCAL_PLANS) that serves the calls like it."""
     host_code, clean = 0, sig.error is None
     if capacity is not None and defer:
         host_code, local = _deferred_host_code(sig, x, group, capacity)
@@ -174,25 +179,26 @@ def _dispatch_local(impl, sig, x, topk_idx, topk_weights, num_experts, group, ca
         if capacity is not None and sig.error is None and x.shape[0] > capacity:
             sig.fail(f"x has T = {x.shape[0]} tokens, more than max_tokens_per_rank = {capacity}")
         check_collectively(sig, group)
-    plan = _LocalPlan(defer, impl.name, capacity is not None)
+    plan = _LocalPlan(defer, impl.name, capacity is not None or worst)
     if plannable and clean and host_code == 0:  # the call's plan is valid: later calls like it skip the checks
-        key = _local_plan_key(x, topk_idx, topk_weights, num_experts, group, capacity, fp8)
+        key = _local_plan_key(x, topk_idx, topk_weights, num_experts, group, capacity, fp8, worst)
         if key is not None:
             _LOCAL_PLANS[key] = plan
     return _run_local(impl, x, topk_idx, topk_weights, num_experts, group, capacity, defer, fp8, zero_pad, host_code,
-                      plan.meta)
+                      plan.meta, worst)
 
 
 class _LocalPlan:
     """What a checked local dispatch leaves for the calls like it: whether the verdict is deferred
-    (the bounded variant on a CUDA group), and the bounded handles' meta tensor (the strategy
-    index only; shared, nobody writes it)."""
+    (the bounded variant on a CUDA group, the unbounded one at its worst case), and, where no
+    counts are read (``no_read``), the handles' meta tensor (the strategy index only; shared,
+    nobody writes it)."""
 
     __slots__ = ("defer", "meta")
 
-    def __init__(self, defer: bool, name: str, bounded: bool):
+    def __init__(self, defer: bool, name: str, no_read: bool):
         self.defer = defer
-        self.meta = torch.tensor([STRATEGIES.index(name)], dtype=torch.int64) if bounded else None
+        self.meta = torch.tensor([STRATEGIES.index(name)], dtype=torch.int64) if no_read else None
 
 
 # Plans (_LocalPlan) of local dispatches whose host-side checks passed, by _local_plan_key (the
@@ -202,7 +208,7 @@ class _LocalPlan:
 _LOCAL_PLANS = {}
 
 
-def _local_plan_key(x, topk_idx, topk_weights, num_experts, group, capacity, fp8):
+def _local_plan_key(x, topk_idx, topk_weights, num_experts, group, capacity, fp8, worst=False):
     """What the host-side checks of a local dispatch depend on (all but T and the data), or None
     for arguments that always take the checked path (not plain tensors, shapes that are not
     ``[T, H]`` / ``[T, K]`` / ``[T, K]``, T > C, a num_experts or C that is not an int). A
@@ -214,23 +220,24 @@ def _local_plan_key(x, topk_idx, topk_weights, num_experts, group, capacity, fp8
         return None
     if capacity is not None and (type(capacity) is not int or xs[0] > capacity):
         return None
-    return (group, num_experts, capacity, fp8, x.dtype, x.device, xs[1], s[1], topk_idx.dtype, topk_idx.device,
-            topk_weights.dtype, topk_weights.device, torch.cuda.current_device() if x.is_cuda else -1,
-            _FORCED_VAR.get())
+    return (group, num_experts, capacity, fp8, worst, x.dtype, x.device, xs[1], s[1], topk_idx.dtype,
+            topk_idx.device, topk_weights.dtype, topk_weights.device,
+            torch.cuda.current_device() if x.is_cuda else -1, _FORCED_VAR.get())
 
 
-def _run_local(impl, x, topk_idx, topk_weights, num_experts, group, capacity, defer, fp8, zero_pad, host_code, meta):
-    """The kernels of a checked local dispatch, the verdict, the handle (``meta``: the bounded
-    handles' shared meta tensor)."""
+def _run_local(impl, x, topk_idx, topk_weights, num_experts, group, capacity, defer, fp8, zero_pad, host_code, meta,
+               worst=False):
+    """The kernels of a checked local dispatch, the verdict, the handle (``meta``: the shared meta
+    tensor of the handles without host counts: bounded, or unbounded at the worst case)."""
     recv_x, counts, send_pairs, recv_dest, counts_host, verdict, code = impl.dispatch_local(
-        _pack_fp8(x) if fp8 else x, topk_idx, num_experts, capacity, host_code, zero_pad)
-    if capacity is not None and not defer:  # a verdict that is not deferred is read (a synchronisation)
+        _pack_fp8(x) if fp8 else x, topk_idx, num_experts, capacity, host_code, zero_pad, not worst)
+    if (capacity is not None or worst) and not defer:  # a verdict that is not deferred is read (a synchronisation)
         code = int(verdict[0])
     if code:
         raise FluxInputError(f"{OP}: invalid arguments on rank {dist.get_rank(group)}: "
                              + (_data_message(topk_idx, num_experts) or "invalid topk_idx"))
     h = x.shape[1]
-    if capacity is None:
+    if counts_host is not None:
         meta = torch.tensor([STRATEGIES.index(impl.name)] + counts_host, dtype=torch.int64)
     shape = (num_experts, capacity, h) if capacity is not None else (recv_x.shape[0], h)
     handle = MoeHandle(group, impl.name, num_experts, x.shape[0], topk_idx.shape[1], h, capacity, topk_weights,
