@@ -1,7 +1,7 @@
 """The fused kernels' targets over bench/bench_fused_gemm.py JSON files, no GPU needed:
 
-    python bench/fused_scoreboard.py bench/results/fused_gemm-h200-streamk.json \\
-        bench/results/fused_gemm-h200-served-big.json [--choice shipped|served|tuned|analytic] [--json FILE]
+    python bench/fused_scoreboard.py bench/results/fused_gemm-h200-models.json \\
+        [--choice shipped|served|tuned|analytic] [--json FILE]
 
 Per shape the library's configuration, as timed in the file (a later file wins for the shapes it
 shares with an earlier one): ``shipped`` (default), the choice in flux/autotune/shipped/ for the

@@ -193,13 +193,15 @@ def test_rule_stream_k_for_few_tiles_and_deep_k():
 
 
 def test_stream_k_configs_in_the_default_build():
-    """The default build holds AG's stream-K configuration 14 (bf16) and none of RS's; the analytic
-    default picks it for a narrow AG layer at 256 rows (20 tiles), not at 1024 (80 tiles, where
-    CUTLASS's heuristic keeps whole tiles); its label names the scheduler."""
+    """The default build holds AG's stream-K configurations 14 (CUTLASS's heuristic) and 16 (stream-K
+    on every shape; bf16) and none of RS's; the analytic default picks 14 for a narrow AG layer at
+    256 rows (20 tiles), not at 1024 (80 tiles, where CUTLASS's heuristic keeps whole tiles);
+    the labels name the scheduler."""
     ag = {c.id: c for c in K.kernel_configs("ag", "bf16")}
     rs = {c.id: c for c in K.kernel_configs("rs", "bf16")}
-    assert [i for i, c in ag.items() if c.stream_k] == [14] and not [i for i, c in rs.items() if c.stream_k]
-    assert ag[14].desc == "128x128x64/2x1/coop/sk" and ag[0].desc.count("/") == 2
+    assert [i for i, c in ag.items() if c.stream_k] == [14, 16] and not [i for i, c in rs.items() if c.stream_k]
+    assert ag[14].desc == "128x128x64/2x1/coop/sk" and ag[16].desc == "128x128x64/1x1/coop/ska"
+    assert ag[0].desc.count("/") == 2
     assert 8 not in ag and 12 not in ag  # 64x256 ping-pong left the default build for it
     assert K.analytic_config("ag", 1024, 1280, 8192)[0] != 14
     assert K.analytic_config("ag", 256, 1280, 8192)[0] == 14
@@ -283,12 +285,10 @@ def test_entries_from_bench_and_cli(tmp_path, monkeypatch):
 
 
 def test_shipped_h200_choices_are_served_and_built(monkeypatch):
-    """On an H200 every model-grid shape gets the shipped tuned choice, made from the bench JSONs
-    among the default build's configurations (the later runs for the shapes they hold), and that
-    configuration is built."""
+    """On an H200 every model-grid shape gets the shipped tuned choice, made from the bench JSON of
+    the whole grid among the default build's configurations, and that configuration is built."""
     entries = {}
-    # the second: M 4096, 16384 on the default build; the third: M 256, 1024 with stream-K
-    for name in ("fused_gemm-h200-grid-bf16.json", "fused_gemm-h200-served-big.json", "fused_gemm-h200-streamk.json"):
+    for name in ("fused_gemm-h200-models.json",):
         bench = os.path.join(REPO, "bench", "results", name)
         if not os.path.exists(bench):
             pytest.skip(f"no H200 bench JSON {name}")
@@ -464,8 +464,7 @@ def test_fused_scoreboard(tmp_path):
     assert t["rs_faster_than_mm_add_from_128"]["missed"] == 0  # 1.03 < 1.2
     assert t["rs_within_2pct_of_mm_from_1024"]["missed"] == 1  # 1.03 > 1.02
     assert "1.030" in t["rs_within_2pct_of_mm_from_1024"]["which"][0]
-    files = [os.path.join(REPO, "bench", "results", f) for f in ("fused_gemm-h200-streamk.json",
-                                                                  "fused_gemm-h200-served-big.json")]
+    files = [os.path.join(REPO, "bench", "results", "fused_gemm-h200-models.json")]
     if all(os.path.exists(f) for f in files):
         shipped = S.scoreboard(files, "shipped")
         assert shipped["shapes"] == 144 and not shipped["untimed"], shipped["untimed"][:5]
