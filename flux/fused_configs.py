@@ -57,15 +57,16 @@ class FusedConfig(NamedTuple):
 C = FusedConfig
 F = ("bf16", "fp16", "bf16_fp32")  # the dtypes of each op's general-purpose configuration (ag 0, rs 3)
 # Ids keep their meaning across releases; new shapes get new ids.
-# The default set (13 instantiations, ~1.7 CPU-minutes of nvcc each) is the greedy choice over an
+# The default set (12 instantiations, about a CPU-minute of nvcc each) is the greedy choice over an
 # H200 measurement of every bf16 persistent configuration on the model grid
 # (bench/results/fused_gemm-h200-grid-bf16.json): each configuration added where it most lowered
 # the geometric mean over the shapes of the best built one's time relative to cuBLAS, in loop and
 # in graph timing; plus AG's best stream-K configuration on the grid's 256- and 1024-row shapes
-# (bench/results/fused_gemm-h200-streamk.json), in place of ag 8 (64x256 ping-pong, the least
-# served), and ag 16, stream-K on every shape, the best on 5 of the 72 AG shapes of
-# bench/results/fused_gemm-h200-models.json (up to 13% faster than the best other one there).
-# No RS stream-K configuration is built by default: they win on 1-2 of 72 shapes.
+# (`git show ad799fb~1:bench/results/fused_gemm-h200-streamk.json`), in place of ag 8 (64x256 ping-pong, the least
+# served). Not built by default: ag 16 (stream-K on every shape), the best on 5 of the 72 AG shapes
+# of bench/results/fused_gemm-h200-models.json (up to 13% faster than the best other one there,
+# 0.4% on the grid's geometric mean) for about a minute more of a 2-core build; RS's stream-K
+# configurations, which win on 1-2 of 72 shapes by under 1%.
 # The others are built with FLUX_KERNELS=all or by name ("streamk": every stream-K one, bf16).
 CONFIGS = {
     "ag": (
@@ -89,7 +90,7 @@ CONFIGS = {
         C(15, (128, 64, 64), (1, 1), "cooperative", (), "streamk"),
         # Stream-K on every shape: CUTLASS's heuristic keeps whole tiles where the last wave is at
         # least half full (80 tiles of 128x128 on 132 SMs: 52 idle), which these split.
-        C(16, (128, 128, 64), (1, 1), "cooperative", BF16, "streamk-all"),
+        C(16, (128, 128, 64), (1, 1), "cooperative", (), "streamk-all"),
         C(17, (128, 256, 64), (1, 1), "cooperative", (), "streamk-all"),
         C(18, (128, 64, 64), (1, 1), "cooperative", (), "streamk-all"),
     ),

@@ -193,15 +193,16 @@ def test_rule_stream_k_for_few_tiles_and_deep_k():
 
 
 def test_stream_k_configs_in_the_default_build():
-    """The default build holds AG's stream-K configurations 14 (CUTLASS's heuristic) and 16 (stream-K
-    on every shape; bf16) and none of RS's; the analytic default picks 14 for a narrow AG layer at
-    256 rows (20 tiles), not at 1024 (80 tiles, where CUTLASS's heuristic keeps whole tiles);
-    the labels name the scheduler."""
+    """The default build holds AG's stream-K configuration 14 (bf16) and none of RS's; the analytic
+    default picks it for a narrow AG layer at 256 rows (20 tiles), not at 1024 (80 tiles, where
+    CUTLASS's heuristic keeps whole tiles); its label names the scheduler, as does that of the
+    stream-K-always configuration 16 (built by name)."""
     ag = {c.id: c for c in K.kernel_configs("ag", "bf16")}
     rs = {c.id: c for c in K.kernel_configs("rs", "bf16")}
-    assert [i for i, c in ag.items() if c.stream_k] == [14, 16] and not [i for i, c in rs.items() if c.stream_k]
-    assert ag[14].desc == "128x128x64/2x1/coop/sk" and ag[16].desc == "128x128x64/1x1/coop/ska"
-    assert ag[0].desc.count("/") == 2
+    assert [i for i, c in ag.items() if c.stream_k] == [14] and not [i for i, c in rs.items() if c.stream_k]
+    assert ag[14].desc == "128x128x64/2x1/coop/sk" and ag[0].desc.count("/") == 2
+    assert KC.KernelConfig("ag", 16, 128, 128, 64, 1, 1, "cooperative", scheduler="streamk-all").desc == \
+        "128x128x64/1x1/coop/ska"
     assert 8 not in ag and 12 not in ag  # 64x256 ping-pong left the default build for it
     assert K.analytic_config("ag", 1024, 1280, 8192)[0] != 14
     assert K.analytic_config("ag", 256, 1280, 8192)[0] == 14
