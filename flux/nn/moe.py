@@ -89,7 +89,9 @@ class MoE(nn.Module):
     dispatch reports a rank over C (or bad ids) without a host read, every rank getting zeros;
     the layer then reads that verdict after the combine (one host synchronisation) and raises the
     same FluxInputError on every rank, except while a CUDA graph is being captured.
-    None: the unbounded dispatch (rows grouped by expert) and ``grouped_mm``.
+    None: the unbounded dispatch (rows grouped by expert) and ``grouped_mm``; with this class's
+    router and flux's dispatcher, without the host read of the counts (``read_counts=False``: on a
+    group of one rank the rows are sized for the worst case, T * K, which a top-k router fills).
 
     ``chunks=c``: overlap the token movement with the expert GEMMs. This rank's T tokens are
     routed together, then split into c blocks of consecutive tokens (the first ``T % c`` blocks one
