@@ -224,7 +224,7 @@ def _entry(choice, desc):
 
 def test_cache_round_trip_and_precedence(tmp_path, monkeypatch):
     monkeypatch.setattr(cache_mod, "SHIPPED_DIR", str(tmp_path / "shipped"))
-    key, _ = K.gpu_key(torch.device("cpu"))
+    key, _ = K.gpu_key()  # the key choose_config reads: this machine's GPU, or the CPU's without one
     descs = {c.id: c.desc for c in K.kernel_configs("ag")}
     desc5 = descs[5]
     assert K.choose_config("ag", 4096, 14336, 8192) == K.analytic_config("ag", 4096, 14336, 8192)
