@@ -4,7 +4,7 @@
 #include <optional>
 #include <string>
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>  // declarations only: the .cu files include the ops they call
 
 namespace flux {
 

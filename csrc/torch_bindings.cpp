@@ -2,6 +2,7 @@
 // Schemas carry alias annotations: Tensor(a!) is written in place and returned as nothing.
 // The public ops (flux::ag_gemm, flux::gemm_rs) are defined in Python (flux/ops/) so that
 // they exist, with their reference implementations, also where this extension is not built.
+#include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include "ops.h"

@@ -44,7 +44,6 @@ std::string str_cat(const T&... parts) {
 
 #else
 
-#include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/util/Exception.h>
 

@@ -1,6 +1,7 @@
 // The strategies of flux.gemm_rs as flux::Runtime enqueues them: out = reduce_scatter(input @ W) (+ bias).
 // docs/design.md §5 draws each one's stream timeline; the comments here say what
 // each step waits for and why.
+#include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 

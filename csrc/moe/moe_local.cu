@@ -38,7 +38,10 @@
 // three layout kernels run, and bounded the row kernel after them.
 //
 // The code bits match flux/ops/moe/handle.py: 2 bad id, 4 duplicate; host_code carries the others.
+#include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cub/block/block_scan.cuh>
 

@@ -7,7 +7,10 @@
 // computed in fp32 (silu(g) = g / (1 + exp(-g)), silu'(g) = s(g) (1 + g (1 - s(g))), s the
 // logistic function) and rounded once to h's dtype. Elementwise, N elements per access (16 bytes
 // where F and the pointers allow, else 1).
+#include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include "common/check.h"

@@ -9,6 +9,7 @@
 // the result does not depend on which peer's data arrived first, and it is rounded to
 // the output dtype once (NCCL's bf16 reduce-scatter rounds after every addition).
 #include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_bf16.h>

@@ -1,6 +1,8 @@
 // Plans: what the slow path (flux/ops/_plans.py) leaves for a problem, the key that finds one
 // for a call (everything the plan depends on), and Runtime::run, which sends a plan to the member
 // that runs its strategy (one per row of FLUX_PLAN_STRATEGIES, strategies.h).
+#include <ATen/ATen.h>
+
 #include "runtime/runtime.h"
 
 #include <ATen/cuda/CUDAContext.h>

@@ -3,6 +3,8 @@
 // the transfers the MoE ops drive from Python. Plans and the dispatch of a call to its strategy are
 // in plans.cpp; the strategies themselves in csrc/ag_gemm/ag_gemm_plan.cpp and
 // csrc/gemm_rs/gemm_rs_plan.cpp.
+#include <ATen/ATen.h>
+
 #include "runtime/runtime.h"
 
 #include <cuda.h>

@@ -24,7 +24,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 

@@ -1,5 +1,7 @@
 // Tensors made without the dispatcher (views of contiguous tensors, a few host microseconds
 // cheaper than narrow()/view()), and the GEMM every strategy runs on them.
+#include <ATen/ATen.h>
+
 #include "runtime/runtime.h"
 
 #include <c10/util/strides.h>
