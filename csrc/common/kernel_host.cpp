@@ -26,12 +26,10 @@ int device_major(int device) {
 }
 
 Workspace cutlass_workspace(size_t bytes, int device) {
-  auto* t = new at::Tensor(at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte).device(
-                                                                         at::kCUDA, static_cast<c10::DeviceIndex>(device))));
-  Workspace ws;
-  ws.ptr = t->data_ptr();
-  ws.keep = std::shared_ptr<void>(t, [](void* p) { delete static_cast<at::Tensor*>(p); });
-  return ws;
+  auto t = std::make_shared<at::Tensor>(at::empty(
+      {static_cast<int64_t>(bytes)},
+      at::TensorOptions().dtype(at::kByte).device(at::kCUDA, static_cast<c10::DeviceIndex>(device))));
+  return Workspace{t->data_ptr(), t};
 }
 
 }  // namespace flux

@@ -91,7 +91,7 @@ class _AllToAll:
         return recv_x, counts, send_pairs, recv_dest, []
 
     @staticmethod
-    def fake_dispatch(x, topk_idx, num_experts, world, capacity):
+    def fake_dispatch(x, topk_idx, num_experts, world, capacity, read_counts=True):  # read_counts: one rank only
         """Fake (meta) outputs of ``dispatch`` for torch.compile: the same shapes, R and S
         dynamic in the unbounded variant."""
         el, h, k = num_experts // world, x.shape[-1], topk_idx.shape[-1]

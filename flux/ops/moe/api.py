@@ -116,10 +116,8 @@ def _moe_dispatch_fake(x, topk_idx, topk_weights, num_experts, group_name, max_t
     world = dist.get_world_size(group)
     name = _strategies._choose_strategy(x, group, max_tokens_per_rank is not None, num_experts, topk_idx)
     rows = x.new_empty((x.shape[0], _packed_width(x.shape[-1])), dtype=torch.uint8) if fp8 else x
-    impl = _STRATEGY_IMPLS[name]
-    recv_x, counts, send_pairs, recv_dest, n_host = (
-        impl.fake_dispatch(rows, topk_idx, num_experts, world, max_tokens_per_rank, read_counts)
-        if name == "local" else impl.fake_dispatch(rows, topk_idx, num_experts, world, max_tokens_per_rank))
+    recv_x, counts, send_pairs, recv_dest, n_host = _STRATEGY_IMPLS[name].fake_dispatch(
+        rows, topk_idx, num_experts, world, max_tokens_per_rank, read_counts)
     meta = torch.empty(1 + n_host, dtype=torch.int64, device="cpu")
     return recv_x, counts, send_pairs, recv_dest, meta, torch.empty(world, dtype=torch.int64, device=x.device)
 

@@ -231,7 +231,7 @@ def _run_local(impl, x, topk_idx, topk_weights, num_experts, group, capacity, de
     tensor of the handles without host counts: bounded, or unbounded at the worst case)."""
     recv_x, counts, send_pairs, recv_dest, counts_host, verdict, code = impl.dispatch_local(
         _pack_fp8(x) if fp8 else x, topk_idx, num_experts, capacity, host_code, zero_pad, not worst)
-    if (capacity is not None or worst) and not defer:  # a verdict that is not deferred is read (a synchronisation)
+    if capacity is not None and not defer:  # a verdict that is not deferred is read (a synchronisation; worst defers)
         code = int(verdict[0])
     if code:
         raise FluxInputError(f"{OP}: invalid arguments on rank {dist.get_rank(group)}: "

@@ -247,7 +247,7 @@ class SymmStrategy:
         return recv_x, mine.sum(0), order[:n_send].contiguous(), torch.cat([recv_code, send_code]), sizes
 
     @staticmethod
-    def fake_dispatch(x, topk_idx, num_experts, world, capacity):
+    def fake_dispatch(x, topk_idx, num_experts, world, capacity, read_counts=True):  # read_counts: one rank only
         el, h, k = num_experts // world, x.shape[-1], topk_idx.shape[-1]
         i64 = dict(dtype=torch.int64, device=x.device)
         if capacity is None:
