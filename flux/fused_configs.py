@@ -93,6 +93,15 @@ CONFIGS = {
         C(16, (128, 128, 64), (1, 1), "cooperative", (), "streamk-all"),
         C(17, (128, 256, 64), (1, 1), "cooperative", (), "streamk-all"),
         C(18, (128, 64, 64), (1, 1), "cooperative", (), "streamk-all"),
+        # Tile widths between 64 and 256 that fit a layer's N into whole waves: 1024 x 1280 is 128
+        # tiles of 128x80 on 132 SMs (80 of 128x128), 4096 x 2560 is 128 of 128x160 (not 2.4 waves
+        # of 128x128). cuBLAS's kernels on these shapes use such widths.
+        C(19, (128, 80, 64), (2, 1), "pingpong", ()),
+        C(20, (128, 96, 64), (2, 1), "pingpong", ()),
+        C(21, (128, 112, 64), (2, 1), "pingpong", ()),
+        C(22, (128, 144, 64), (1, 2), "pingpong", ()),
+        C(23, (128, 160, 64), (1, 2), "pingpong", ()),
+        C(24, (128, 176, 64), (1, 2), "pingpong", ()),
     ),
     "rs": (
         C(0, (128, 256, 64), (2, 1), "cooperative", ()),
