@@ -5,7 +5,9 @@ flux's backward (``kernel``), with the Triton weight gradient (``hybrid``), thro
 prototype (``triton``);
 torch._grouped_mm with torch's own autograd (``torch``, what the stock layer runs); one dense
 ``torch.mm`` of the same FLOPs (``dense``: the floor a grouped GEMM would reach without any
-per-group cost).
+per-group cost). ``--wgrad``: also the weight gradient alone (dW_e = dy_e^T x_e), torch's kernel
+against each built flux configuration, as ``"wgrad": {"torch": ms, "c<id>": ms, "status"}`` per cell (the
+figures the rule in flux/ops/grouped_mm.py is set from).
 
 For T tokens routed top-k (uniformly at random) over E experts, R = T x k rows sorted by expert,
 the layer's two GEMMs: W13 (N = 2 x FFN, K = H) and W2 (N = H, K = FFN), weights "nk", bf16.
@@ -46,6 +48,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=10, help="calls per timed loop")
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--wgrad", action="store_true", help="also the weight gradient alone, torch's kernel and "
+                   "each built flux configuration")
     p.add_argument("--out", default=None, help="JSON file")
     return p.parse_args(argv)
 
@@ -114,6 +118,23 @@ def cell(args, rec, impls, gen):
             sub["fwd_tflops"] = flops / sub["fwd_ms"] / 1e9
             sub["fwd_bwd_tflops"] = 3 * flops / sub["fwd_bwd_ms"] / 1e9
         attempt(sub, run)
+    if args.wgrad:
+        rec["wgrad"] = {}
+        with torch.no_grad():
+            attempt(rec["wgrad"], lambda: wgrad_alone(args, rec["wgrad"], x, dy, offs))
+
+
+def wgrad_alone(args, out, x, dy, offs):
+    """``out``: ms of dW = dy_e^T x_e per expert, "torch" (torch._grouped_mm) and "c<id>" (each
+    built flux configuration)."""
+    from flux import fused_configs
+    from flux.ops.grouped_mm import grouped_built
+
+    kind = fused_configs.GROUPED_KINDS.index("wgrad")
+    x, dy = x.detach(), dy.detach()
+    out["torch"] = loop_ms(lambda: torch._grouped_mm(dy.t(), x, offs=offs), args)
+    for c in sorted(c for c, k in grouped_built() if k == "wgrad"):
+        out[f"c{c}"] = loop_ms(lambda c=c: torch.ops.flux.grouped_mm_cutlass(dy, x, offs, kind, c), args)
 
 
 def table(records, impls):

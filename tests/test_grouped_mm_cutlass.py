@@ -40,8 +40,10 @@ def test_rule():
     assert G.cutlass_config("nk", 4096, built=built) is None  # torch's kernel there
     assert G.cutlass_config("nk", 4096, forced=True, built=built) == 0
     assert G.cutlass_config("wgrad", 128, built=built) == 3
-    assert G.cutlass_config("wgrad", 4096, built=built) == 2
-    assert G.cutlass_config("wgrad", 4096, built=frozenset({(3, "wgrad")})) == 3  # the one built
+    assert G.cutlass_config("wgrad", G.ROWS_MAX, built=built) == 2
+    assert G.cutlass_config("wgrad", 4096, built=built) is None  # torch's kernel there too
+    assert G.cutlass_config("wgrad", 4096, forced=True, built=built) == 2
+    assert G.cutlass_config("wgrad", 1024, built=frozenset({(3, "wgrad")})) == 3  # the one built
     assert G.cutlass_config("nk", 128, built=frozenset({(2, "wgrad")})) is None  # none of the kind
     assert G.cutlass_config("nk", 128, built=frozenset()) is None
 

@@ -37,21 +37,27 @@ __device__ __forceinline__ void st(T* p, const SwPack<T, N>& v) {
   *reinterpret_cast<SwPack<T, N>*>(p) = v;
 }
 
+// Row-major work: a block takes whole rows (grid-stride), its threads the row's N-element groups,
+// so that a thread's addresses need no 64-bit division (the element-wise grid-stride form spent
+// about a third of the backward's time on it: 2.4 TB/s of HBM traffic against 3.9 for this one,
+// the same as a plain copy, on an H200 at 32768 x 2048).
 template <typename T, int N>
 __global__ void __launch_bounds__(kSwigluThreads)
 swiglu_fwd_kernel(const T* __restrict__ h, int64_t rows, int64_t f, T* __restrict__ a) {
-  const int64_t groups = f / N, total = rows * groups;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t r = i / groups, c = (i - r * groups) * N;
-    const SwPack<T, N> g = ld<T, N>(h + r * 2 * f + c), u = ld<T, N>(h + r * 2 * f + f + c);
-    SwPack<T, N> o;
+  const int64_t groups = f / N;
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const T* hr = h + r * 2 * f;
+    T* ar = a + r * f;
+    for (int64_t c = threadIdx.x; c < groups; c += blockDim.x) {
+      const SwPack<T, N> g = ld<T, N>(hr + c * N), u = ld<T, N>(hr + f + c * N);
+      SwPack<T, N> o;
 #pragma unroll
-    for (int j = 0; j < N; ++j) {
-      const float x = static_cast<float>(g.v[j]);
-      o.v[j] = static_cast<T>(x / (1.0f + __expf(-x)) * static_cast<float>(u.v[j]));
+      for (int j = 0; j < N; ++j) {
+        const float x = static_cast<float>(g.v[j]);
+        o.v[j] = static_cast<T>(x / (1.0f + __expf(-x)) * static_cast<float>(u.v[j]));
+      }
+      st<T, N>(ar + c * N, o);
     }
-    st<T, N>(a + r * f + c, o);
   }
 }
 
@@ -59,29 +65,38 @@ template <typename T, int N>
 __global__ void __launch_bounds__(kSwigluThreads)
 swiglu_bwd_kernel(const T* __restrict__ da, const T* __restrict__ h, int64_t rows, int64_t f,
                   T* __restrict__ dh) {
-  const int64_t groups = f / N, total = rows * groups;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t r = i / groups, c = (i - r * groups) * N;
-    const SwPack<T, N> g = ld<T, N>(h + r * 2 * f + c), u = ld<T, N>(h + r * 2 * f + f + c);
-    const SwPack<T, N> d = ld<T, N>(da + r * f + c);
-    SwPack<T, N> dg, du;
+  const int64_t groups = f / N;
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const T* hr = h + r * 2 * f;
+    const T* dar = da + r * f;
+    T* dhr = dh + r * 2 * f;
+    for (int64_t c = threadIdx.x; c < groups; c += blockDim.x) {
+      const SwPack<T, N> g = ld<T, N>(hr + c * N), u = ld<T, N>(hr + f + c * N);
+      const SwPack<T, N> d = ld<T, N>(dar + c * N);
+      SwPack<T, N> dg, du;
 #pragma unroll
-    for (int j = 0; j < N; ++j) {
-      const float x = static_cast<float>(g.v[j]), up = static_cast<float>(u.v[j]), dv = static_cast<float>(d.v[j]);
-      const float s = 1.0f / (1.0f + __expf(-x));
-      dg.v[j] = static_cast<T>(dv * up * s * (1.0f + x * (1.0f - s)));
-      du.v[j] = static_cast<T>(dv * x * s);
+      for (int j = 0; j < N; ++j) {
+        const float x = static_cast<float>(g.v[j]), up = static_cast<float>(u.v[j]), dv = static_cast<float>(d.v[j]);
+        const float s = 1.0f / (1.0f + __expf(-x));
+        dg.v[j] = static_cast<T>(dv * up * s * (1.0f + x * (1.0f - s)));
+        du.v[j] = static_cast<T>(dv * x * s);
+      }
+      st<T, N>(dhr + c * N, dg);
+      st<T, N>(dhr + f + c * N, du);
     }
-    st<T, N>(dh + r * 2 * f + c, dg);
-    st<T, N>(dh + r * 2 * f + f + c, du);
   }
 }
 
-int swiglu_grid(int64_t items) {
+// Blocks: one per row, at most blocks_per_sm per SM (measured on an H200 at 32768 x 2048: 4 for
+// the forward, 16 for the backward, within a few percent of the others).
+int swiglu_grid(int64_t rows, int blocks_per_sm) {
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int64_t blocks = (items + kSwigluThreads - 1) / kSwigluThreads;
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(blocks, static_cast<int64_t>(sms) * 8)));
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(rows, static_cast<int64_t>(sms) * blocks_per_sm)));
+}
+
+// Threads: the row's groups, in whole warps, at most kSwigluThreads.
+int swiglu_threads(int64_t groups) {
+  return static_cast<int>(std::min<int64_t>(kSwigluThreads, std::max<int64_t>(32, (groups + 31) / 32 * 32)));
 }
 
 void check_h(const at::Tensor& h, const char* op) {
@@ -102,16 +117,17 @@ at::Tensor moe_swiglu(const at::Tensor& h) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, h.scalar_type(), "moe_swiglu", [&] {
     constexpr int kVec = 16 / sizeof(scalar_t);
     const bool vec = f % kVec == 0 && is_aligned(h.data_ptr(), 16) && is_aligned(a.data_ptr(), 16);
+    const int grid = swiglu_grid(rows, 4);
     if (vec) {
-      const int grid = swiglu_grid(rows * f / kVec);
-      moe_launch::check(op, "swiglu_fwd_kernel", swiglu_fwd_kernel<scalar_t, kVec>, grid, kSwigluThreads, 0);
-      swiglu_fwd_kernel<scalar_t, kVec><<<grid, kSwigluThreads, 0, stream>>>(
-          h.data_ptr<scalar_t>(), rows, f, a.data_ptr<scalar_t>());
+      const int threads = swiglu_threads(f / kVec);
+      moe_launch::check(op, "swiglu_fwd_kernel", swiglu_fwd_kernel<scalar_t, kVec>, grid, threads, 0);
+      swiglu_fwd_kernel<scalar_t, kVec><<<grid, threads, 0, stream>>>(h.data_ptr<scalar_t>(), rows, f,
+                                                                       a.data_ptr<scalar_t>());
     } else {
-      const int grid = swiglu_grid(rows * f);
-      moe_launch::check(op, "swiglu_fwd_kernel", swiglu_fwd_kernel<scalar_t, 1>, grid, kSwigluThreads, 0);
-      swiglu_fwd_kernel<scalar_t, 1><<<grid, kSwigluThreads, 0, stream>>>(h.data_ptr<scalar_t>(), rows, f,
-                                                                          a.data_ptr<scalar_t>());
+      const int threads = swiglu_threads(f);
+      moe_launch::check(op, "swiglu_fwd_kernel", swiglu_fwd_kernel<scalar_t, 1>, grid, threads, 0);
+      swiglu_fwd_kernel<scalar_t, 1><<<grid, threads, 0, stream>>>(h.data_ptr<scalar_t>(), rows, f,
+                                                                    a.data_ptr<scalar_t>());
     }
     FLUX_CHECK_LAUNCH();
   });
@@ -133,15 +149,16 @@ at::Tensor moe_swiglu_backward(const at::Tensor& grad, const at::Tensor& h) {
     constexpr int kVec = 16 / sizeof(scalar_t);
     const bool vec = f % kVec == 0 && is_aligned(h.data_ptr(), 16) && is_aligned(grad.data_ptr(), 16) &&
                      is_aligned(dh.data_ptr(), 16);
+    const int grid = swiglu_grid(rows, 16);
     if (vec) {
-      const int grid = swiglu_grid(rows * f / kVec);
-      moe_launch::check(op, "swiglu_bwd_kernel", swiglu_bwd_kernel<scalar_t, kVec>, grid, kSwigluThreads, 0);
-      swiglu_bwd_kernel<scalar_t, kVec><<<grid, kSwigluThreads, 0, stream>>>(
+      const int threads = swiglu_threads(f / kVec);
+      moe_launch::check(op, "swiglu_bwd_kernel", swiglu_bwd_kernel<scalar_t, kVec>, grid, threads, 0);
+      swiglu_bwd_kernel<scalar_t, kVec><<<grid, threads, 0, stream>>>(
           grad.data_ptr<scalar_t>(), h.data_ptr<scalar_t>(), rows, f, dh.data_ptr<scalar_t>());
     } else {
-      const int grid = swiglu_grid(rows * f);
-      moe_launch::check(op, "swiglu_bwd_kernel", swiglu_bwd_kernel<scalar_t, 1>, grid, kSwigluThreads, 0);
-      swiglu_bwd_kernel<scalar_t, 1><<<grid, kSwigluThreads, 0, stream>>>(
+      const int threads = swiglu_threads(f);
+      moe_launch::check(op, "swiglu_bwd_kernel", swiglu_bwd_kernel<scalar_t, 1>, grid, threads, 0);
+      swiglu_bwd_kernel<scalar_t, 1><<<grid, threads, 0, stream>>>(
           grad.data_ptr<scalar_t>(), h.data_ptr<scalar_t>(), rows, f, dh.data_ptr<scalar_t>());
     }
     FLUX_CHECK_LAUNCH();

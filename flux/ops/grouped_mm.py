@@ -55,11 +55,13 @@ _kernel_failed: Dict[Tuple, str] = {}  # (device, dtype, layout) -> why torch._g
 _cutlass_failed: Dict[torch.device, str] = {}  # device -> why flux's grouped kernel raised there
 _built: List[frozenset] = []  # the grouped GEMMs flux._C holds, once asked
 
-# The rule over flux's grouped GEMMs (flux/fused_configs.py GROUPED), from an H200 measurement
-# against torch._grouped_mm on the MoE layer's products (bench/bench_grouped_mm.py): configuration
-# 0 (64x256 ping-pong) for the forward and dx up to ROWS_MAX rows per expert (torch's kernel was
-# as fast or faster at 4096); for dW configuration 3 (128x256, cluster 2x1) up to WGRAD_SMALL
-# rows per expert, configuration 2 (128x128 ping-pong, cluster 2x1) above.
+# The rule over flux's grouped GEMMs (flux/fused_configs.py GROUPED), from H200 measurements
+# against torch._grouped_mm on the MoE layer's products (bench/bench_grouped_mm.py, every product
+# and, with --wgrad, the weight gradient alone): flux's kernels up to ROWS_MAX rows per expert,
+# torch's above (at 4096 rows per expert torch's kernel was as fast or faster: forward and dx, and
+# the weight gradient of W13, 2.51 against 2.96 ms). Forward and dx: configuration 0 (64x256
+# ping-pong); dW: configuration 3 (128x256, cluster 2x1) up to WGRAD_SMALL rows per expert,
+# configuration 2 (128x128 ping-pong, cluster 2x1) above.
 ROWS_MAX = 1024
 WGRAD_SMALL = 256
 _triton_import: List[str] = []  # why flux.ops._triton_gmm did not import ("" where it did), once known
@@ -81,12 +83,10 @@ def cutlass_config(kind: str, rows_per_expert: float, forced: bool = False,
     have = sorted(c for c, k in (grouped_built() if built is None else built) if k == kind)
     if not have:
         return None
-    if kind == "wgrad":
-        prefer = 3 if rows_per_expert <= WGRAD_SMALL else 2
-        return prefer if prefer in have else have[0]
-    if rows_per_expert <= ROWS_MAX and 0 in have:
-        return 0
-    return have[0] if forced else None
+    if rows_per_expert > ROWS_MAX:
+        return have[0] if forced else None
+    prefer = (3 if rows_per_expert <= WGRAD_SMALL else 2) if kind == "wgrad" else 0
+    return prefer if prefer in have else have[0] if (forced or kind == "wgrad") else None
 
 
 def _cutlass_why_not(x: torch.Tensor, w: torch.Tensor, weight_layout: str) -> str:
