@@ -97,9 +97,9 @@ CONFIGS = {
         # 128x96 on 132 SMs (80 of 128x128, 160 of 128x64). Measured on the model grid's 1024- and
         # 4096-row AG shapes with 128-row ping-pong tiles 80, 112, 144, 160 and 176 wide (former
         # ids 19 and 21-24): those were 1.13-2.1x slower than the best of the others on every shape
-        # (likely causes, not profiled: widths not a multiple of 32 get 16-wide epilogue subtiles; 144-176 columns of fp32
-        # accumulators per thread in a ping-pong consumer); this one 13-15% faster on two (1024 x 1280 x 8192,
-        # 1024 x 1536 x 4096) and slower on the others.
+        # (likely causes, not profiled: 16-wide epilogue subtiles where the width is not a multiple
+        # of 32; 144-176 fp32 accumulators per thread in a ping-pong consumer); this one 13-15%
+        # faster on two (1024 x 1280 x 8192, 1024 x 1536 x 4096), slower on the others.
         C(20, (128, 96, 64), (2, 1), "pingpong", ()),
     ),
     "rs": (
