@@ -87,16 +87,12 @@ swiglu_bwd_kernel(const T* __restrict__ da, const T* __restrict__ h, int64_t row
   }
 }
 
+// Threads (at each launch): the row's groups in whole warps, at most kSwigluThreads.
 // Blocks: one per row, at most blocks_per_sm per SM (measured on an H200 at 32768 x 2048: 4 for
 // the forward, 16 for the backward, within a few percent of the others).
 int swiglu_grid(int64_t rows, int blocks_per_sm) {
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(rows, static_cast<int64_t>(sms) * blocks_per_sm)));
-}
-
-// Threads: the row's groups, in whole warps, at most kSwigluThreads.
-int swiglu_threads(int64_t groups) {
-  return static_cast<int>(std::min<int64_t>(kSwigluThreads, std::max<int64_t>(32, (groups + 31) / 32 * 32)));
 }
 
 void check_h(const at::Tensor& h, const char* op) {
@@ -119,12 +115,12 @@ at::Tensor moe_swiglu(const at::Tensor& h) {
     const bool vec = f % kVec == 0 && is_aligned(h.data_ptr(), 16) && is_aligned(a.data_ptr(), 16);
     const int grid = swiglu_grid(rows, 4);
     if (vec) {
-      const int threads = swiglu_threads(f / kVec);
+      const int threads = static_cast<int>(std::min<int64_t>(kSwigluThreads, (f / kVec + 31) / 32 * 32));
       moe_launch::check(op, "swiglu_fwd_kernel", swiglu_fwd_kernel<scalar_t, kVec>, grid, threads, 0);
       swiglu_fwd_kernel<scalar_t, kVec><<<grid, threads, 0, stream>>>(h.data_ptr<scalar_t>(), rows, f,
                                                                        a.data_ptr<scalar_t>());
     } else {
-      const int threads = swiglu_threads(f);
+      const int threads = static_cast<int>(std::min<int64_t>(kSwigluThreads, (f + 31) / 32 * 32));
       moe_launch::check(op, "swiglu_fwd_kernel", swiglu_fwd_kernel<scalar_t, 1>, grid, threads, 0);
       swiglu_fwd_kernel<scalar_t, 1><<<grid, threads, 0, stream>>>(h.data_ptr<scalar_t>(), rows, f,
                                                                     a.data_ptr<scalar_t>());
@@ -151,12 +147,12 @@ at::Tensor moe_swiglu_backward(const at::Tensor& grad, const at::Tensor& h) {
                      is_aligned(dh.data_ptr(), 16);
     const int grid = swiglu_grid(rows, 16);
     if (vec) {
-      const int threads = swiglu_threads(f / kVec);
+      const int threads = static_cast<int>(std::min<int64_t>(kSwigluThreads, (f / kVec + 31) / 32 * 32));
       moe_launch::check(op, "swiglu_bwd_kernel", swiglu_bwd_kernel<scalar_t, kVec>, grid, threads, 0);
       swiglu_bwd_kernel<scalar_t, kVec><<<grid, threads, 0, stream>>>(
           grad.data_ptr<scalar_t>(), h.data_ptr<scalar_t>(), rows, f, dh.data_ptr<scalar_t>());
     } else {
-      const int threads = swiglu_threads(f);
+      const int threads = static_cast<int>(std::min<int64_t>(kSwigluThreads, (f + 31) / 32 * 32));
       moe_launch::check(op, "swiglu_bwd_kernel", swiglu_bwd_kernel<scalar_t, 1>, grid, threads, 0);
       swiglu_bwd_kernel<scalar_t, 1><<<grid, threads, 0, stream>>>(
           grad.data_ptr<scalar_t>(), h.data_ptr<scalar_t>(), rows, f, dh.data_ptr<scalar_t>());
