@@ -94,8 +94,8 @@ CONFIGS = {
         C(17, (128, 256, 64), (1, 1), "cooperative", (), "streamk-all"),
         C(18, (128, 64, 64), (1, 1), "cooperative", (), "streamk-all"),
         # A tile width between 128 and 64 for narrow layers at 1024 rows: 1024 x 1280 is 112 tiles of
-        # 128x96 on 132 SMs (80 of 128x128, 160 of 128x64). Measured on the model grid's 1024- and
-        # 4096-row AG shapes with 128-row ping-pong tiles 80, 112, 144, 160 and 176 wide (former
+        # 128x96 on 132 SMs (80 of 128x128, 160 of 128x64). Measured (bench/results/
+        # fused_gemm-h200-widths.json) on the model grid's 1024- and 4096-row AG shapes with 128-row ping-pong tiles 80, 112, 144, 160 and 176 wide (former
         # ids 19 and 21-24): those were 1.13-2.1x slower than the best of the others on every shape
         # (likely causes, not profiled: 16-wide epilogue subtiles where the width is not a multiple
         # of 32; 144-176 fp32 accumulators per thread in a ping-pong consumer); this one 13-15%
