@@ -65,12 +65,10 @@ void moe_recv_sum_(at::Tensor& out, const std::optional<at::Tensor>& weights, co
                    int64_t rows_off, int64_t channel, int64_t timeout_ms);
 
 // MoE at one rank (csrc/moe/moe_local.cu; flux/ops/moe/local.py): the dispatch's layout and
-// rows ({recv, counts [E], verdict [1], pair_row [T * K], send_pairs, info [E + 1]}), the rows of
-// the unbounded variant, the weighted combine and its backward ({dy, dw}).
+// rows ({recv, counts [E], verdict [1], pair_row [T * K], send_pairs, info [E + 1]}), the
+// weighted combine and its backward ({dy, dw}).
 std::vector<at::Tensor> moe_local_dispatch(const at::Tensor& x, const at::Tensor& topk_idx, int64_t num_experts,
                                            int64_t capacity, int64_t host_code, bool zero_pad);
-at::Tensor moe_local_rows(const at::Tensor& x, const at::Tensor& pair_row, const at::Tensor& send_pairs,
-                          int64_t rows);
 at::Tensor moe_local_combine(const at::Tensor& y, const std::optional<at::Tensor>& weights, const at::Tensor& pair_row,
                              int64_t k);
 std::vector<at::Tensor> moe_local_combine_backward(const at::Tensor& grad_out, const std::optional<at::Tensor>& weights,

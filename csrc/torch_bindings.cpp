@@ -32,12 +32,11 @@ TORCH_LIBRARY(flux, m) {
   m.def("moe_recv_sum_(Tensor(a!) out, Tensor? weights, Tensor pair_pos, int n_send, Tensor(b!) done, int ws_base, "
         "int pads_dev, int world, int rank, int rows_off, int channel, int timeout_ms) -> ()");
   // MoE at one rank, the `local` strategy (csrc/moe/moe_local.cu): layout + rows of a dispatch in
-  // one entry, [recv, counts, verdict, pair_row, send_pairs, info] (capacity -1: unbounded, recv
-  // empty until moe_local_rows), the weighted combine (y in recv_x's layout, weights of any
+  // one entry, [recv, counts, verdict, pair_row, send_pairs, info] (capacity -2: unbounded, recv
+  // [T * K, H], the worst case), the weighted combine (y in recv_x's layout, weights of any
   // floating dtype), and its backward.
   m.def("moe_local_dispatch(Tensor x, Tensor topk_idx, int num_experts, int capacity, int host_code, "
         "bool zero_pad) -> Tensor[]");
-  m.def("moe_local_rows(Tensor x, Tensor pair_row, Tensor send_pairs, int rows) -> Tensor");
   m.def("moe_local_combine(Tensor y, Tensor? weights, Tensor pair_row, int k) -> Tensor");
   m.def("moe_local_combine_backward(Tensor grad_out, Tensor? weights, Tensor pair_row, Tensor send_pairs, "
         "Tensor? y, int k) -> Tensor[]");
@@ -89,7 +88,6 @@ TORCH_LIBRARY_IMPL(flux, CUDA, m) {
   m.impl("moe_recv_pack_", &flux::moe_recv_pack_);
   m.impl("moe_recv_sum_", &flux::moe_recv_sum_);
   m.impl("moe_local_dispatch", &flux::moe_local_dispatch);
-  m.impl("moe_local_rows", &flux::moe_local_rows);
   m.impl("moe_local_combine", &flux::moe_local_combine);
   m.impl("moe_local_combine_backward", &flux::moe_local_combine_backward);
   m.impl("moe_swiglu", &flux::moe_swiglu);

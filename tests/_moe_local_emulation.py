@@ -8,7 +8,6 @@ import torch
 _SCHEMAS = {
     "moe_local_dispatch": "moe_local_dispatch(Tensor x, Tensor topk_idx, int num_experts, int capacity, "
                           "int host_code, bool zero_pad) -> Tensor[]",
-    "moe_local_rows": "moe_local_rows(Tensor x, Tensor pair_row, Tensor send_pairs, int rows) -> Tensor",
     "moe_local_combine": "moe_local_combine(Tensor y, Tensor? weights, Tensor pair_row, int k) -> Tensor",
     "moe_local_combine_backward": "moe_local_combine_backward(Tensor grad_out, Tensor? weights, Tensor pair_row, "
                                   "Tensor send_pairs, Tensor? y, int k) -> Tensor[]",
@@ -25,8 +24,11 @@ def _gather(x, send_pairs, k, rows, zero_pad=True):
 
 
 def dispatch(x, topk_idx, num_experts, capacity, host_code, zero_pad):
-    """capacity C >= 0: bounded; -1: unbounded, recv sized later (moe_local_rows); -2: unbounded at
-    the worst case, recv [T * K, H] here, rows past the counts' sum padding (send_pairs T * K)."""
+    """capacity C >= 0: bounded; -2: unbounded at the worst case, recv [T * K, H], rows past the
+    counts' sum padding (send_pairs T * K)."""
+    if capacity < 0 and capacity != -2:
+        raise RuntimeError(f"flux.moe_local_dispatch: capacity must be -2 (unbounded, T * K rows) or >= 0, got "
+                           f"{capacity}")
     worst = capacity == -2
     capacity = -1 if worst else capacity
     t, k = topk_idx.shape
@@ -59,21 +61,9 @@ def dispatch(x, topk_idx, num_experts, capacity, host_code, zero_pad):
         send_pairs[row] = order
     if capacity >= 0:
         recv = _gather(x, send_pairs, k, num_experts * capacity).view(num_experts, capacity, x.shape[1])
-    elif worst:
-        recv = _gather(x, send_pairs, k, n)
     else:
-        recv = x.new_empty((0, x.shape[1]))
+        recv = _gather(x, send_pairs, k, n)
     return [recv, info[:num_experts], info[num_experts:], pair_row, send_pairs, info]
-
-
-def rows(x, pair_row, send_pairs, n_rows):
-    """out[pair_row[p]] = x[p / K] for every pair with a row (the kernel goes token by token)."""
-    out = x.new_empty((n_rows, x.shape[1]))
-    k = pair_row.numel() // max(1, x.shape[0])
-    p = torch.arange(pair_row.numel())
-    has = pair_row >= 0
-    out[pair_row[has]] = x[torch.div(p[has], k, rounding_mode="floor")]
-    return out
 
 
 def combine(y, weights, pair_row, k):
@@ -118,7 +108,6 @@ def register() -> bool:
         for name, schema in _SCHEMAS.items():
             _LIB.define(schema)
         _LIB.impl("moe_local_dispatch", dispatch, "CPU")
-        _LIB.impl("moe_local_rows", rows, "CPU")
         _LIB.impl("moe_local_combine", combine, "CPU")
         _LIB.impl("moe_local_combine_backward", combine_backward, "CPU")
     return True

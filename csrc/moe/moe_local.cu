@@ -565,7 +565,7 @@ void launch_count(const char* op, const Idx* idx, int64_t n, int k, int num_expe
 // scan_kernel and place_kernel after count_kernel (per_block = kPairsPerBlock).
 template <typename Idx>
 void launch_scan_place(const char* op, const Idx* idx, int64_t n, int k, int num_experts, int64_t capacity,
-                       int64_t host_code, Layout& l, cudaStream_t stream, bool worst = false) {
+                       int64_t host_code, Layout& l, cudaStream_t stream) {
   const size_t place_smem = kLayoutWarps * num_experts * sizeof(int);
   int64_t* info = l.info.data_ptr<int64_t>();
   int64_t* send_pairs = l.send_pairs.data_ptr<int64_t>();
@@ -573,7 +573,7 @@ void launch_scan_place(const char* op, const Idx* idx, int64_t n, int k, int num
   moe_launch::check(op, "place_kernel", place_kernel<Idx>, l.blocks, kPairsPerBlock, place_smem);
   scan_kernel<<<1, kScanThreads, 0, stream>>>(l.blk_counts, l.blk_code, l.blocks, num_experts, capacity,
                                               static_cast<int>(host_code), info, l.start, send_pairs, n,
-                                              capacity >= 0 ? num_experts * capacity : worst ? n : 0);
+                                              capacity >= 0 ? num_experts * capacity : n);
   FLUX_CHECK_LAUNCH();
   place_kernel<Idx><<<l.blocks, kPairsPerBlock, place_smem, stream>>>(
       idx, n, k, num_experts, capacity, l.blk_counts, info, l.start, l.pair_row.data_ptr<int64_t>(), send_pairs);
@@ -637,14 +637,14 @@ void check_rows(const at::Tensor& t, const char* what, const char* op) {
 
 }  // namespace
 
-// Returns [recv, counts, verdict, pair_row, send_pairs, info]: recv [E, C, H] bounded, [0, H]
-// unbounded (the caller sizes it with moe_local_rows after its one host read of info), [T * K, H]
-// for capacity -2, the unbounded layout at its worst case, rows in place in this call and no host
-// read needed (rows past the counts' sum are padding: send_pairs T * K, zeros when zero_pad); counts
+// Returns [recv, counts, verdict, pair_row, send_pairs, info]: recv [E, C, H] bounded (capacity
+// C >= 0); for capacity -2, unbounded, [T * K, H], the unbounded layout at its worst case, rows in
+// place in this call (rows past the counts' sum are padding: send_pairs T * K, zeros when
+// zero_pad; a caller that reads the counts afterwards keeps the first sum(counts) rows); counts
 // (info[:E]) and verdict (info[E:], [1]) are views of info, so that the bounded caller uses the
 // outputs as they come (no slicing or reshaping on the host per call). info, pair_row and
 // send_pairs are views of one allocation (layout_buffers). Bounded: two launches where
-// blocks * E <= kFusedCounts (count_kernel, bounded_rows_kernel), else four; unbounded: three.
+// blocks * E <= kFusedCounts (count_kernel, bounded_rows_kernel), else four; unbounded: four.
 std::vector<at::Tensor> moe_local_dispatch(const at::Tensor& x_in, const at::Tensor& topk_idx_in, int64_t num_experts,
                                            int64_t capacity, int64_t host_code, bool zero_pad) {
   constexpr const char* op = "moe_local_dispatch";
@@ -659,17 +659,17 @@ std::vector<at::Tensor> moe_local_dispatch(const at::Tensor& x_in, const at::Ten
              "], got ", num_experts);
   const int64_t k = topk_idx.size(1), n = topk_idx.numel();
   FLUX_CHECK(k >= 1 && k <= kMaxTopk, op, "K must be in [1, ", kMaxTopk, "], got ", k);
-  FLUX_CHECK(capacity >= -2, op, "capacity must be -1 (unbounded), -2 (unbounded, T * K rows) or >= 0, got ",
+  FLUX_CHECK(capacity >= 0 || capacity == -2, op, "capacity must be -2 (unbounded, T * K rows) or >= 0, got ",
              capacity);
   const bool worst = capacity == -2;
-  if (worst) capacity = -1;
+  if (worst) capacity = -1;  // the unbounded layout below
   const c10::cuda::CUDAGuard guard(x.device());
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const int whole = kPairsPerBlock - kPairsPerBlock % static_cast<int>(k);  // whole tokens per count block
   const bool fused = capacity >= 0 && std::max<int64_t>(1, (n + whole - 1) / whole) * num_experts <= kFusedCounts;
   Layout l = layout_buffers(topk_idx, num_experts, capacity, fused ? whole : kPairsPerBlock);
   at::Tensor recv = capacity >= 0 ? at::empty({num_experts, capacity, x.size(1)}, x.options())
-                                  : at::empty({worst ? n : 0, x.size(1)}, x.options());  // -1: sized by the caller
+                                  : at::empty({n, x.size(1)}, x.options());
   const int e = static_cast<int>(num_experts), ki = static_cast<int>(k);
   AT_DISPATCH_INDEX_TYPES(topk_idx.scalar_type(), "moe_local_dispatch", [&] {
     const index_t* idx = topk_idx.data_ptr<index_t>();
@@ -683,31 +683,12 @@ std::vector<at::Tensor> moe_local_dispatch(const at::Tensor& x_in, const at::Ten
       }
       return;
     }
-    launch_scan_place(op, idx, n, ki, e, capacity, host_code, l, stream, worst);
-    if (worst) launch_rows(op, x, l.pair_row, l.send_pairs, k, zero_pad ? n : 0, recv, stream);
-    if (capacity >= 0) launch_rows(op, x, l.pair_row, l.send_pairs, k, zero_pad ? num_experts * capacity : 0, recv,
-                                   stream);
+    launch_scan_place(op, idx, n, ki, e, capacity, host_code, l, stream);
+    const int64_t slots = worst ? n : num_experts * capacity;
+    launch_rows(op, x, l.pair_row, l.send_pairs, k, zero_pad ? slots : 0, recv, stream);
   });
   return {recv, int64_slice(l.info, 0, num_experts), int64_slice(l.info, num_experts, 1), l.pair_row, l.send_pairs,
           l.info};
-}
-
-at::Tensor moe_local_rows(const at::Tensor& x_in, const at::Tensor& pair_row, const at::Tensor& send_pairs,
-                          int64_t rows) {
-  constexpr const char* op = "moe_local_rows";
-  const at::Tensor x = x_in.contiguous();
-  check_rows(x, "x", op);
-  auto idx_ok = [&](const at::Tensor& t) {
-    return t.is_cuda() && t.scalar_type() == at::kLong && t.is_contiguous() && t.device() == x.device();
-  };
-  const bool whole = x.size(0) == 0 || pair_row.numel() % x.size(0) == 0;
-  FLUX_CHECK(idx_ok(pair_row) && idx_ok(send_pairs) && rows >= 0 && whole,
-             op, "pair_row ([T * K]) and send_pairs must be contiguous int64 tensors on x's device");
-  const c10::cuda::CUDAGuard guard(x.device());
-  at::Tensor out = at::empty({rows, x.size(1)}, x.options());
-  const int64_t k = x.size(0) == 0 ? 1 : pair_row.numel() / x.size(0);
-  launch_rows(op, x, pair_row, send_pairs, k, 0, out, at::cuda::getCurrentCUDAStream());
-  return out;
 }
 
 // The routing weights as the kernels read them (float32, contiguous, T * K entries, on `like`'s
