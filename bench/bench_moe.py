@@ -32,6 +32,10 @@ Per cell, each timed after --warmup calls:
                              router on random inputs) forward and y.backward(g), gradients set to
                              None first, with flux's dispatcher and with the baseline: the same
                              layer, the same weights; loop mode
+  layer decode               world size 1, --reference grouped, T <= 1024: the layer's forward
+                             alone, bounded (max_tokens_per_rank=T), loop and graph mode: as it
+                             runs ("masked": flux's masked grouped kernels compute each slab's
+                             counted rows only) and with every slab row computed ("padded")
 
 The baseline (``AllToAllDispatcher``) is Megatron's all-to-all token dispatcher in its simplest
 form: sort the (token, slot) pairs by global expert (stable, so token then slot order within an
@@ -411,6 +415,8 @@ def layer_case(args, bench, layer, tokens, topk, dev, dtype, rank, tol):
             res["dense"] = timed(bench, gemms_only(layer, x, idx, dense=True), args, graph=False)
         except Exception as e:  # noqa: BLE001
             res["dense_status"] = f"error: {type(e).__name__}: {str(e)[:300]}"
+        if tokens <= 1024:
+            res["decode"] = decode_case(args, bench, layer, x)
         if args.profile_layer:
             res["profile"] = {}
             for name, s in (("flux", step), ("stock", ref_step)):
@@ -418,6 +424,36 @@ def layer_case(args, bench, layer, tokens, topk, dev, dtype, rank, tol):
                     res["profile"][name] = gpu_busy(s, args.steps)
                 except Exception as e:  # noqa: BLE001
                     res["profile"][name] = {"status": f"error: {type(e).__name__}: {str(e)[:300]}"}
+    return res
+
+
+def decode_case(args, bench, layer, x):
+    """The layer's forward alone (no autograd), bounded (max_tokens_per_rank = T), loop and graph
+    timing: as it runs ("masked": where flux's masked grouped kernels run, only the counted rows
+    of each slab are computed and the dispatch writes no zeros) and with every slab row computed
+    ("padded": the dispatch's zeros and batched GEMMs over the whole slabs)."""
+    res = {}
+    xd = x.detach()
+    saved = layer.max_tokens_per_rank
+    layer.max_tokens_per_rank = xd.shape[0]
+    try:
+        outs = {}
+        for name, skip in (("masked", None), ("padded", lambda t: False)):
+            if skip is not None:
+                layer.skip_padding = skip  # an instance attribute over the method
+            try:
+                with torch.no_grad():
+                    outs[name] = layer(xd)
+                    res[name] = timed(bench, lambda: layer(xd), args, graph=True)
+                res[name]["skip_padding"] = bool(layer.skip_padding(xd))
+            except Exception as e:  # noqa: BLE001
+                res[name] = {"status": f"error: {type(e).__name__}: {str(e)[:300]}"}
+            finally:
+                layer.__dict__.pop("skip_padding", None)
+        if len(outs) == 2:
+            res["rel_err"] = rel_err(outs["masked"], outs["padded"])
+    finally:
+        layer.max_tokens_per_rank = saved
     return res
 
 
@@ -515,6 +551,12 @@ def layer_table(records):
                      f"{_f(g):>7} {_f(gt):>7} {ratio(s, f):>10} {ratio(f, g):>10} {ratio(g, d):>11} | "
                      f"{us('dispatch', 'graph_ms'):>17} "
                      f"{host('dispatch'):>13} | {us('combine', 'graph_ms'):>17} {host('combine'):>13}")
+    for r in records:
+        dec = (r.get("layer") or {}).get("decode") or {}
+        if dec:
+            lines.append(f"T={r['tokens']} E={r['experts']} bounded forward, loop / graph ms: " + ", ".join(
+                f"{n} {_f((dec.get(n) or {}).get('loop_ms'))} / {_f((dec.get(n) or {}).get('graph_ms'))}"
+                for n in ("masked", "padded")) + f" (rel. difference {_f(dec.get('rel_err'), '.2g')})")
     for r in records:
         prof = (r.get("layer") or {}).get("profile") or {}
         if prof:

@@ -75,13 +75,15 @@ std::vector<at::Tensor> moe_local_combine_backward(const at::Tensor& grad_out, c
                                                    const at::Tensor& pair_row, const at::Tensor& send_pairs,
                                                    const std::optional<at::Tensor>& y, int64_t k);
 
-// SwiGLU of [R, 2F] (gate, up) -> [R, F], and its backward -> [R, 2F] (csrc/moe/moe_swiglu.cu).
-at::Tensor moe_swiglu(const at::Tensor& h);
-at::Tensor moe_swiglu_backward(const at::Tensor& grad, const at::Tensor& h);
+// SwiGLU of [R, 2F] (gate, up) -> [R, F], and its backward -> [R, 2F] (csrc/moe/moe_swiglu.cu);
+// with counts, only the rows below counts[e] of each slab of `slab` rows.
+at::Tensor moe_swiglu(const at::Tensor& h, const std::optional<at::Tensor>& counts, int64_t slab);
+at::Tensor moe_swiglu_backward(const at::Tensor& grad, const at::Tensor& h, const std::optional<at::Tensor>& counts,
+                               int64_t slab);
 
 // Grouped GEMM of the MoE experts (csrc/moe/grouped_gemm.cuh, grouped_gemm.cpp) and what was built.
 at::Tensor grouped_mm_cutlass(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs, int64_t kind,
-                              int64_t config);
+                              int64_t config, int64_t slab);
 std::string grouped_kernels_built();
 
 }  // namespace flux

@@ -40,13 +40,16 @@ TORCH_LIBRARY(flux, m) {
   m.def("moe_local_combine(Tensor y, Tensor? weights, Tensor pair_row, int k) -> Tensor");
   m.def("moe_local_combine_backward(Tensor grad_out, Tensor? weights, Tensor pair_row, Tensor send_pairs, "
         "Tensor? y, int k) -> Tensor[]");
-  // SwiGLU of the experts' [R, 2F] GEMM output (csrc/moe/moe_swiglu.cu) and its backward.
-  m.def("moe_swiglu(Tensor h) -> Tensor");
-  m.def("moe_swiglu_backward(Tensor grad, Tensor h) -> Tensor");
+  // SwiGLU of the experts' [R, 2F] GEMM output (csrc/moe/moe_swiglu.cu) and its backward; with
+  // counts, only rows r with r % slab < counts[r / slab] (the others neither read nor written).
+  m.def("moe_swiglu(Tensor h, Tensor? counts=None, int slab=0) -> Tensor");
+  m.def("moe_swiglu_backward(Tensor grad, Tensor h, Tensor? counts=None, int slab=0) -> Tensor");
   // Grouped GEMM of the MoE experts (csrc/moe/grouped_gemm.cuh): kind 0 (nk) / 1 (kn): a [R, K],
   // b [E, N, K] / [E, K, N] -> [R, N]; kind 2 (wgrad): a [R, M], b [R, N] -> [E, M, N]; rows
-  // grouped by offs (int32 cumulative row ends, one per expert); config: flux/fused_configs.py GROUPED.
-  m.def("grouped_mm_cutlass(Tensor a, Tensor b, Tensor offs, int kind, int config) -> Tensor");
+  // grouped by offs (int32 cumulative row ends, one per expert), or with slab C > 0 in E slabs of C
+  // rows (offs: int64 rows per expert; the rows past them neither read nor written); config:
+  // flux/fused_configs.py GROUPED.
+  m.def("grouped_mm_cutlass(Tensor a, Tensor b, Tensor offs, int kind, int config, int slab=0) -> Tensor");
   // The grouped GEMM instantiations compiled in: "gmm:config:kind" separated by spaces.
   m.def("grouped_kernels_built() -> str");
   // Fused AllGather+GEMM (csrc/ag_gemm/ag_gemm_fused.cpp): out = a_full @ weight^T (+ bias), tiles of

@@ -25,10 +25,19 @@ def _gather(x, send_pairs, k, rows, zero_pad=True):
 
 def dispatch(x, topk_idx, num_experts, capacity, host_code, zero_pad):
     """capacity C >= 0: bounded; -2: unbounded at the worst case, recv [T * K, H], rows past the
-    counts' sum padding (send_pairs T * K)."""
-    if capacity < 0 and capacity != -2:
-        raise RuntimeError(f"flux.moe_local_dispatch: capacity must be -2 (unbounded, T * K rows) or >= 0, got "
-                           f"{capacity}")
+    counts' sum padding (send_pairs T * K); -3: the same, then info read to the host (a CPU copy)
+    and, where the verdict is 0, recv and send_pairs cut to the counts' sum."""
+    if capacity < 0 and capacity not in (-2, -3):
+        raise RuntimeError(f"flux.moe_local_dispatch: capacity must be -2 (unbounded, T * K rows), -3 (the same, "
+                           f"counts read) or >= 0, got {capacity}")
+    if capacity == -3:
+        out = dispatch(x, topk_idx, num_experts, -2, host_code, False)
+        info = out[5].clone()
+        if int(info[num_experts]) == 0:
+            rows = int(info[:num_experts].sum())
+            out[0], out[4] = out[0][:rows], out[4][:rows]
+        out[5] = info
+        return out
     worst = capacity == -2
     capacity = -1 if worst else capacity
     t, k = topk_idx.shape

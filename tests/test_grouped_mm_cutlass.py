@@ -154,3 +154,47 @@ def test_graph_capture():
     torch.cuda.synchronize()
     ref, torch_out = _reference("nk", a, b, offs)
     assert _rel(out, ref) <= 2 * _rel(torch_out, ref) + 1e-3
+
+
+SLAB_COUNTS = [0, 37, 64, 1, 0, 64, 13, 50]  # C = 64: empty, partial and full slabs
+
+
+@gpu
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+def test_slab_layout_skips_padding(layout):
+    """grouped_mm_padded(skip_padding=True) on flux's kernels (slab mode): the counted rows of the
+    output, d x and d w against fp64 per expert within 2x the error of torch's bf16 product on the
+    same rows, with NaN in every row past the counts (never read) and the outputs over memory
+    poisoned with NaN (the counted rows must all be written); an expert without rows gets d w = 0."""
+    e, c, k, n = len(SLAB_COUNTS), 64, 256, 136
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(e, c, k, generator=gen).bfloat16()
+    for i, cnt in enumerate(SLAB_COUNTS):
+        x[i, cnt:] = float("nan")
+    w = (torch.randn(e, n, k, generator=gen) / k ** 0.5).bfloat16()
+    if layout == "kn":
+        w = w.transpose(1, 2).contiguous()
+    g = torch.randn(e, c, n, generator=gen).bfloat16()
+    x, w, g = x.cuda().requires_grad_(), w.cuda().requires_grad_(), g.cuda()
+    counts = torch.tensor(SLAB_COUNTS, device="cuda")
+    assert G.slab_kernels_ready(x, w, layout)
+    for shape in ((e, c, n), (e, c, k), tuple(w.shape)):  # the output, d x, d w: poisoned blocks
+        torch.full(shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    y = G.grouped_mm_padded(x, w, counts, weight_layout=layout, skip_padding=True)
+    y.backward(g)
+    torch.cuda.synchronize()
+    assert y.shape == (e, c, n)
+    wt = lambda i, t: t[i].t() if layout == "nk" else t[i]  # noqa: E731
+    for i, cnt in enumerate(SLAB_COUNTS):
+        xi, gi = x.detach()[i, :cnt], g[i, :cnt]
+        ref = xi.double() @ wt(i, w.detach().double())
+        ref_dx = gi.double() @ wt(i, w.detach().double()).t()
+        ref_dw = gi.double().t() @ xi.double() if layout == "nk" else xi.double().t() @ gi.double()
+        if cnt == 0:
+            assert torch.equal(w.grad[i], torch.zeros_like(w.grad[i])), f"expert {i} has no rows: d w not zero"
+            continue
+        for got, want, base in ((y[i, :cnt], ref, xi @ wt(i, w.detach())),
+                                (x.grad[i, :cnt], ref_dx, gi @ wt(i, w.detach()).t()),
+                                (w.grad[i], ref_dw, gi.t() @ xi if layout == "nk" else xi.t() @ gi)):
+            err, tol = _rel(got, want), _rel(base, want)
+            assert err <= 2 * tol + 1e-3, f"{layout} expert {i} ({cnt} rows): error {err:.3g}, torch's {tol:.3g}"

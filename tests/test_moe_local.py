@@ -187,6 +187,13 @@ def test_unread_counts_entry_matches_emulation(group, t, e, k, h, zero_pad, data
     assert torch.equal(recv[:r].cpu(), ref[0][:r])
     if zero_pad:
         assert not recv[r:].any()
+    # capacity -3: the same call with the counts and verdict read to the host, recv and send_pairs
+    # cut to the counts' sum where the verdict is 0.
+    recv, counts, verdict, pair_row, send_pairs, info = torch.ops.flux.moe_local_dispatch(x, idx, e, -3, 0, zero_pad)
+    assert info.device.type == "cpu" and torch.equal(info, ref[5]) and torch.equal(pair_row.cpu(), ref[3])
+    rows = r if data in ("valid", "dropped_slots") else t * k
+    assert recv.shape == (rows, h) and torch.equal(send_pairs.cpu(), ref[4][:rows])
+    assert torch.equal(recv[:r].cpu(), ref[0][:r])
 
 
 @pytest.mark.parametrize("zero_pad", [True, False])
@@ -579,3 +586,88 @@ def test_swiglu_kernel(dtype, f):
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1.6e-2)
     torch.testing.assert_close(a.float(), a32, **tol)
     torch.testing.assert_close(h.grad.float(), h32.grad, **tol)
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_swiglu_kernel_slabs(dtype):
+    """swiglu(h [E, C, 2F], counts): the counted rows of each slab as without counts, forward and
+    backward, with NaN in every other row (never read) and over the outputs' memory (the counted
+    rows must all be written)."""
+    from flux.nn.moe import _has_swiglu_kernel, swiglu
+
+    if not _has_swiglu_kernel():
+        pytest.skip("flux._C without moe_swiglu")
+    torch.manual_seed(1)
+    e, c, f = 5, 12, 256
+    cnt = [0, 12, 3, 7, 1]
+    h = (torch.randn(e, c, 2 * f, device=DEV) * 3).to(dtype)
+    g = torch.randn(e, c, f, device=DEV).to(dtype)
+    for i, n in enumerate(cnt):
+        h[i, n:] = float("nan")
+        g[i, n:] = float("nan")
+    h.requires_grad_()
+    counts = torch.tensor(cnt, device=DEV)
+    for shape in ((e, c, f), (e, c, 2 * f)):
+        torch.full(shape, float("nan"), dtype=dtype, device=DEV)
+    a = swiglu(h, counts)
+    a.backward(g)
+    for i, n in enumerate(cnt):
+        hi = h.detach()[i, :n].clone().requires_grad_()
+        ai = swiglu(hi)
+        ai.backward(g[i, :n])
+        assert torch.equal(a[i, :n], ai.detach()) and torch.equal(h.grad[i, :n], hi.grad), f"slab {i}"
+
+
+@gpu_only
+def test_bounded_layer_skips_padding(group):
+    """flux.nn.MoE bounded on flux's masked grouped kernels: the dispatch leaves the padding
+    unwritten (zero_pad=False) and the output and every gradient match the same layer computing
+    every slab row over the dispatch's zeros; the forward replays from a CUDA graph."""
+    from flux.nn.moe import FluxDispatcher
+
+    seen = []
+
+    class Recording(FluxDispatcher):
+        @staticmethod
+        def dispatch(*args, **kw):
+            seen.append(kw.get("zero_pad", True))
+            return FluxDispatcher.dispatch(*args, **kw)
+
+    torch.manual_seed(2)
+    t, h, f, e, k = 64, 256, 128, 8, 2
+    layer = flux.nn.MoE(h, f, e, k, seed=1, dtype=torch.bfloat16, device=DEV, max_tokens_per_rank=t,
+                        dispatcher=Recording())
+    x0 = torch.randn(t, h, device=DEV, dtype=torch.bfloat16)
+    if not layer.skip_padding(x0):
+        pytest.skip("flux's masked grouped kernels do not run here")
+    g = torch.randn(t, h, device=DEV, dtype=torch.bfloat16)
+    results = {}
+    for name in ("masked", "padded"):
+        if name == "padded":
+            layer.skip_padding = lambda x: False
+        x = x0.clone().requires_grad_()
+        for p in layer.parameters():
+            p.grad = None
+        out = layer(x)
+        out.backward(g)
+        results[name] = [out.detach(), x.grad] + [p.grad.clone() for p in layer.parameters()]
+    del layer.skip_padding
+    assert seen == [False, True]
+    for a, b in zip(results["masked"], results["padded"]):
+        torch.testing.assert_close(a.float(), b.float(), atol=3e-2, rtol=3e-2)
+    with torch.no_grad():
+        xs = x0.clone()
+        layer(xs)  # warm-up: the dispatch's checks remembered
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            layer(xs)
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(graph):
+            out = layer(xs)
+        xs.copy_(torch.randn(t, h, device=DEV, dtype=torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out.float(), layer(xs).float(), atol=0, rtol=0)

@@ -9,8 +9,11 @@
 
 namespace flux {
 
+// slab == 0: offs int32 cumulative row ends, one per expert. slab C > 0: offs int64 rows per
+// expert, a's rows are E slabs of C (expert e's rows e * C .. e * C + offs[e] - 1, the rest neither
+// read nor written; grouped_gemm.cuh).
 at::Tensor grouped_mm_cutlass(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs, int64_t kind,
-                              int64_t config) {
+                              int64_t config, int64_t slab) {
   constexpr const char* op = "grouped_mm_cutlass";
 #if !defined(FLUX_WITH_SM90)
   FLUX_CHECK(false, op, "flux._C was built without an sm_90a target (FLUX_CUDA_ARCH)");
@@ -21,8 +24,13 @@ at::Tensor grouped_mm_cutlass(const at::Tensor& a, const at::Tensor& b, const at
              op, "a, b and offs must be CUDA tensors on one device");
   FLUX_CHECK(a.scalar_type() == at::kBFloat16 && b.scalar_type() == at::kBFloat16, op, "bf16 a and b expected, got ",
              a.scalar_type(), " and ", b.scalar_type());
-  FLUX_CHECK(offs.scalar_type() == at::kInt && offs.dim() == 1 && offs.is_contiguous() && offs.numel() >= 1, op,
-             "offs must be a contiguous 1-D int32 tensor of one cumulative row end per expert");
+  FLUX_CHECK(slab >= 0, op, "slab must be >= 0, got ", slab);
+  FLUX_CHECK(offs.scalar_type() == (slab ? at::kLong : at::kInt) && offs.dim() == 1 && offs.is_contiguous() &&
+                 offs.numel() >= 1,
+             op, slab ? "offs must be a contiguous 1-D int64 tensor of rows per expert (slab > 0)"
+                      : "offs must be a contiguous 1-D int32 tensor of one cumulative row end per expert");
+  FLUX_CHECK(slab == 0 || a.size(0) == offs.numel() * slab, op, "slab ", slab, ": a must have E * slab = ",
+             offs.numel() * slab, " rows, got ", a.size(0));
   FLUX_CHECK(a.dim() == 2 && a.is_contiguous() && b.is_contiguous(), op, "contiguous a [R, *] and b expected");
   FLUX_CHECK(a.size(0) < (int64_t(1) << 31), op, "more rows than int32 offsets hold");
   FLUX_CHECK(is_aligned(a.data_ptr(), 16) && is_aligned(b.data_ptr(), 16), op, "a and b must start 16-byte aligned");
@@ -53,7 +61,12 @@ at::Tensor grouped_mm_cutlass(const at::Tensor& a, const at::Tensor& b, const at
   args.a = a.data_ptr();
   args.b = b.data_ptr();
   args.d = d.data_ptr();
-  args.offs = offs.data_ptr<int>();
+  if (slab) {
+    args.counts = offs.data_ptr<int64_t>();
+    args.slab = slab;
+  } else {
+    args.offs = offs.data_ptr<int>();
+  }
   args.groups = static_cast<int>(groups);
   args.n = static_cast<int>(n);
   args.k = static_cast<int>(k);

@@ -9,7 +9,11 @@
 //   wgrad  d [E, M, N]: d[e] = a[rows of e]^T @ b[rows of e],        a [R, M], b [R, N]
 //
 // (wgrad is the weight gradient: K is the expert's row count, so an expert without rows gets
-// d[e] = 0 from an empty K loop.) A small kernel turns the offsets into the per-expert problem
+// d[e] = 0 from an empty K loop.) Slab mode (slab C > 0; the bounded dispatch's [E, C, *] layout,
+// flux.grouped_mm_padded(skip_padding=True)): expert e's rows are e * C .. e * C + counts[e] - 1
+// (int64 counts on the device, clamped to [0, C]); the rows past them are neither read nor
+// written (nk / kn: d is [E * C, N], those rows left as allocated), as a masked grouped GEMM
+// leaves them. A small kernel turns the offsets into the per-expert problem
 // shapes, pointers and strides on the device, so a call needs no host synchronisation and is
 // capturable in a CUDA graph. Configurations (tile, cluster, schedule): flux/fused_configs.py
 // GROUPED, from which setup.py generates one translation unit per (configuration, kind).
@@ -34,7 +38,9 @@ struct GroupedGemmArgs {
   const void* a = nullptr;
   const void* b = nullptr;
   void* d = nullptr;
-  const int* offs = nullptr;
+  const int* offs = nullptr;        // cumulative row ends (slab == 0)
+  const int64_t* counts = nullptr;  // rows per expert (slab > 0)
+  int64_t slab = 0;                 // rows per expert's slab (0: rows packed by offs)
   int groups = 0;
   int n = 0, k = 0;  // nk / kn: the product's N and K; wgrad: M (a's columns) and N (b's columns)
   void* scratch = nullptr;  // groups * kGroupedArgBytes device bytes
@@ -120,8 +126,15 @@ grouped_prepare(GroupedGemmArgs a) {
   using S = GroupedSlots<G>;
   const int e = blockIdx.x * blockDim.x + threadIdx.x;
   if (e >= a.groups) return;
-  const int64_t start = e ? a.offs[e - 1] : 0;
-  const int rows = static_cast<int>(a.offs[e] - start);
+  int64_t start;
+  int rows;
+  if (a.slab > 0) {
+    start = e * a.slab;
+    rows = static_cast<int>(min(max(a.counts[e], int64_t{0}), a.slab));
+  } else {
+    start = e ? a.offs[e - 1] : 0;
+    rows = static_cast<int>(a.offs[e] - start);
+  }
   const Elem* pa = static_cast<const Elem*>(a.a);
   const Elem* pb = static_cast<const Elem*>(a.b);
   Elem* pd = static_cast<Elem*>(a.d);

@@ -516,6 +516,15 @@ at::Tensor int64_slice(const at::Tensor& base, int64_t offset, int64_t count) {
   return at::Tensor(std::move(impl));
 }
 
+// The first `rows` rows of a 2-D tensor, as a tensor on its storage made without the dispatcher
+// (as int64_slice).
+at::Tensor first_rows(const at::Tensor& base, int64_t rows) {
+  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(base.storage()), base.key_set(), base.dtype());
+  impl->set_storage_offset(base.storage_offset());
+  impl->set_sizes_contiguous({rows, base.size(1)});
+  return at::Tensor(std::move(impl));
+}
+
 // A dispatch's index tensors and the layout kernels' scratch, in one int64 allocation: info
 // [E + 1] (counts, verdict), pair_row [T * K], send_pairs ([E * C] bounded; [T * K] unbounded, its
 // first sum(counts) entries hold the rows), then the scratch: start (int64 [E]), blk_counts
@@ -640,7 +649,10 @@ void check_rows(const at::Tensor& t, const char* what, const char* op) {
 // Returns [recv, counts, verdict, pair_row, send_pairs, info]: recv [E, C, H] bounded (capacity
 // C >= 0); for capacity -2, unbounded, [T * K, H], the unbounded layout at its worst case, rows in
 // place in this call (rows past the counts' sum are padding: send_pairs T * K, zeros when
-// zero_pad; a caller that reads the counts afterwards keeps the first sum(counts) rows); counts
+// zero_pad); for capacity -3 the same, then the counts and the verdict read here (one copy to
+// pinned host memory, one stream synchronisation, after the rows have moved), info returned as
+// that host copy (int64 [E + 1], CPU) and, where the verdict is 0, recv and send_pairs cut to
+// the first sum(counts) rows (views; zero_pad ignored: no padding row is shown); counts
 // (info[:E]) and verdict (info[E:], [1]) are views of info, so that the bounded caller uses the
 // outputs as they come (no slicing or reshaping on the host per call). info, pair_row and
 // send_pairs are views of one allocation (layout_buffers). Bounded: two launches where
@@ -659,9 +671,11 @@ std::vector<at::Tensor> moe_local_dispatch(const at::Tensor& x_in, const at::Ten
              "], got ", num_experts);
   const int64_t k = topk_idx.size(1), n = topk_idx.numel();
   FLUX_CHECK(k >= 1 && k <= kMaxTopk, op, "K must be in [1, ", kMaxTopk, "], got ", k);
-  FLUX_CHECK(capacity >= 0 || capacity == -2, op, "capacity must be -2 (unbounded, T * K rows) or >= 0, got ",
-             capacity);
-  const bool worst = capacity == -2;
+  FLUX_CHECK(capacity >= 0 || capacity == -2 || capacity == -3, op,
+             "capacity must be -2 (unbounded, T * K rows), -3 (the same, counts read) or >= 0, got ", capacity);
+  const bool read = capacity == -3;
+  const bool worst = capacity == -2 || read;
+  if (read) zero_pad = false;
   if (worst) capacity = -1;  // the unbounded layout below
   const c10::cuda::CUDAGuard guard(x.device());
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
@@ -687,8 +701,17 @@ std::vector<at::Tensor> moe_local_dispatch(const at::Tensor& x_in, const at::Ten
     const int64_t slots = worst ? n : num_experts * capacity;
     launch_rows(op, x, l.pair_row, l.send_pairs, k, zero_pad ? slots : 0, recv, stream);
   });
-  return {recv, int64_slice(l.info, 0, num_experts), int64_slice(l.info, num_experts, 1), l.pair_row, l.send_pairs,
-          l.info};
+  at::Tensor counts = int64_slice(l.info, 0, num_experts), verdict = int64_slice(l.info, num_experts, 1);
+  if (!read) return {recv, counts, verdict, l.pair_row, l.send_pairs, l.info};
+  at::Tensor host = at::empty({num_experts + 1}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  C10_CUDA_CHECK(cudaMemcpyAsync(host.data_ptr(), l.info.data_ptr(), (num_experts + 1) * sizeof(int64_t),
+                                 cudaMemcpyDeviceToHost, stream));
+  C10_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const int64_t* h = host.data_ptr<int64_t>();
+  if (h[num_experts] != 0) return {recv, counts, verdict, l.pair_row, l.send_pairs, host};
+  int64_t rows = 0;
+  for (int64_t i = 0; i < num_experts; ++i) rows += h[i];
+  return {first_rows(recv, rows), counts, verdict, l.pair_row, int64_slice(l.send_pairs, 0, rows), host};
 }
 
 // The routing weights as the kernels read them (float32, contiguous, T * K entries, on `like`'s

@@ -6,7 +6,9 @@
 //
 // computed in fp32 (silu(g) = g / (1 + exp(-g)), silu'(g) = s(g) (1 + g (1 - s(g))), s the
 // logistic function) and rounded once to h's dtype. Elementwise, N elements per access (16 bytes
-// where F and the pointers allow, else 1).
+// where F and the pointers allow, else 1). Slab mode (counts given, slab C: the bounded dispatch's
+// [E, C, *] layout): row r is computed only where r % C < counts[r / C]; the others are neither read
+// nor written (the masked grouped GEMMs on either side read none of them).
 #include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
@@ -43,9 +45,11 @@ __device__ __forceinline__ void st(T* p, const SwPack<T, N>& v) {
 // the same as a plain copy, on an H200 at 32768 x 2048).
 template <typename T, int N>
 __global__ void __launch_bounds__(kSwigluThreads)
-swiglu_fwd_kernel(const T* __restrict__ h, int64_t rows, int64_t f, T* __restrict__ a) {
+swiglu_fwd_kernel(const T* __restrict__ h, int64_t rows, int64_t f, const int64_t* __restrict__ counts,
+                  int64_t slab, T* __restrict__ a) {
   const int64_t groups = f / N;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    if (counts != nullptr && r % slab >= counts[r / slab]) continue;
     const T* hr = h + r * 2 * f;
     T* ar = a + r * f;
     for (int64_t c = threadIdx.x; c < groups; c += blockDim.x) {
@@ -64,9 +68,10 @@ swiglu_fwd_kernel(const T* __restrict__ h, int64_t rows, int64_t f, T* __restric
 template <typename T, int N>
 __global__ void __launch_bounds__(kSwigluThreads)
 swiglu_bwd_kernel(const T* __restrict__ da, const T* __restrict__ h, int64_t rows, int64_t f,
-                  T* __restrict__ dh) {
+                  const int64_t* __restrict__ counts, int64_t slab, T* __restrict__ dh) {
   const int64_t groups = f / N;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    if (counts != nullptr && r % slab >= counts[r / slab]) continue;
     const T* hr = h + r * 2 * f;
     const T* dar = da + r * f;
     T* dhr = dh + r * 2 * f;
@@ -100,11 +105,23 @@ void check_h(const at::Tensor& h, const char* op) {
              "h must be a contiguous 2-D CUDA tensor [R, 2F]");
 }
 
+// The slab mode's counts pointer (nullptr without counts), checked against h's rows.
+const int64_t* slab_counts(const std::optional<at::Tensor>& counts, int64_t slab, const at::Tensor& h,
+                           const char* op) {
+  if (!counts.has_value()) return nullptr;
+  FLUX_CHECK(slab > 0 && counts->is_cuda() && counts->device() == h.device() && counts->scalar_type() == at::kLong &&
+                 counts->dim() == 1 && counts->is_contiguous() && counts->numel() * slab == h.size(0),
+             op, "counts must be a contiguous int64 [E] tensor on h's device, with slab > 0 and E * slab = ",
+             h.size(0), " rows");
+  return counts->data_ptr<int64_t>();
+}
+
 }  // namespace
 
-at::Tensor moe_swiglu(const at::Tensor& h) {
+at::Tensor moe_swiglu(const at::Tensor& h, const std::optional<at::Tensor>& counts, int64_t slab) {
   constexpr const char* op = "moe_swiglu";
   check_h(h, op);
+  const int64_t* cnt = slab_counts(counts, slab, h, op);
   const int64_t rows = h.size(0), f = h.size(1) / 2;
   const c10::cuda::CUDAGuard guard(h.device());
   at::Tensor a = at::empty({rows, f}, h.options());
@@ -117,12 +134,12 @@ at::Tensor moe_swiglu(const at::Tensor& h) {
     if (vec) {
       const int threads = static_cast<int>(std::min<int64_t>(kSwigluThreads, (f / kVec + 31) / 32 * 32));
       moe_launch::check(op, "swiglu_fwd_kernel", swiglu_fwd_kernel<scalar_t, kVec>, grid, threads, 0);
-      swiglu_fwd_kernel<scalar_t, kVec><<<grid, threads, 0, stream>>>(h.data_ptr<scalar_t>(), rows, f,
-                                                                       a.data_ptr<scalar_t>());
+      swiglu_fwd_kernel<scalar_t, kVec><<<grid, threads, 0, stream>>>(h.data_ptr<scalar_t>(), rows, f, cnt,
+                                                                       slab, a.data_ptr<scalar_t>());
     } else {
       const int threads = static_cast<int>(std::min<int64_t>(kSwigluThreads, (f + 31) / 32 * 32));
       moe_launch::check(op, "swiglu_fwd_kernel", swiglu_fwd_kernel<scalar_t, 1>, grid, threads, 0);
-      swiglu_fwd_kernel<scalar_t, 1><<<grid, threads, 0, stream>>>(h.data_ptr<scalar_t>(), rows, f,
+      swiglu_fwd_kernel<scalar_t, 1><<<grid, threads, 0, stream>>>(h.data_ptr<scalar_t>(), rows, f, cnt, slab,
                                                                     a.data_ptr<scalar_t>());
     }
     FLUX_CHECK_LAUNCH();
@@ -130,9 +147,11 @@ at::Tensor moe_swiglu(const at::Tensor& h) {
   return a;
 }
 
-at::Tensor moe_swiglu_backward(const at::Tensor& grad, const at::Tensor& h) {
+at::Tensor moe_swiglu_backward(const at::Tensor& grad, const at::Tensor& h, const std::optional<at::Tensor>& counts,
+                               int64_t slab) {
   constexpr const char* op = "moe_swiglu_backward";
   check_h(h, op);
+  const int64_t* cnt = slab_counts(counts, slab, h, op);
   const int64_t rows = h.size(0), f = h.size(1) / 2;
   FLUX_CHECK(grad.is_cuda() && grad.is_contiguous() && grad.dim() == 2 && grad.size(0) == rows &&
                  grad.size(1) == f && grad.scalar_type() == h.scalar_type(),
@@ -150,12 +169,12 @@ at::Tensor moe_swiglu_backward(const at::Tensor& grad, const at::Tensor& h) {
       const int threads = static_cast<int>(std::min<int64_t>(kSwigluThreads, (f / kVec + 31) / 32 * 32));
       moe_launch::check(op, "swiglu_bwd_kernel", swiglu_bwd_kernel<scalar_t, kVec>, grid, threads, 0);
       swiglu_bwd_kernel<scalar_t, kVec><<<grid, threads, 0, stream>>>(
-          grad.data_ptr<scalar_t>(), h.data_ptr<scalar_t>(), rows, f, dh.data_ptr<scalar_t>());
+          grad.data_ptr<scalar_t>(), h.data_ptr<scalar_t>(), rows, f, cnt, slab, dh.data_ptr<scalar_t>());
     } else {
       const int threads = static_cast<int>(std::min<int64_t>(kSwigluThreads, (f + 31) / 32 * 32));
       moe_launch::check(op, "swiglu_bwd_kernel", swiglu_bwd_kernel<scalar_t, 1>, grid, threads, 0);
       swiglu_bwd_kernel<scalar_t, 1><<<grid, threads, 0, stream>>>(
-          grad.data_ptr<scalar_t>(), h.data_ptr<scalar_t>(), rows, f, dh.data_ptr<scalar_t>());
+          grad.data_ptr<scalar_t>(), h.data_ptr<scalar_t>(), rows, f, cnt, slab, dh.data_ptr<scalar_t>());
     }
     FLUX_CHECK_LAUNCH();
   });

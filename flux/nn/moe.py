@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import flux
 from flux.nn._init import _shared_seed, uniform_lines
-from flux.ops.grouped_mm import grouped_mm, grouped_mm_padded
+from flux.ops.grouped_mm import grouped_mm, grouped_mm_padded, slab_kernels_ready
 from flux.runtime import group_name, resolve_group
 
 # Derived seeds of the three weights: each is a lines-by-seed matrix (uniform_lines) of its own.
@@ -39,9 +39,10 @@ class FluxDispatcher:
 
     @staticmethod
     def dispatch(x, topk_idx, topk_weights, num_experts, *, group=None, max_tokens_per_rank=None,
-                 read_counts=True):
+                 read_counts=True, zero_pad=True):
         return flux.moe_dispatch(x, topk_idx, topk_weights, num_experts, group=group,
-                                 max_tokens_per_rank=max_tokens_per_rank, read_counts=read_counts)
+                                 max_tokens_per_rank=max_tokens_per_rank, read_counts=read_counts,
+                                 zero_pad=zero_pad)
 
     @staticmethod
     def combine(y, handle):
@@ -83,9 +84,11 @@ class MoE(nn.Module):
     the group's first rank draws one and broadcasts it (a collective).
 
     ``max_tokens_per_rank=C``: the bounded dispatch (``[E/W, W*C, H]`` per-expert slabs; no host
-    synchronisation in the dispatch; every rank's T must be at most C); the experts run as batched
-    GEMMs over the slabs (``grouped_mm_padded``): the rows past each expert's count are the
-    dispatch's zeros (masked first for a dispatcher without ``zero_padded``). On CUDA groups the
+    synchronisation in the dispatch; every rank's T must be at most C); the experts run over the
+    slabs (``grouped_mm_padded``): with flux's masked grouped kernels (bf16 on sm 9.0, where
+    built: ``skip_padding``) only each expert's counted rows, flux's dispatch then leaving the
+    rest unwritten (``zero_pad=False``); elsewhere as batched GEMMs, the rows past each expert's
+    count the dispatch's zeros (masked first for a dispatcher without ``zero_padded``). On CUDA groups the
     dispatch reports a rank over C (or bad ids) without a host read, every rank getting zeros;
     the layer then reads that verdict after the combine (one host synchronisation) and raises the
     same FluxInputError on every rank, except while a CUDA graph is being captured.
@@ -209,10 +212,17 @@ class MoE(nn.Module):
                 zero_padded: bool = False) -> torch.Tensor:
         """The local experts' SwiGLU MLPs on the dispatched rows, in the dispatch's layout:
         ``[R, H]`` grouped by expert (``counts`` rows each) or ``[E/W, W*C, H]`` slabs (bounded;
-        rows past ``counts[e]`` ignored, their outputs zero). ``zero_padded``: the slabs' rows past
-        the counts are known to be zeros, which give zero outputs and gradients as they are, so
-        they are not masked (a pass over the slabs saved; the results are the same)."""
+        rows past ``counts[e]`` ignored). Slabs where flux's masked grouped kernels run
+        (``skip_padding``): only the counted rows are computed (GEMM, SwiGLU, GEMM), the outputs
+        past them undefined; elsewhere batched GEMMs with those rows masked to zero, their outputs
+        zero. ``zero_padded``: the slabs' rows past the counts are known to be zeros, which give
+        zero outputs and gradients as they are, so they are not masked (a pass over the slabs
+        saved; the results are the same)."""
         if recv_x.dim() == 3:
+            if self.skip_padding(recv_x) and isinstance(counts, torch.Tensor) and counts.dtype == torch.int64 \
+                    and counts.device == recv_x.device:
+                h = grouped_mm_padded(recv_x, self.w13, counts, skip_padding=True)
+                return grouped_mm_padded(swiglu(h, counts), self.w2, counts, skip_padding=True)
             h = grouped_mm_padded(recv_x, self.w13, None if zero_padded else counts)
             return grouped_mm_padded(swiglu(h), self.w2)
         h = grouped_mm(recv_x, self.w13, counts, counts_host=counts_host)
@@ -240,8 +250,16 @@ class MoE(nn.Module):
         kw = {}
         if cap is None and isinstance(self.dispatcher, FluxDispatcher) and type(self).route is MoE.route:
             kw["read_counts"] = False
+        if cap is not None and isinstance(self.dispatcher, FluxDispatcher) and self.skip_padding(x):
+            kw["zero_pad"] = False  # the masked experts read only the counted rows
         return self.dispatcher.dispatch(x, idx, weights, self.num_experts, group=self.group, max_tokens_per_rank=cap,
                                         **kw)
+
+    def skip_padding(self, x: torch.Tensor) -> bool:
+        """Whether the bounded experts run flux's masked grouped kernels on slabs like ``x``'s
+        (x: the tokens or the slabs; its device and dtype decide), which compute only the counted
+        rows, so that flux's dispatch need not zero the rest."""
+        return slab_kernels_ready(x, self.w13) and slab_kernels_ready(x, self.w2)
 
     def _zero_padded(self) -> bool:
         return bool(getattr(self.dispatcher, "zero_padded", False))
@@ -340,31 +358,38 @@ def router_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 class _SwiGLUKernel(torch.autograd.Function):
-    """swiglu through flux's kernels (csrc/moe/moe_swiglu.cu): one pass forward, one backward."""
+    """swiglu through flux's kernels (csrc/moe/moe_swiglu.cu): one pass forward, one backward;
+    with counts, only the counted rows of each slab of ``slab`` rows."""
 
     @staticmethod
-    def forward(ctx, h):
-        ctx.save_for_backward(h)
-        return torch.ops.flux.moe_swiglu(h)
+    def forward(ctx, h, counts=None, slab=0):
+        ctx.slab = slab
+        ctx.save_for_backward(h, counts)
+        return torch.ops.flux.moe_swiglu(h, counts, slab)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        (h,) = ctx.saved_tensors
-        return torch.ops.flux.moe_swiglu_backward(grad.contiguous(), h)
+        h, counts = ctx.saved_tensors
+        return torch.ops.flux.moe_swiglu_backward(grad.contiguous(), h, counts, ctx.slab), None, None
 
 
 _SWIGLU_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def swiglu(h: torch.Tensor) -> torch.Tensor:
+def swiglu(h: torch.Tensor, counts: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``silu(gate) * up`` of ``h [..., 2F]`` (gate: the first F features, up: the last F) ->
     ``[..., F]``. On CUDA with flux's kernels (bf16, fp16, fp32) one fused pass each way, computed
     in fp32 and rounded once (torch's two ops round silu(gate) to h's dtype in between);
-    elsewhere those two ops."""
+    elsewhere those two ops. ``counts`` (int64 ``[E]`` on h's device, h ``[E, C, 2F]`` slabs):
+    the kernels compute only the rows below ``counts[e]`` of each slab, the rest of the output
+    (and of the gradient) left undefined; without the kernels every row is computed."""
     if (h.is_cuda and h.dtype in _SWIGLU_DTYPES and h.is_contiguous() and h.dim() >= 1 and h.shape[-1] % 2 == 0
             and _has_swiglu_kernel()):
         f = h.shape[-1] // 2
+        if counts is not None and h.dim() == 3 and counts.dtype == torch.int64 and counts.device == h.device \
+                and counts.shape == (h.shape[0],) and h.shape[1] > 0:
+            return _SwiGLUKernel.apply(h.reshape(-1, 2 * f), counts.contiguous(), h.shape[1]).view(*h.shape[:-1], f)
         return _SwiGLUKernel.apply(h.reshape(-1, 2 * f)).view(*h.shape[:-1], f)
     gate, up = h.chunk(2, dim=-1)
     return F.silu(gate) * up

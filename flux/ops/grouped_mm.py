@@ -4,7 +4,8 @@ two layouts of ``flux.moe_dispatch``:
     grouped_mm(x [R, K], w [E, N, K] or [E, K, N], counts)      (unbounded dispatch)
         out[o_e : o_e + counts[e]] = x[o_e : o_e + counts[e]] @ W_e^T,  o_e = counts[:e].sum()
     grouped_mm_padded(x [E, C, K], w, counts=None) -> [E, C, N]  (bounded dispatch)
-        a batched GEMM; with counts, rows at or past counts[e] count as zeros
+        a batched GEMM; with counts, rows at or past counts[e] count as zeros (skip_padding=True:
+        are not computed, flux's masked kernels where they run)
 
 Implementations (``grouped_mm_impl`` tells which a call takes): ``cutlass``, flux's CUTLASS
 grouped kernels (csrc/moe/grouped_gemm.cuh; bf16, sm 9.0, where built), each product (forward,
@@ -248,16 +249,19 @@ def _gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
 
 
 def _product(kind: str, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, rows_per_expert: float,
-             cutlass: Optional[str]) -> Tuple[torch.Tensor, bool]:
+             cutlass: Optional[str], slab: int = 0) -> Tuple[torch.Tensor, bool]:
     """One product of the layer, and whether flux's kernel ran it. ``kind``: "nk" (a [R, K] @
     b[e]^T, b [E, N, K]), "kn" (a @ b[e], b [E, K, N]) or "wgrad" (a [R, M], b [R, N] -> [E, M, N],
     a_e^T @ b_e). ``cutlass``: None (torch's kernel), "auto" (the rule's configuration, else
-    torch's kernel) or "forced" (any built configuration)."""
-    cfg = cutlass_config(kind, rows_per_expert, cutlass == "forced") if cutlass else None
+    torch's kernel) or "forced" (any built configuration). ``slab`` C > 0: R = E * C rows in
+    slabs, ``offs`` int64 rows per expert; flux's kernels only (the masked product)."""
+    cfg = cutlass_config(kind, rows_per_expert, cutlass == "forced" or slab > 0) if cutlass else None
     if cfg is not None:
         a = a if _aligned(a) else a.clone()
         b = b if _aligned(b) else b.clone()
-        return torch.ops.flux.grouped_mm_cutlass(a, b, offs, fused_configs.GROUPED_KINDS.index(kind), cfg), True
+        return torch.ops.flux.grouped_mm_cutlass(a, b, offs, fused_configs.GROUPED_KINDS.index(kind), cfg, slab), True
+    if slab:
+        raise RuntimeError(f"no grouped GEMM of kind {kind!r} is built for the slab layout")
     if kind == "wgrad":
         return _gmm(a.t(), b, offs), False
     return _gmm(a, b.transpose(-2, -1) if kind == "nk" else b, offs), False
@@ -266,17 +270,19 @@ def _product(kind: str, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, ro
 class _GroupedMMKernel(torch.autograd.Function):
     """A grouped GEMM's forward and backward for 2-D x (rows grouped by ``offs``) and a 3-D
     weight, through torch._grouped_mm or flux's kernels (``cutlass``, as in ``_product``);
-    gradients for x and w (not for the offsets)."""
+    gradients for x and w (not for the offsets). ``slab`` C > 0: x is E slabs of C rows and offs
+    the int64 rows per expert (``_product``); the gradient of x past them is left unwritten."""
 
     @staticmethod
-    def forward(ctx, x, w, offs, weight_layout, empty=None, triton_wgrad=False, cutlass=None):
+    def forward(ctx, x, w, offs, weight_layout, empty=None, triton_wgrad=False, cutlass=None, slab=0):
         # empty: the experts without rows when the caller knows them on the host (a tuple), so the
         # backward zeroes just those weight gradients; None: unknown, every empty one is masked (a
         # pass over dW) where torch's kernel may leave them unwritten. flux's dW kernel and the
         # Triton one ("hybrid": triton_wgrad) write zeros for an expert without rows themselves.
         ctx.weight_layout, ctx.empty, ctx.triton_wgrad, ctx.cutlass = weight_layout, empty, triton_wgrad, cutlass
+        ctx.slab = slab
         ctx.save_for_backward(x, w, offs)
-        return _product(weight_layout, x, w, offs, x.shape[0] / w.shape[0], cutlass)[0]
+        return _product(weight_layout, x, w, offs, x.shape[0] / w.shape[0], cutlass, slab)[0]
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -287,13 +293,13 @@ class _GroupedMMKernel(torch.autograd.Function):
         dy = dy.contiguous()
         dx = dw = None
         if ctx.needs_input_grad[0]:  # dx_e = dy_e @ W_e (W_e [N, K]) or dy_e @ W_e^T (W_e [K, N])
-            dx = _product("kn" if nk else "nk", dy, w, offs, rows, ctx.cutlass)[0]
+            dx = _product("kn" if nk else "nk", dy, w, offs, rows, ctx.cutlass, ctx.slab)[0]
         if ctx.needs_input_grad[1] and ctx.triton_wgrad:
             from flux.ops._triton_gmm import wgrad
             dw = wgrad(dy, x, offs, w.shape, ctx.weight_layout)
         elif ctx.needs_input_grad[1]:  # dW_e = dy_e^T x_e ([N, K]) or x_e^T dy_e ([K, N])
-            dw, ours = _product("wgrad", dy, x, offs, rows, ctx.cutlass) if nk else \
-                _product("wgrad", x, dy, offs, rows, ctx.cutlass)
+            dw, ours = _product("wgrad", dy, x, offs, rows, ctx.cutlass, ctx.slab) if nk else \
+                _product("wgrad", x, dy, offs, rows, ctx.cutlass, ctx.slab)
             # Only where some expert may lack rows (the common case, none known, asks nothing).
             if not ours and ctx.empty != () and not (dw.is_cuda and _zeroes_empty_groups(dw.device)):
                 if ctx.empty is None:
@@ -301,7 +307,7 @@ class _GroupedMMKernel(torch.autograd.Function):
                     dw.masked_fill_((sizes == 0).view(-1, 1, 1), 0)
                 else:
                     dw[list(ctx.empty)] = 0
-        return dx, dw, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None
 
 
 def _loop(x: torch.Tensor, w: torch.Tensor, counts: List[int], weight_layout: str) -> torch.Tensor:
@@ -387,13 +393,21 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: Counts, *, cumulative: 
 
 
 def grouped_mm_padded(x: torch.Tensor, w: torch.Tensor, counts: Optional[Counts] = None, *,
-                      weight_layout: str = "nk") -> torch.Tensor:
+                      weight_layout: str = "nk", skip_padding: bool = False) -> torch.Tensor:
     """``[E, C, N]``: ``x[e] @ W_e^T`` (``"nk"``) or ``x[e] @ W_e`` (``"kn"``) for ``x [E, C, K]``,
-    one batched GEMM (``torch.bmm``; no host synchronisation, capturable in a CUDA graph).
+    with no host synchronisation (capturable in a CUDA graph). Differentiable in x and w.
 
     ``counts`` (a 1-D tensor or sequence of E ints, or None): rows ``counts[e]`` and past of
-    ``x[e]`` are ignored (masked to zero before the GEMM, so they give zero output rows and
-    zero gradients whatever they hold). None: every row counts. Differentiable in x and w."""
+    ``x[e]`` are ignored: masked to zero before one batched GEMM (``torch.bmm``), so they give
+    zero output rows and zero gradients whatever they hold. None: every row counts, one batched
+    GEMM. ``skip_padding=True`` (with counts on x's device): those rows are not computed at all,
+    as a masked grouped GEMM skips them: flux's grouped kernels in the slab layout (bf16, sm 9.0,
+    where built: ``grouped_mm_impl`` says "cutlass") multiply only each expert's counted rows, so
+    the output's rows past the counts and the gradient of x there are undefined (left
+    unwritten), and d w comes from the counted rows only; elsewhere it is the masked product
+    above (zeros there, which the same contract allows). For the bounded dispatch's slabs with
+    ``zero_pad=False`` and an expert computation whose padding rows nobody reads (combine reads
+    only the counted rows)."""
     what = "flux.grouped_mm_padded"
     _check(x, w, weight_layout, 3, what)
     if x.shape[0] != w.shape[0]:
@@ -404,6 +418,12 @@ def grouped_mm_padded(x: torch.Tensor, w: torch.Tensor, counts: Optional[Counts]
         if counts.dim() != 1 or counts.shape[0] != x.shape[0]:
             raise ValueError(f"{what}: counts must be 1-D with one entry per expert ({x.shape[0]}), "
                              f"got {tuple(counts.shape)}")
+        if (skip_padding and x.is_contiguous() and counts.dtype == torch.int64 and counts.device == x.device
+                and slab_kernels_ready(x, w, weight_layout)):
+            e, c, k = x.shape
+            out = _GroupedMMKernel.apply(x.reshape(e * c, k), w.contiguous(), counts.contiguous(), weight_layout,
+                                         None, False, "forced", c)
+            return out.view(e, c, out.shape[-1])
         rows = torch.arange(x.shape[1], device=x.device)
         keep = rows.view(1, -1) < counts.to(x.device, non_blocking=True).view(-1, 1)
         # where, not a product: 0 * inf or 0 * nan in an unused row would still be nan.
@@ -411,4 +431,16 @@ def grouped_mm_padded(x: torch.Tensor, w: torch.Tensor, counts: Optional[Counts]
     return torch.bmm(x, w.transpose(-2, -1) if weight_layout == "nk" else w)
 
 
-__all__ = ["IMPLS", "WEIGHT_LAYOUTS", "grouped_mm", "grouped_mm_impl", "grouped_mm_padded"]
+def slab_kernels_ready(x: torch.Tensor, w: torch.Tensor, weight_layout: str = "nk") -> bool:
+    """Whether ``grouped_mm_padded(..., skip_padding=True)`` runs flux's masked kernels for slabs
+    on x's device and dtype (x: any tensor there, e.g. the tokens) and weight ``w``: flux's
+    grouped kernels can run (``grouped_mm_impl``) and a configuration of every kind of product
+    is built. Looks at dtypes, shapes, the device and what flux._C holds only."""
+    if x.numel() == 0 or x.shape[-1] == 0:
+        return False
+    if grouped_mm_impl(x.reshape(-1, x.shape[-1]), w, weight_layout, "cutlass")[0] != "cutlass":
+        return False
+    return all(cutlass_config(kind, ROWS_MAX, True) is not None for kind in fused_configs.GROUPED_KINDS)
+
+
+__all__ = ["IMPLS", "WEIGHT_LAYOUTS", "grouped_mm", "grouped_mm_impl", "grouped_mm_padded", "slab_kernels_ready"]

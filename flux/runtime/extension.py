@@ -21,7 +21,7 @@ def _register_fakes():
     """Shapes of the C++ ops that return new tensors, for torch.compile's fake tensors."""
     if hasattr(torch.ops.flux, "grouped_mm_cutlass"):
         @torch.library.register_fake("flux::grouped_mm_cutlass")
-        def _grouped_mm_cutlass(a, b, offs, kind, config):
+        def _grouped_mm_cutlass(a, b, offs, kind, config, slab=0):
             if kind == 2:  # wgrad: [E, M, N]
                 return a.new_empty((offs.shape[0], a.shape[1], b.shape[1]))
             return a.new_empty((a.shape[0], b.shape[1] if kind == 0 else b.shape[2]))

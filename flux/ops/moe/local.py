@@ -55,27 +55,25 @@ class LocalStrategy:
     @staticmethod
     def dispatch_local(x, topk_idx, num_experts, capacity, host_code, zero_pad, read_counts=True):
         """``(recv_x, counts, send_pairs, recv_dest, counts_host or None, verdict, code)``.
-        Unbounded: the rows go into a buffer of the worst case's T * K rows in the same C++ call
-        as the layout, then the counts and the verdict are read on the host (one synchronisation,
-        after the rows have moved: no GPU time waits for the host) and ``code`` is that int (the
-        caller raises when nonzero; recv_x is then None, and nothing moved: every pair rowless);
-        recv_x is the first sum(counts) rows of the buffer (a view; rows of dropped slots, -1,
-        are the buffer's unused tail). Bounded, or unbounded with ``read_counts=False`` (recv_x
-        the whole buffer, rows past the counts' sum padding): nothing is read, code None, and the
-        kernels' outputs are used as they come (counts and verdict views of one tensor)."""
-        worst = capacity is None and not read_counts
-        recv, counts, verdict, pair_row, send_pairs, info = torch.ops.flux.moe_local_dispatch(
-            x, topk_idx, num_experts, -2 if capacity is None else capacity, host_code,
-            zero_pad if (capacity is not None or worst) else False)  # read: the padding is never shown
-        if capacity is not None or worst:
+        Unbounded: one C++ call moves the rows into a buffer of the worst case's T * K rows, then
+        reads the counts and the verdict into pinned host memory (one synchronisation, after the
+        rows have moved: no GPU time waits for the host); ``code`` is that verdict (the caller
+        raises when nonzero; recv_x is then None, and nothing moved: every pair rowless); recv_x
+        and send_pairs are the first sum(counts) rows (views; rows of dropped slots, -1, are the
+        buffer's unused tail). Bounded, or unbounded with ``read_counts=False`` (recv_x the whole
+        buffer, rows past the counts' sum padding): nothing is read, code None, and the kernels'
+        outputs are used as they come (counts and verdict views of one tensor)."""
+        if capacity is not None or not read_counts:
+            recv, counts, verdict, pair_row, send_pairs, _ = torch.ops.flux.moe_local_dispatch(
+                x, topk_idx, num_experts, -2 if capacity is None else capacity, host_code, zero_pad)
             return recv, counts, send_pairs, pair_row, None, verdict, None
-        host = info.tolist()  # the one host read: sizes recv_x
+        recv, counts, verdict, pair_row, send_pairs, info = torch.ops.flux.moe_local_dispatch(
+            x, topk_idx, num_experts, -3, host_code, False)
+        host = info.tolist()  # the host copy the C++ call read
         code = host[num_experts]
         if code:
             return None, counts, send_pairs, pair_row, None, verdict, code
-        counts_host = host[:num_experts]
-        rows = sum(counts_host)
-        return recv[:rows], counts, send_pairs[:rows], pair_row, counts_host, verdict, 0
+        return recv, counts, send_pairs, pair_row, host[:num_experts], verdict, 0
 
     @staticmethod
     def fake_dispatch(x, topk_idx, num_experts, world, capacity, read_counts=True):
