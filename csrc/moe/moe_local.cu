@@ -45,6 +45,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <cub/block/block_scan.cuh>
 
+#include <unordered_map>
+
 #include "common/check.h"
 #include "moe/launch.h"
 #include "ops.h"
@@ -59,6 +61,7 @@ constexpr int kLayoutWarps = kPairsPerBlock / 32;
 // (64 each) do not fit it (a launch failure unbounded, spills under __launch_bounds__).
 constexpr int kScanThreads = 512;
 constexpr int kScanItems = 2;
+constexpr int kScanBatch = 4;  // scan_kernel: count blocks a lane loads before scanning them (32 per step)
 constexpr int64_t kMaxExperts = kScanThreads * kScanItems;
 constexpr int kRowThreads = 128;  // scatter_rows_kernel
 // bounded_rows_kernel: at most this many block counts (blocks * E ints, 64 KB), read by every block.
@@ -167,17 +170,25 @@ __global__ void __launch_bounds__(kScanThreads)
   or_block_codes(blk_code, blocks, &s_code);
   for (int e = warp; e < num_experts; e += kScanThreads / 32) {
     int64_t run = 0;
-    for (int b0 = 0; b0 < blocks; b0 += 32) {
-      const int b = b0 + lane;
-      const int c = b < blocks ? blk_counts[static_cast<int64_t>(b) * num_experts + e] : 0;
-      int incl = c;
+    for (int b0 = 0; b0 < blocks; b0 += 32 * kScanBatch) {
+      int c[kScanBatch];
 #pragma unroll
-      for (int d = 1; d < 32; d <<= 1) {
-        const int v = __shfl_up_sync(0xffffffffu, incl, d);
-        if (lane >= d) incl += v;
+      for (int j = 0; j < kScanBatch; ++j) {  // the loads first: one latency per batch, not per 32 blocks
+        const int b = b0 + j * 32 + lane;
+        c[j] = b < blocks ? blk_counts[static_cast<int64_t>(b) * num_experts + e] : 0;
       }
-      if (b < blocks) blk_counts[static_cast<int64_t>(b) * num_experts + e] = static_cast<int>(run) + incl - c;
-      run += __shfl_sync(0xffffffffu, incl, 31);
+#pragma unroll
+      for (int j = 0; j < kScanBatch; ++j) {
+        const int b = b0 + j * 32 + lane;
+        int incl = c[j];
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+          const int v = __shfl_up_sync(0xffffffffu, incl, d);
+          if (lane >= d) incl += v;
+        }
+        if (b < blocks) blk_counts[static_cast<int64_t>(b) * num_experts + e] = static_cast<int>(run) + incl - c[j];
+        run += __shfl_sync(0xffffffffu, incl, 31);
+      }
     }
     if (lane == 0) s_total[e] = run;
   }
@@ -525,6 +536,15 @@ at::Tensor first_rows(const at::Tensor& base, int64_t rows) {
   return at::Tensor(std::move(impl));
 }
 
+// The event a read dispatch waits on, one per (host thread, device): recorded after the counts'
+// copy, before the rows' kernel, so the host reads the counts while the rows move.
+cudaEvent_t read_event(int device) {
+  thread_local std::unordered_map<int, cudaEvent_t> events;
+  cudaEvent_t& ev = events[device];
+  if (ev == nullptr) C10_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+  return ev;
+}
+
 // A dispatch's index tensors and the layout kernels' scratch, in one int64 allocation: info
 // [E + 1] (counts, verdict), pair_row [T * K], send_pairs ([E * C] bounded; [T * K] unbounded, its
 // first sum(counts) entries hold the rows), then the scratch: start (int64 [E]), blk_counts
@@ -649,10 +669,12 @@ void check_rows(const at::Tensor& t, const char* what, const char* op) {
 // Returns [recv, counts, verdict, pair_row, send_pairs, info]: recv [E, C, H] bounded (capacity
 // C >= 0); for capacity -2, unbounded, [T * K, H], the unbounded layout at its worst case, rows in
 // place in this call (rows past the counts' sum are padding: send_pairs T * K, zeros when
-// zero_pad); for capacity -3 the same, then the counts and the verdict read here (one copy to
-// pinned host memory, one stream synchronisation, after the rows have moved), info returned as
-// that host copy (int64 [E + 1], CPU) and, where the verdict is 0, recv and send_pairs cut to
-// the first sum(counts) rows (views; zero_pad ignored: no padding row is shown); counts
+// zero_pad); for capacity -3 the same, the counts and the verdict read here: copied to pinned host
+// memory right after the layout kernels, the rows' kernel queued behind that copy, then a wait for
+// the copy alone (the host reads the counts and returns while the rows move, so the next work is
+// queued before the GPU runs dry); info is returned as that host copy (int64 [E + 1], CPU) and,
+// where the verdict is 0, recv and send_pairs cut to the first sum(counts) rows (views; zero_pad
+// ignored: no padding row is shown); counts
 // (info[:E]) and verdict (info[E:], [1]) are views of info, so that the bounded caller uses the
 // outputs as they come (no slicing or reshaping on the host per call). info, pair_row and
 // send_pairs are views of one allocation (layout_buffers). Bounded: two launches where
@@ -684,6 +706,12 @@ std::vector<at::Tensor> moe_local_dispatch(const at::Tensor& x_in, const at::Ten
   Layout l = layout_buffers(topk_idx, num_experts, capacity, fused ? whole : kPairsPerBlock);
   at::Tensor recv = capacity >= 0 ? at::empty({num_experts, capacity, x.size(1)}, x.options())
                                   : at::empty({n, x.size(1)}, x.options());
+  at::Tensor host;  // read: the counts and the verdict on the host (pinned), ready at `counted`
+  cudaEvent_t counted = nullptr;
+  if (read) {
+    host = at::empty({num_experts + 1}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+    counted = read_event(x.device().index());
+  }
   const int e = static_cast<int>(num_experts), ki = static_cast<int>(k);
   AT_DISPATCH_INDEX_TYPES(topk_idx.scalar_type(), "moe_local_dispatch", [&] {
     const index_t* idx = topk_idx.data_ptr<index_t>();
@@ -698,15 +726,17 @@ std::vector<at::Tensor> moe_local_dispatch(const at::Tensor& x_in, const at::Ten
       return;
     }
     launch_scan_place(op, idx, n, ki, e, capacity, host_code, l, stream);
+    if (read) {  // counts and verdict to the host as soon as the layout has them, before the rows move
+      C10_CUDA_CHECK(cudaMemcpyAsync(host.data_ptr(), l.info.data_ptr(), (num_experts + 1) * sizeof(int64_t),
+                                     cudaMemcpyDeviceToHost, stream));
+      C10_CUDA_CHECK(cudaEventRecord(counted, stream));
+    }
     const int64_t slots = worst ? n : num_experts * capacity;
     launch_rows(op, x, l.pair_row, l.send_pairs, k, zero_pad ? slots : 0, recv, stream);
   });
   at::Tensor counts = int64_slice(l.info, 0, num_experts), verdict = int64_slice(l.info, num_experts, 1);
   if (!read) return {recv, counts, verdict, l.pair_row, l.send_pairs, l.info};
-  at::Tensor host = at::empty({num_experts + 1}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
-  C10_CUDA_CHECK(cudaMemcpyAsync(host.data_ptr(), l.info.data_ptr(), (num_experts + 1) * sizeof(int64_t),
-                                 cudaMemcpyDeviceToHost, stream));
-  C10_CUDA_CHECK(cudaStreamSynchronize(stream));
+  C10_CUDA_CHECK(cudaEventSynchronize(counted));
   const int64_t* h = host.data_ptr<int64_t>();
   if (h[num_experts] != 0) return {recv, counts, verdict, l.pair_row, l.send_pairs, host};
   int64_t rows = 0;

@@ -55,9 +55,10 @@ class LocalStrategy:
     @staticmethod
     def dispatch_local(x, topk_idx, num_experts, capacity, host_code, zero_pad, read_counts=True):
         """``(recv_x, counts, send_pairs, recv_dest, counts_host or None, verdict, code)``.
-        Unbounded: one C++ call moves the rows into a buffer of the worst case's T * K rows, then
-        reads the counts and the verdict into pinned host memory (one synchronisation, after the
-        rows have moved: no GPU time waits for the host); ``code`` is that verdict (the caller
+        Unbounded: one C++ call queues the layout, a copy of the counts and the verdict to pinned
+        host memory, and the rows' move into a buffer of the worst case's T * K rows, then waits
+        for the copy alone (the rows still moving: the GPU does not wait for the host's work
+        after the read); ``code`` is that verdict (the caller
         raises when nonzero; recv_x is then None, and nothing moved: every pair rowless); recv_x
         and send_pairs are the first sum(counts) rows (views; rows of dropped slots, -1, are the
         buffer's unused tail). Bounded, or unbounded with ``read_counts=False`` (recv_x the whole
