@@ -429,23 +429,24 @@ def layer_case(args, bench, layer, tokens, topk, dev, dtype, rank, tol):
 
 def decode_case(args, bench, layer, x):
     """The layer's forward alone (no autograd), bounded (max_tokens_per_rank = T), loop and graph
-    timing: as it runs ("masked": where flux's masked grouped kernels run, only the counted rows
-    of each slab are computed and the dispatch writes no zeros) and with every slab row computed
-    ("padded": the dispatch's zeros and batched GEMMs over the whole slabs)."""
+    timing: as it runs ("masked": where the layer takes flux's masked grouped kernels
+    (``MoE.skip_padding``, recorded), only the counted rows of each slab are computed and the
+    dispatch writes no zeros) and with every slab row computed ("padded": the dispatch's zeros
+    and batched GEMMs over the whole slabs)."""
     res = {}
     xd = x.detach()
     saved = layer.max_tokens_per_rank
     layer.max_tokens_per_rank = xd.shape[0]
     try:
         outs = {}
-        for name, skip in (("masked", None), ("padded", lambda t: False)):
+        for name, skip in (("masked", None), ("padded", lambda t, cap: False)):
             if skip is not None:
                 layer.skip_padding = skip  # an instance attribute over the method
             try:
                 with torch.no_grad():
                     outs[name] = layer(xd)
                     res[name] = timed(bench, lambda: layer(xd), args, graph=True)
-                res[name]["skip_padding"] = bool(layer.skip_padding(xd))
+                res[name]["skip_padding"] = bool(layer.skip_padding(xd, xd.shape[0]))
             except Exception as e:  # noqa: BLE001
                 res[name] = {"status": f"error: {type(e).__name__}: {str(e)[:300]}"}
             finally:

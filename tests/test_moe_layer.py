@@ -440,3 +440,22 @@ def test_moe_layer_chunks_match_one_chunk(batch, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_moe_layer_draws_only_its_experts_the_same_at_any_group_size(batch, world):
     batch(world).assert_ok("moelayer-init-shard-only")
+
+
+def test_bounded_layer_skips_padding_only_on_sparse_slabs(monkeypatch):
+    """MoE.skip_padding: flux's masked grouped kernels where they run (stood in for here) and at
+    most half the slab rows can carry data (T * top_k <= E * C / 2); never where they do not run."""
+    from types import SimpleNamespace
+
+    import flux.nn.moe as moe_mod
+
+    def layer(e, k):  # what skip_padding reads of the layer (a real one needs a process group)
+        return SimpleNamespace(num_experts=e, top_k=k, w13=torch.empty(e, 16, 16), w2=torch.empty(e, 16, 8))
+
+    x = torch.randn(128, 16)
+    assert not moe_mod.MoE.skip_padding(layer(64, 8), x, 128)  # the CPU: no masked kernels
+    monkeypatch.setattr(moe_mod, "slab_kernels_ready", lambda *a, **k: True)
+    assert moe_mod.MoE.skip_padding(layer(64, 8), x, 128)  # 128 * 8 rows over 64 * 128
+    assert moe_mod.MoE.skip_padding(layer(64, 8), x[:64], 16)  # exactly half
+    assert not moe_mod.MoE.skip_padding(layer(64, 8), x[:64], 15)
+    assert not moe_mod.MoE.skip_padding(layer(8, 8), x, 128)  # 8 experts, top-8: every slab row has data

@@ -86,9 +86,10 @@ class MoE(nn.Module):
     ``max_tokens_per_rank=C``: the bounded dispatch (``[E/W, W*C, H]`` per-expert slabs; no host
     synchronisation in the dispatch; every rank's T must be at most C); the experts run over the
     slabs (``grouped_mm_padded``): with flux's masked grouped kernels (bf16 on sm 9.0, where
-    built: ``skip_padding``) only each expert's counted rows, flux's dispatch then leaving the
-    rest unwritten (``zero_pad=False``); elsewhere as batched GEMMs, the rows past each expert's
-    count the dispatch's zeros (masked first for a dispatcher without ``zero_padded``). On CUDA groups the
+    built, and slabs at most half full on average: ``skip_padding``) only each expert's counted
+    rows, flux's dispatch then leaving the rest unwritten (``zero_pad=False``); elsewhere as
+    batched GEMMs, the rows past each expert's count the dispatch's zeros (masked first for a
+    dispatcher without ``zero_padded``). On CUDA groups the
     dispatch reports a rank over C (or bad ids) without a host read, every rank getting zeros;
     the layer then reads that verdict after the combine (one host synchronisation) and raises the
     same FluxInputError on every rank, except while a CUDA graph is being captured.
@@ -209,17 +210,19 @@ class MoE(nn.Module):
         return idx, weights
 
     def experts(self, recv_x: torch.Tensor, counts: torch.Tensor, counts_host=None, *,
-                zero_padded: bool = False) -> torch.Tensor:
+                zero_padded: bool = False, skip_padding: Optional[bool] = None) -> torch.Tensor:
         """The local experts' SwiGLU MLPs on the dispatched rows, in the dispatch's layout:
         ``[R, H]`` grouped by expert (``counts`` rows each) or ``[E/W, W*C, H]`` slabs (bounded;
         rows past ``counts[e]`` ignored). Slabs where flux's masked grouped kernels run
-        (``skip_padding``): only the counted rows are computed (GEMM, SwiGLU, GEMM), the outputs
-        past them undefined; elsewhere batched GEMMs with those rows masked to zero, their outputs
-        zero. ``zero_padded``: the slabs' rows past the counts are known to be zeros, which give
-        zero outputs and gradients as they are, so they are not masked (a pass over the slabs
-        saved; the results are the same)."""
+        (``skip_padding``; None: wherever they run): only the counted rows are computed (GEMM,
+        SwiGLU, GEMM), the outputs past them undefined; else batched GEMMs with those rows masked
+        to zero, their outputs zero. ``zero_padded``: the slabs' rows past the counts are known to
+        be zeros, which give zero outputs and gradients as they are, so they are not masked (a
+        pass over the slabs saved; the results are the same)."""
         if recv_x.dim() == 3:
-            if self.skip_padding(recv_x) and isinstance(counts, torch.Tensor) and counts.dtype == torch.int64 \
+            if skip_padding is None:
+                skip_padding = slab_kernels_ready(recv_x, self.w13) and slab_kernels_ready(recv_x, self.w2)
+            if skip_padding and isinstance(counts, torch.Tensor) and counts.dtype == torch.int64 \
                     and counts.device == recv_x.device:
                 h = grouped_mm_padded(recv_x, self.w13, counts, skip_padding=True)
                 return grouped_mm_padded(swiglu(h, counts), self.w2, counts, skip_padding=True)
@@ -236,13 +239,16 @@ class MoE(nn.Module):
         idx, weights = self.route(x2)
         if self.chunks > 1:
             return self._forward_chunked(x2, idx, weights).reshape(shape)
-        recv_x, counts, handle = self._dispatch(x2, idx, weights, self.max_tokens_per_rank)
-        y = self.experts(recv_x, counts, getattr(handle, "counts_host", None), zero_padded=self._zero_padded())
+        cap = self.max_tokens_per_rank
+        skip = cap is not None and self.skip_padding(x2, cap)
+        recv_x, counts, handle = self._dispatch(x2, idx, weights, cap, skip)
+        y = self.experts(recv_x, counts, getattr(handle, "counts_host", None), zero_padded=self._zero_padded(),
+                         skip_padding=skip)
         out = self.dispatcher.combine(y, handle)
         self._check(x2, [handle])
         return out.reshape(shape)
 
-    def _dispatch(self, x, idx, weights, cap):
+    def _dispatch(self, x, idx, weights, cap, skip=False):
         """The dispatcher's dispatch. Unbounded, with flux's dispatcher and this class's router (its
         top-k ids are in range and distinct, so no data error can arise), without the host read of
         the counts on a group of one rank (``read_counts=False``: T * K rows, the counts on the
@@ -250,15 +256,21 @@ class MoE(nn.Module):
         kw = {}
         if cap is None and isinstance(self.dispatcher, FluxDispatcher) and type(self).route is MoE.route:
             kw["read_counts"] = False
-        if cap is not None and isinstance(self.dispatcher, FluxDispatcher) and self.skip_padding(x):
+        if skip and isinstance(self.dispatcher, FluxDispatcher):
             kw["zero_pad"] = False  # the masked experts read only the counted rows
         return self.dispatcher.dispatch(x, idx, weights, self.num_experts, group=self.group, max_tokens_per_rank=cap,
                                         **kw)
 
-    def skip_padding(self, x: torch.Tensor) -> bool:
-        """Whether the bounded experts run flux's masked grouped kernels on slabs like ``x``'s
-        (x: the tokens or the slabs; its device and dtype decide), which compute only the counted
-        rows, so that flux's dispatch need not zero the rest."""
+    def skip_padding(self, x: torch.Tensor, cap: int) -> bool:
+        """Whether a bounded forward of the tokens ``x [T, H]`` (at most ``cap`` per rank) runs
+        the experts on flux's masked grouped kernels, which compute only each slab's counted rows,
+        so that flux's dispatch need not zero the rest: where they run (x's device and dtype) and
+        at most half of the slab rows can be expected to carry data (T * top_k <= E * C / 2,
+        the rows a rank receives from ranks like it over its E/W * W * C slab rows). Fuller slabs
+        (8 experts, top-8: every row) have little padding to skip, and there the batched GEMM
+        over whole slabs measured faster."""
+        if x.shape[0] * self.top_k * 2 > self.num_experts * cap:
+            return False
         return slab_kernels_ready(x, self.w13) and slab_kernels_ready(x, self.w2)
 
     def _zero_padded(self) -> bool:
@@ -287,9 +299,11 @@ class MoE(nn.Module):
         streams = _Streams(x2.device, self.group)
         streams.side_waits((x2, idx, weights))  # the routing, computed on the caller's stream
 
+        skips = [cap is not None and self.skip_padding(b[0], cap) for b in blocks]
+
         def dispatch(i):
             with streams.comm():
-                out = self._dispatch(*blocks[i], cap)
+                out = self._dispatch(*blocks[i], cap, skips[i])
             return out, streams.mark(side=True)
 
         outs, handles = [], []
@@ -297,7 +311,8 @@ class MoE(nn.Module):
         for i in range(c):
             (recv_x, counts, handle), received = pending
             streams.main_waits((recv_x, counts), received)
-            y = self.experts(recv_x, counts, getattr(handle, "counts_host", None), zero_padded=self._zero_padded())
+            y = self.experts(recv_x, counts, getattr(handle, "counts_host", None), zero_padded=self._zero_padded(),
+                             skip_padding=skips[i])
             computed = streams.mark(side=False)
             if i + 1 < c:
                 pending = dispatch(i + 1)  # queued before combine i: it runs while experts i compute
