@@ -247,7 +247,7 @@ def bounded_errors_on_every_rank(rank, world, dev, group):
         if rank == world - 1 and bad == "capacity":
             xb, ib = torch.cat([x, x[:1]]), torch.cat([ib, ib[:1]])
         wb = torch.ones(xb.shape[0], k, device=dev)
-        recv, counts, handle = flux.moe_dispatch(xb, ib, wb, experts, group=group, max_tokens_per_rank=cap)
+        recv, counts, handle = flux.moe_dispatch(xb, ib, wb, experts, group=group, zero_pad=True, max_tokens_per_rank=cap)
         assert handle.strategy == "symm"
         assert not recv.any() and not counts.any(), f"{bad}: rows moved although a rank's data was invalid"
         assert not flux.moe_combine(recv + 1, handle).any(), f"{bad}: combine after an invalid dispatch"
@@ -260,9 +260,9 @@ def bounded_errors_on_every_rank(rank, world, dev, group):
     header = mock.patch.object(_checks, "_carries_header", lambda g: False) if SHARED else contextlib.nullcontext()
     with header, mock.patch.object(moe_mod.strategies, "cuda_group", lambda g: True):
         _checks.reset_cache()
-        flux.moe_dispatch(x, idx, w, experts, group=group, max_tokens_per_rank=cap)[2].check()
+        flux.moe_dispatch(x, idx, w, experts, group=group, zero_pad=True, max_tokens_per_rank=cap)[2].check()
         wb = torch.ones(x.shape[0], k + 1, device=dev) if rank == 1 else w
-        recv, counts, handle = flux.moe_dispatch(x, idx, wb, experts, group=group, max_tokens_per_rank=cap)
+        recv, counts, handle = flux.moe_dispatch(x, idx, wb, experts, group=group, zero_pad=True, max_tokens_per_rank=cap)
         assert not recv.any() and not counts.any(), "rows moved although rank 1's arguments were invalid"
         try:
             handle.check()
@@ -287,7 +287,7 @@ def gradients_match_sequential(rank, world, dev, group):
         for name in ("sequential", "symm"):
             moe_mod.strategies._choose_strategy = (lambda n: lambda *a: n)(name)
             x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
-            recv, _, handle = flux.moe_dispatch(x, idx, w, experts, group=group, max_tokens_per_rank=cap)
+            recv, _, handle = flux.moe_dispatch(x, idx, w, experts, group=group, zero_pad=True, max_tokens_per_rank=cap)
             assert handle.strategy == name
             out = flux.moe_combine(recv * scale, handle)
             out.backward(g)
@@ -366,7 +366,7 @@ def fp8_gradients_match_sequential(rank, world, dev, group):
         for name in ("sequential", "symm"):
             moe_mod.strategies._choose_strategy = (lambda n: lambda *a: n)(name)
             x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
-            recv, _, handle = flux.moe_dispatch(x, idx, w, experts, group=group, max_tokens_per_rank=cap, fp8=True)
+            recv, _, handle = flux.moe_dispatch(x, idx, w, experts, group=group, zero_pad=True, max_tokens_per_rank=cap, fp8=True)
             assert handle.strategy == name and handle.fp8
             out = flux.moe_combine(moe_mod.dequantize_fp8(*recv) * scale, handle)
             out.backward(g)

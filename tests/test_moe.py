@@ -92,7 +92,7 @@ def check_layout(seed, rank, world, sizes, h, k, e, dtype, caps=(None,), drop=0.
     xs, idxs = [i[0] for i in inputs], [i[1] for i in inputs]
     el = e // world
     for cap in caps:
-        recv_x, counts, handle = flux.moe_dispatch(x, idx, w, e, max_tokens_per_rank=cap)
+        recv_x, counts, handle = flux.moe_dispatch(x, idx, w, e, zero_pad=True, max_tokens_per_rank=cap)
         want, want_counts = expected_recv(xs, idxs, rank, world, e, h, dtype, cap)
         what = f"E={e} K={k} T={sizes} {dtype} C={cap}"
         assert recv_x.dtype == dtype and counts.dtype == torch.int64, what
@@ -143,7 +143,7 @@ def _one_expert(rank, world):
     idxs = [torch.tensor([[e - 1, -1 if t % 2 else t % (e - 1)] for t in range(c)]) for s in range(world)]
     ws = [torch.full((c, 2), 0.5) for _ in range(world)]
     for cap in (None, c):
-        recv_x, counts, handle = flux.moe_dispatch(xs[rank], idxs[rank], ws[rank], e, max_tokens_per_rank=cap)
+        recv_x, counts, handle = flux.moe_dispatch(xs[rank], idxs[rank], ws[rank], e, zero_pad=True, max_tokens_per_rank=cap)
         want, want_counts = expected_recv(xs, idxs, rank, world, e, h, F32, cap)
         assert torch.equal(recv_x, want) and counts.tolist() == want_counts
         if rank == world - 1:
@@ -164,7 +164,7 @@ def _no_slot(rank, world):
     recv_x, counts, handle = flux.moe_dispatch(x, idx, w, e)
     assert recv_x.shape == (0, h) and counts.tolist() == [0, 0] and handle.counts_host == [0, 0]
     assert torch.equal(flux.moe_combine(recv_x, handle), torch.zeros(3, h))
-    recv_x, counts, handle = flux.moe_dispatch(x[:0], idx[:0], w[:0], e, max_tokens_per_rank=2)
+    recv_x, counts, handle = flux.moe_dispatch(x[:0], idx[:0], w[:0], e, zero_pad=True, max_tokens_per_rank=2)
     assert torch.equal(recv_x, torch.zeros(2, 2 * world, h)) and counts.tolist() == [0, 0]
     assert flux.moe_combine(recv_x, handle).shape == (0, h)
     return True
@@ -233,7 +233,7 @@ def _grad_check(rank, world, cap, through_ops):
     if mode is not None:
         mode.__enter__()
     try:
-        recv_x, counts, handle = flux.moe_dispatch(x, inputs[rank][1], w, e, max_tokens_per_rank=cap)
+        recv_x, counts, handle = flux.moe_dispatch(x, inputs[rank][1], w, e, zero_pad=True, max_tokens_per_rank=cap)
         if cap is None:
             y = torch.cat([blk @ mine[i] for i, blk in enumerate(recv_x.split(handle.counts_host))])
         else:
@@ -359,7 +359,7 @@ def _fp8_layout(rank, world):
         for c in (None, cap):
             what = f"H={h} K={k} E={e} {dtype} C={c}"
             want, want_counts = expected_recv(packed, idxs, rank, world, e, packed[0].shape[1], torch.uint8, c)
-            recv, counts, handle = flux.moe_dispatch(x, idx, w, e, max_tokens_per_rank=c, fp8=True)
+            recv, counts, handle = flux.moe_dispatch(x, idx, w, e, zero_pad=True, max_tokens_per_rank=c, fp8=True)
             _check_fp8_recv(recv, counts, want, want_counts, h, what)
             assert handle.fp8 and "fp8" in repr(handle) and handle.recv_shape == tuple(recv[0].shape), what
             ref_recv, ref_counts = flux.moe_dispatch_ref(x, idx, w, e, max_tokens_per_rank=c, fp8=True)
@@ -370,7 +370,7 @@ def _fp8_layout(rank, world):
             deq = moe_ops.dequantize_fp8(*moe_ops.quantize_fp8(x), dtype=F64)
             torch.testing.assert_close(out.to(F64), expected_round_trip(deq, idx, w.to(F64)), rtol=1e-6, atol=0)
             with _ThroughOps(), torch.no_grad():
-                recv2, counts2, handle2 = flux.moe_dispatch(x, idx, w, e, max_tokens_per_rank=c, fp8=True)
+                recv2, counts2, handle2 = flux.moe_dispatch(x, idx, w, e, zero_pad=True, max_tokens_per_rank=c, fp8=True)
             _check_fp8_recv(recv2, counts2, want, want_counts, h, what + " (dispatcher op)")
             assert handle2.fp8 and handle2.recv_shape == handle.recv_shape, what
             if c is not None:  # the bounded variant's verdict without a host read (CUDA groups' path)
@@ -402,7 +402,7 @@ def _fp8_grad(rank, world):
             x.requires_grad_()
             w = ws[rank].clone().requires_grad_()
             ea, eb = a.clone().requires_grad_(), b.clone().requires_grad_()
-            recv, counts, handle = flux.moe_dispatch(x, idx, w, e, max_tokens_per_rank=cap, fp8=fp8)
+            recv, counts, handle = flux.moe_dispatch(x, idx, w, e, zero_pad=True, max_tokens_per_rank=cap, fp8=fp8)
             if fp8:
                 assert not recv[0].requires_grad and recv[1].requires_grad
                 r1, r2 = moe_ops.dequantize_fp8(*recv, dtype=F32), moe_ops.dequantize_fp8(*recv, dtype=F32)
@@ -552,7 +552,7 @@ def _bad_combine(rank, world):
     """combine's input is checked locally, before any communication; the handle still works."""
     x, idx, w, e, _ = _base(rank, world)
     for cap in (None, 4):
-        recv_x, _, handle = flux.moe_dispatch(x, idx, w, e, max_tokens_per_rank=cap)
+        recv_x, _, handle = flux.moe_dispatch(x, idx, w, e, zero_pad=True, max_tokens_per_rank=cap)
         bad = torch.zeros(recv_x.shape[0] + 1, *recv_x.shape[1:])
         _expect_error(lambda: flux.moe_combine(bad, handle), "y has shape", "recv_x had", op="flux.moe_combine")
         _expect_error(lambda: flux.moe_combine(recv_x.long(), handle), "must be floating", op="flux.moe_combine")
@@ -568,7 +568,7 @@ def _deferred(rank, world):
     combine zero on every rank) and handle.check() raises the same error on every rank."""
     e, h, k, cap = 2 * world, 4, 2, 4
     x, idx, w = make_inputs(30, rank, cap, h, k, e, dtype=F32)
-    ref_x, ref_counts, _ = moe_ops.run_strategy("sequential", x, idx, w, e, max_tokens_per_rank=cap)
+    ref_x, ref_counts, _ = moe_ops.run_strategy("sequential", x, idx, w, e, zero_pad=True, max_tokens_per_rank=cap)
     group = dist.group.WORLD
     recv_x, counts, handle = moe_ops._dispatch_impl(x, idx, w, e, group, cap, defer_verdict=True)
     handle.check()
@@ -623,14 +623,14 @@ def _former_names(rank, world):
     e, h, k = 2 * world, 4, 2
     for cap in (None, 4):
         x, idx, w = make_inputs(33, rank, 4, h, k, e, dtype=F32)
-        ref_x, ref_counts, ref_handle = moe_ops.run_strategy("sequential", x, idx, w, e, max_tokens_per_rank=cap)
-        got_x, got_counts, handle = moe_ops.run_strategy("all_to_all", x, idx, w, e, max_tokens_per_rank=cap)
+        ref_x, ref_counts, ref_handle = moe_ops.run_strategy("sequential", x, idx, w, e, zero_pad=True, max_tokens_per_rank=cap)
+        got_x, got_counts, handle = moe_ops.run_strategy("all_to_all", x, idx, w, e, zero_pad=True, max_tokens_per_rank=cap)
         assert handle.strategy == ref_handle.strategy == "sequential", handle
         assert torch.equal(got_x, ref_x) and torch.equal(got_counts, ref_counts)
         assert torch.equal(flux.moe_combine(got_x, handle), flux.moe_combine(ref_x, ref_handle))
         forced = " all_to_all " if rank % 2 == 0 else "sequential"  # the ranks differ in the name only
         with mock.patch.dict(os.environ, {"FLUX_STRATEGY_MOE": forced}):
-            env_x, env_counts, env_handle = flux.moe_dispatch(x, idx, w, e, max_tokens_per_rank=cap)
+            env_x, env_counts, env_handle = flux.moe_dispatch(x, idx, w, e, zero_pad=True, max_tokens_per_rank=cap)
         assert env_handle.strategy == "sequential", env_handle
         assert torch.equal(env_x, ref_x) and torch.equal(env_counts, ref_counts)
     _good_call(rank, world)
@@ -654,16 +654,16 @@ def _deferred_local_error(rank, world):
             mock.patch.object(_checks, "_header_every_call", lambda g, no_symm: False), \
             mock.patch.object(moe_ops.strategies, "cuda_group", lambda g: True):
         _checks.reset_cache()
-        recv_x, counts, handle = flux.moe_dispatch(x, idx, w, e, max_tokens_per_rank=cap)  # checked, remembered
+        recv_x, counts, handle = flux.moe_dispatch(x, idx, w, e, zero_pad=True, max_tokens_per_rank=cap)  # checked, remembered
         handle.check()
         wb = torch.ones(x.shape[0], k + 1) if rank == 1 else w
-        recv_x, counts, handle = flux.moe_dispatch(x, idx, wb, e, max_tokens_per_rank=cap)
+        recv_x, counts, handle = flux.moe_dispatch(x, idx, wb, e, zero_pad=True, max_tokens_per_rank=cap)
         assert not recv_x.any() and not counts.any(), "rows moved although rank 1's arguments were invalid"
         assert not flux.moe_combine(recv_x + 1, handle).any()
         msg = _expect_error(handle.check, "rank 1: its arguments are invalid")
-        recv_x, counts, handle = flux.moe_dispatch(x, idx, w, e, max_tokens_per_rank=cap)
+        recv_x, counts, handle = flux.moe_dispatch(x, idx, w, e, zero_pad=True, max_tokens_per_rank=cap)
         handle.check()
-        ref_x, ref_counts, _ = moe_ops.run_strategy("sequential", x, idx, w, e, max_tokens_per_rank=cap)
+        ref_x, ref_counts, _ = moe_ops.run_strategy("sequential", x, idx, w, e, zero_pad=True, max_tokens_per_rank=cap)
         assert torch.equal(recv_x, ref_x) and torch.equal(counts, ref_counts)
         _checks.reset_cache()
     return msg

@@ -90,7 +90,7 @@ def test_round_trip_exact(group, t, e, k, cap, h, idx_dtype):
         torch.cuda.empty_cache()
         poison = torch.full((max(1, e * (cap or t * k)) * h,), float("nan"), dtype=x.dtype, device=DEV)
         del poison  # the dispatch's outputs may reuse that memory: every row must be written
-    recv, counts, handle = flux.moe_dispatch(x, idx, w, e, max_tokens_per_rank=cap)
+    recv, counts, handle = flux.moe_dispatch(x, idx, w, e, zero_pad=True, max_tokens_per_rank=cap)
     assert handle.strategy == "local"
     ref_recv, ref_counts = flux.moe_dispatch_ref(x, idx, w, e, max_tokens_per_rank=cap)
     assert torch.equal(counts, ref_counts)
@@ -100,7 +100,7 @@ def test_round_trip_exact(group, t, e, k, cap, h, idx_dtype):
     ref = flux.moe_combine_ref(y, idx, w, e, max_tokens_per_rank=cap)
     assert torch.equal(out, ref)
     # The same through the reference strategy (sequential), row for row.
-    a_recv, a_counts, a_handle = moe_ops.run_strategy("sequential", x, idx, w, e, max_tokens_per_rank=cap)
+    a_recv, a_counts, a_handle = moe_ops.run_strategy("sequential", x, idx, w, e, zero_pad=True, max_tokens_per_rank=cap)
     assert torch.equal(a_recv, recv) and torch.equal(a_counts, counts)
     assert torch.equal(flux.moe_combine(y, a_handle), out)
     if cap is None:
@@ -198,7 +198,7 @@ def test_unread_counts_entry_matches_emulation(group, t, e, k, h, zero_pad, data
 
 @pytest.mark.parametrize("zero_pad", [True, False])
 def test_unread_counts_dispatch(group, zero_pad):
-    """flux.moe_dispatch(read_counts=False) on one rank: recv_x [T * K, H], its first R rows those of
+    """flux.moe_dispatch(zero_pad=True, read_counts=False) on one rank: recv_x [T * K, H], its first R rows those of
     the default (read) dispatch, counts equal, no host counts, combine and gradients equal to the
     read dispatch's; bad ids deferred to handle.check() (every count zero, combine zeros)."""
     gen = torch.Generator().manual_seed(23)
@@ -226,7 +226,7 @@ def test_unread_counts_dispatch(group, zero_pad):
     handle.check()
     bad = idx.clone()
     bad[3, 1] = e
-    recv, counts, handle = flux.moe_dispatch(x0, bad, w0, e, read_counts=False)  # deferred, as bounded
+    recv, counts, handle = flux.moe_dispatch(x0, bad, w0, e, zero_pad=True, read_counts=False)  # deferred, as bounded
     assert not counts.any() and not recv.any() and not flux.moe_combine(recv, handle).any()
     with pytest.raises(flux.FluxInputError, match="outside"):
         handle.check()
@@ -244,7 +244,7 @@ def test_fp8_dispatch_exact(group):
     x = torch.randn((t, h), generator=gen).to(torch.bfloat16).to(DEV)
     idx, w = _routing(t, e, k, gen), _weights(t, k, gen)
     for cap in (None, 256):
-        (q, s), counts, _ = flux.moe_dispatch(x, idx, w, e, max_tokens_per_rank=cap, fp8=True)
+        (q, s), counts, _ = flux.moe_dispatch(x, idx, w, e, zero_pad=True, max_tokens_per_rank=cap, fp8=True)
         (rq, rs), rc = flux.moe_dispatch_ref(x, idx, w, e, max_tokens_per_rank=cap, fp8=True)
         assert torch.equal(counts, rc)
         assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
@@ -257,7 +257,7 @@ def test_empty_experts_and_no_valid_slot(group):
     idx[:7] = -1  # tokens without any expert: combine gives zeros
     x, w = _ints((t, h), gen), _weights(t, k, gen)
     for cap in (None, t):
-        recv, counts, handle = flux.moe_dispatch(x, idx, w, e, max_tokens_per_rank=cap)
+        recv, counts, handle = flux.moe_dispatch(x, idx, w, e, zero_pad=True, max_tokens_per_rank=cap)
         assert int((counts > 0).sum()) == 3
         ref_recv, _ = flux.moe_dispatch_ref(x, idx, w, e, max_tokens_per_rank=cap)
         assert torch.equal(recv, ref_recv)
@@ -277,13 +277,13 @@ def test_errors(group):
     for wrong, text in ((bad, "outside"), (dup, "twice")):
         with pytest.raises(flux.FluxInputError, match=text):
             flux.moe_dispatch(x, wrong, w, e)
-        recv, counts, handle = flux.moe_dispatch(x, wrong, w, e, max_tokens_per_rank=t)  # deferred
+        recv, counts, handle = flux.moe_dispatch(x, wrong, w, e, zero_pad=True, max_tokens_per_rank=t)  # deferred
         assert not counts.any() and not recv.any()
         assert not flux.moe_combine(recv, handle).any()
         with pytest.raises(flux.FluxInputError, match=text):
             handle.check()
     # Over capacity: deferred in the bounded variant (every row zero), raised by check().
-    recv, counts, handle = flux.moe_dispatch(x, idx, w, e, max_tokens_per_rank=t - 1)
+    recv, counts, handle = flux.moe_dispatch(x, idx, w, e, zero_pad=True, max_tokens_per_rank=t - 1)
     assert not counts.any() and not recv.any()
     with pytest.raises(flux.FluxInputError, match="exceeds max_tokens_per_rank"):
         handle.check()
@@ -308,7 +308,7 @@ def test_gradients_match_sequential(group, cap, dtype, h, monkeypatch):
     for name in ("local", "sequential"):
         monkeypatch.setenv(moe_ops.STRATEGY_ENV, name)
         x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
-        recv, counts, handle = flux.moe_dispatch(x, idx, w, e, max_tokens_per_rank=cap)
+        recv, counts, handle = flux.moe_dispatch(x, idx, w, e, zero_pad=True, max_tokens_per_rank=cap)
         assert handle.strategy == name
         out = flux.moe_combine(torch.tanh(recv * scale), handle)
         out.backward(g)
@@ -359,17 +359,17 @@ def test_unread_counts_graph_capture(group):
     gen = torch.Generator().manual_seed(29)
     t, e, k, h = 128, 64, 8, 512
     x, idx, w = _ints((t, h), gen), _routing(t, e, k, gen), _weights(t, k, gen)
-    flux.moe_dispatch(x, idx, w, e, read_counts=False)  # warm-up: checks remembered
+    flux.moe_dispatch(x, idx, w, e, zero_pad=True, read_counts=False)  # warm-up: checks remembered
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(2):
-            recv, counts, handle = flux.moe_dispatch(x, idx, w, e, read_counts=False)
+            recv, counts, handle = flux.moe_dispatch(x, idx, w, e, zero_pad=True, read_counts=False)
             flux.moe_combine(recv, handle)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        recv, counts, handle = flux.moe_dispatch(x, idx, w, e, read_counts=False)
+        recv, counts, handle = flux.moe_dispatch(x, idx, w, e, zero_pad=True, read_counts=False)
         out = flux.moe_combine(recv, handle)
     for _ in range(3):
         x.copy_(_ints((t, h), gen))
@@ -454,7 +454,7 @@ def test_strided_inputs_and_weight_dtypes(group, cap):
     for w_dtype in (torch.bfloat16, torch.float64):
         w = _weights(t, k, gen).to(w_dtype).t().contiguous().t()
         assert not (x.is_contiguous() or idx.is_contiguous() or w.is_contiguous())
-        recv, counts, handle = flux.moe_dispatch(x, idx, w, e, max_tokens_per_rank=cap)
+        recv, counts, handle = flux.moe_dispatch(x, idx, w, e, zero_pad=True, max_tokens_per_rank=cap)
         ref_recv, ref_counts = flux.moe_dispatch_ref(x, idx, w, e, max_tokens_per_rank=cap)
         assert torch.equal(recv, ref_recv) and torch.equal(counts, ref_counts)
         y = (torch.cat([recv, recv], dim=-1) * 2)[..., ::2]  # strided, in recv_x's layout
@@ -502,7 +502,7 @@ def test_repeat_calls_take_the_hot_path(group, grad):
             w.requires_grad_()
         return x, idx, w
 
-    flux.moe_dispatch(*inputs(cap), e, max_tokens_per_rank=cap)  # the first call: checked, planned
+    flux.moe_dispatch(*inputs(cap), e, zero_pad=True, max_tokens_per_rank=cap)  # the first call: checked, planned
     checked = mock.patch.object(moe_ops.strategies, "_signature",
                                 side_effect=AssertionError("a repeat call took the checked path"))
     for t in (cap, 40, 1, cap):
@@ -540,7 +540,7 @@ def test_host_cost_ratio(group):
     gen = torch.Generator().manual_seed(23)
     t, e, k, h = 64, 8, 4, 128
     x, idx, w = _ints((t, h), gen), _routing(t, e, k, gen), _weights(t, k, gen)
-    recv, _, handle = flux.moe_dispatch(x, idx, w, e, max_tokens_per_rank=t)
+    recv, _, handle = flux.moe_dispatch(x, idx, w, e, zero_pad=True, max_tokens_per_rank=t)
     outs = torch.ops.flux.moe_local_dispatch(x, idx, e, t, 0, True)
     cout = torch.ops.flux.moe_local_combine(recv, w, handle.recv_dest, k)
     a = torch.empty(16)
@@ -548,7 +548,7 @@ def test_host_cost_ratio(group):
     def aten_sequence():
         torch.empty(0), torch.empty(0), torch.empty(0), torch.empty(0), a.narrow(0, 0, 8), a.narrow(0, 8, 1)
 
-    calls = {"aten": aten_sequence, "dispatch": lambda: flux.moe_dispatch(x, idx, w, e, max_tokens_per_rank=t),
+    calls = {"aten": aten_sequence, "dispatch": lambda: flux.moe_dispatch(x, idx, w, e, zero_pad=True, max_tokens_per_rank=t),
              "combine": lambda: flux.moe_combine(recv, handle)}
     best = dict.fromkeys(calls, float("inf"))
     with mock.patch.object(torch.ops.flux, "moe_local_dispatch", lambda *args: outs), \

@@ -35,7 +35,7 @@ class FluxDispatcher:
     passes False where its own router chose the ids (valid by construction), so that a group of
     one rank dispatches without a host read; other dispatchers are called without it."""
 
-    zero_padded = True  # flux.moe_dispatch's default zero_pad
+    zero_padded = True  # dispatch() asks for zeros (zero_pad=True) unless MoE skips the padding rows
 
     @staticmethod
     def dispatch(x, topk_idx, topk_weights, num_experts, *, group=None, max_tokens_per_rank=None,

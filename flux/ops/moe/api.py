@@ -94,7 +94,7 @@ def _is_fake(t: torch.Tensor) -> bool:
 
 @torch.library.custom_op("flux::moe_dispatch", mutates_args=())
 def _moe_dispatch_op(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
-                     group_name: str, max_tokens_per_rank: Optional[int], fp8: bool = False, zero_pad: bool = True,
+                     group_name: str, max_tokens_per_rank: Optional[int], fp8: bool = False, zero_pad: bool = False,
                      read_counts: bool = True
                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """fp8: recv_x is the received packed byte rows (uint8), which moe_dispatch splits."""
@@ -108,7 +108,7 @@ def _moe_dispatch_op(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torc
 
 @_moe_dispatch_op.register_fake
 def _moe_dispatch_fake(x, topk_idx, topk_weights, num_experts, group_name, max_tokens_per_rank, fp8=False,
-                       zero_pad=True, read_counts=True):
+                       zero_pad=False, read_counts=True):
     for name, t in (("topk_idx", topk_idx), ("topk_weights", topk_weights)):
         if t.device != x.device:
             raise FluxInputError(f"{OP}: {name} is on {t.device} but x is on {x.device}")
@@ -205,7 +205,7 @@ def _moe_to_experts_fake(rows, recv_dest, meta, group_name, num_experts, max_tok
 
 def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, *,
                  group: Optional[dist.ProcessGroup] = None, max_tokens_per_rank: Optional[int] = None,
-                 fp8: bool = False, zero_pad: bool = True, read_counts: bool = True):
+                 fp8: bool = False, zero_pad: bool = False, read_counts: bool = True):
     """Send each token to the ranks owning the experts it is routed to (expert parallelism).
 
     Args:
@@ -223,19 +223,21 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
         fp8: quantise x to float8_e4m3fn with one fp32 scale per 128 elements (``quantize_fp8``)
             and move that (H + H/32 bytes per row instead of 2H for bf16); x bf16, fp16 or fp32,
             H a multiple of 128; the same on every rank.
-        zero_pad: bounded variant only. True (default): recv_x's rows past each expert's count
-            are zeros. False: they may be left unwritten, their contents undefined (every row when
-            ``handle.check()`` reports an error), as DeepEP's low-latency layout leaves them: for
-            expert kernels that read ``counts`` (a masked grouped GEMM), or row-wise expert
-            computation whose padding outputs combine never reads, without autograd through the
-            experts' weights (a garbage row times a zero gradient can be NaN). The zeros are most
-            of what a decode dispatch writes with many experts (E = 64, W = 2, C = 128, top-8:
-            about 1/8 of recv_x's rows carry data). Need not agree across ranks.
+        zero_pad: bounded variant (and ``read_counts=False``) only. False (default): recv_x's
+            rows past each expert's count may be left unwritten, their contents undefined (every
+            row when ``handle.check()`` reports an error), as DeepEP's low-latency layout leaves
+            them: for expert kernels that read ``counts`` (a masked grouped GEMM:
+            ``grouped_mm_padded(..., counts, skip_padding=True)``), or row-wise expert computation
+            whose padding outputs combine never reads. True: those rows are zeros, for batched
+            GEMMs over whole slabs with autograd through the experts' weights (a garbage row
+            times a zero gradient can be NaN). The zeros are most of what a decode dispatch
+            writes with many experts (E = 64, C = 128, top-8: 7/8 of recv_x's rows) and bound
+            its time (103 of 117 MB at H = 7168 on one rank). Need not agree across ranks.
         read_counts: unbounded variant on a group of one rank (every expert on this GPU) only.
             True (default): the counts are read on the host (one synchronisation), which sizes
             recv_x to the R rows routed. False: nothing is read: recv_x has T * K rows, the worst
-            case, the first R grouped by expert as above and the rest padding (zeros unless
-            ``zero_pad=False``); counts stay on the device, ``handle.counts_host`` is None, and
+            case, the first R grouped by expert as above and the rest padding (zeros with
+            ``zero_pad=True``); counts stay on the device, ``handle.counts_host`` is None, and
             invalid ids or duplicates are reported through ``handle.check()`` (every count zero),
             as in the bounded variant. For callers whose ids are valid by construction (a top-k
             router: R = T * K) and whose expert kernels take device counts. Ignored on larger
@@ -248,8 +250,8 @@ def moe_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
             by local expert (0 first), within an expert by source rank (0 .. W-1), then by the
             token's index on its source, then by slot k. Unbounded: ``[R, H]``, R the number of
             such rows. Bounded: ``[E_l, W * C, H]``, expert e's rows first in ``recv_x[e]``, the
-            rest zero. fp8: the pair ``(recv_fp8, recv_scales)``, float8_e4m3fn ``[R, H]`` (bounded
-            ``[E_l, W * C, H]``) and float32 ``[R, H / 128]`` (``[E_l, W * C, H / 128]``), each row's
+            rest undefined (zero with ``zero_pad=True``). fp8: the pair ``(recv_fp8,
+            recv_scales)``, float8_e4m3fn ``[R, H]`` (bounded ``[E_l, W * C, H]``) and float32 ``[R, H / 128]`` (``[E_l, W * C, H / 128]``), each row's
             values and block scales exactly as ``quantize_fp8`` of its token gives them on the
             source; ``dequantize_fp8(recv_fp8, recv_scales)`` is the rows in bf16.
         counts: ``[E_l]`` int64 on x's device: rows per local expert.

@@ -54,7 +54,7 @@ def available_strategies(device: torch.device) -> List[str]:
 
 def run_strategy(name: str, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, *,
                  group: Optional[dist.ProcessGroup] = None, max_tokens_per_rank: Optional[int] = None,
-                 fp8: bool = False, zero_pad: bool = True):
+                 fp8: bool = False, zero_pad: bool = False):
     """``flux.moe_dispatch`` through the named strategy, bypassing the choice (benchmarks, tests);
     checked as the op, no autograd; fp8: recv_x is ``(recv_fp8, recv_scales)`` as from the op.
     Combine the result with ``flux.moe_combine``. ``name`` may be a former name (``all_to_all``)."""
@@ -101,7 +101,7 @@ def _choose_strategy(x, group: dist.ProcessGroup, bounded: bool, num_experts=Non
 
 
 def _dispatch_impl(x, topk_idx, topk_weights, num_experts, group, capacity, *, defer_verdict=None,
-                   strategy=None, fp8=False, zero_pad=True, read_counts=True):
+                   strategy=None, fp8=False, zero_pad=False, read_counts=True):
     """Check (see the module docstring), choose a strategy, dispatch. Returns
     ``(recv_x, counts, handle)``; the handle's topk_weights is the argument. ``defer_verdict``:
     report data errors through ``handle.check()`` instead of raising (default: the bounded
