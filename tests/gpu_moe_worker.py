@@ -330,7 +330,7 @@ def fp8_dispatch_layout(rank, world, dev, group):
         got = {}
         for name in ("symm", "sequential"):
             (q, scales), counts, handle = moe_mod.run_strategy(name, x, idx, w, experts, group=group,
-                                                               max_tokens_per_rank=cap, fp8=True)
+                                                               max_tokens_per_rank=cap, fp8=True, zero_pad=True)
             what = f"{name} H={hidden} K={k} C={cap}"
             assert handle.strategy == name and handle.fp8, what
             assert q.dtype == torch.float8_e4m3fn and scales.dtype == torch.float32, what

@@ -433,7 +433,7 @@ def test_opcheck_and_compile_path(group):
     gen = torch.Generator().manual_seed(17)
     t, e, k, h = 40, 8, 2, 128
     x, idx, w = _ints((t, h), gen), _routing(t, e, k, gen), _weights(t, k, gen)
-    args = (x, idx, w, e, moe_ops.group_name(group), 64)
+    args = (x, idx, w, e, moe_ops.group_name(group), 64, False, True)  # fp8 False, zero_pad True
     torch.library.opcheck(torch.ops.flux.moe_dispatch, args, test_utils=("test_schema", "test_faketensor"))
     recv, counts, send_pairs, recv_dest, meta, verdict = torch.ops.flux.moe_dispatch(*args)
     ref_recv, _ = flux.moe_dispatch_ref(x, idx, w, e, max_tokens_per_rank=64)
@@ -509,7 +509,7 @@ def test_repeat_calls_take_the_hot_path(group, grad):
         x, idx, w = inputs(t)
         with checked:
             (recv, counts, handle), frames = _flux_frames(lambda: flux.moe_dispatch(x, idx, w, e,
-                                                                                    max_tokens_per_rank=cap))
+                                                                                    zero_pad=True, max_tokens_per_rank=cap))
             out, cframes = _flux_frames(lambda: flux.moe_combine(recv, handle))
         extra = ("forward",) if grad else ()  # the autograd.Function's forward
         assert len(frames) <= _HOT_FRAMES["dispatch"] + len(extra), frames
