@@ -22,7 +22,8 @@ Per cell, each timed after --warmup calls:
   dispatch / combine, flux bounded   the same with max_tokens_per_rank=T, loop mode and graph
                              mode (--steps calls captured once in a CUDA graph, replayed); skipped
                              where the [E/W, W*T, H] slab is over --bounded-max-gib; the
-                             dispatch also with zero_pad=False (rows past the counts unwritten)
+                             dispatch with zero_pad=True (``dispatch``: zeros past the counts) and
+                             with the default zero_pad=False (``dispatch_nopad``: left unwritten)
   dispatch / combine, a2a    the baseline below, loop mode (it reads counts on the host, so it
                              cannot be captured)
   host us                    bounded dispatch and combine, unbounded combine: repeat calls after the
