@@ -4,7 +4,7 @@
 //  1. Order. Tile m is served as (m + offset) mod tiles_m, offset = the first tile of this rank's
 //     block rounded down to a whole band of cluster_m * swizzle tiles (clusters and swizzle bands
 //     stay aligned): the first waves read only local rows while the peers' shards arrive.
-//  2. Readiness. Before a tile is returned, every warp that asks for it waits until flags[src] != 0
+//  2. Readiness. Before a tile is returned, the warps that load A wait until flags[src] != 0
 //     (ld.acquire.sys) for every remote rank whose rows the tile covers. The flag is a stream write
 //     after the copy-engine push of that shard (csrc/ag_gemm/ag_gemm_plan.cpp), whose fence makes
 //     the shard visible to the TMA loads issued after the wait. The wait is bounded: past
@@ -43,6 +43,7 @@ struct AgWaitArguments {
   int tile_m = 128;       // rows of one tile (the kernel's tile shape)
   uint64_t timeout_ns = 0;
   uint32_t* error = nullptr;  // host-mapped [2]: (waiting rank + 1, missing rank) on timeout
+  int all_warps = 0;          // 1: every warp that asks for a tile waits (0: the loading warps only)
 };
 
 // The readiness wait, on device: before a tile's rows of A are read, wait for the flag of every
@@ -58,6 +59,11 @@ struct AgRowWait : AgWaitArguments {
   }
 
   CUTLASS_DEVICE void wait_for_tile_rows(int m_idx) const {
+    // Only the producer warp group's mainloop warps (CUTLASS's ProducerWarpRole Mainloop, warp 0,
+    // and MainloopAux, warp 3) read A, by TMA; the consumers read the shared memory those loads
+    // fill (ordered by the pipeline's barriers) and the epilogue never reads A, so their waits
+    // would only add a flag load and a proxy fence to every tile's critical path.
+    if (!all_warps && (threadIdx.x >> 5) != 0 && (threadIdx.x >> 5) != 3) return;
     const int row0 = m_idx * tile_m;
     if (row0 >= rows_total) return;  // padding tile: no rows, nothing to wait for
     const int row1 = min(row0 + tile_m, rows_total) - 1;
