@@ -58,11 +58,8 @@ void ag_gemm_fused_(at::Tensor& out, const at::Tensor& a_full, const at::Tensor&
   a.rank = (int)rank;
   a.world = (int)world;
   a.rows_per_rank = (int)rows_per_rank;
-  static const int wait_all_warps = [] {
-    const char* v = std::getenv("FLUX_AG_WAIT_ALL_WARPS");
-    return v != nullptr && v[0] == '1' ? 1 : 0;
-  }();
-  a.wait_all_warps = wait_all_warps;
+  const char* wait_env = std::getenv("FLUX_AG_WAIT_ALL_WARPS");  // read per call: an in-process A/B
+  a.wait_all_warps = wait_env != nullptr && wait_env[0] == '1' ? 1 : 0;
   check_fused_built(ag_fused_dispatch((int)config, dtype, a), op, config, dtype);
 }
 

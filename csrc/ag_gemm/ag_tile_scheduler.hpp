@@ -58,7 +58,12 @@ struct AgRowWait : AgWaitArguments {
     return w;
   }
 
-  CUTLASS_DEVICE void wait_for_tile_rows(int m_idx) const {
+  // `seen`: the remote ranks (bit src, src < 32) whose flag this thread has already acquired in
+  // this launch. Their rows were in place then and stay so for the rest of the kernel, and the
+  // proxy fence after that acquire already orders every later TMA load of this thread: a tile
+  // whose ranks are all seen needs neither a flag load nor a fence (in the old mode, 1, every
+  // tile of remote rows paid both, in every warp).
+  CUTLASS_DEVICE void wait_for_tile_rows(int m_idx, uint32_t& seen) const {
     // Only the producer warp group's mainloop warps (CUTLASS's ProducerWarpRole Mainloop, warp 0,
     // and MainloopAux, warp 3) read A, by TMA; the consumers read the shared memory those loads
     // fill (ordered by the pipeline's barriers) and the epilogue never reads A, so their waits
@@ -69,10 +74,12 @@ struct AgRowWait : AgWaitArguments {
     const int row1 = min(row0 + tile_m, rows_total) - 1;
     bool waited = false;
     for (int src = row0 / rows_per_rank; src <= row1 / rows_per_rank && src < world; ++src) {
-      if (src != rank) {
-        wait_flag(src);
-        waited = true;
-      }
+      if (src == rank) continue;
+      const uint32_t bit = (!all_warps && src < 32) ? (1u << src) : 0u;
+      if (seen & bit) continue;
+      wait_flag(src);
+      seen |= bit;
+      waited = true;
     }
     // The rows are then read by TMA (the async proxy): order the acquire above before it.
     if (waited) fence_proxy_async_global();
@@ -172,6 +179,7 @@ class AgTileScheduler
 
  private:
   Params ag_;
+  mutable uint32_t seen_ = 0;  // AgRowWait::wait_for_tile_rows
 
   // The static scheduler never continues a tile (no split-K): a tile handed back only advances.
   CUTLASS_DEVICE WorkTileInfo taken_back(WorkTileInfo w) const {
@@ -182,7 +190,7 @@ class AgTileScheduler
   CUTLASS_DEVICE WorkTileInfo handed_out(WorkTileInfo w) const {
     if (!w.is_valid()) return w;
     w.M_idx = (w.M_idx + ag_.offset_tiles) % ag_.tiles_m;
-    ag_.wait_for_tile_rows(w.M_idx);
+    ag_.wait_for_tile_rows(w.M_idx, seen_);
     return w;
   }
 };
@@ -220,13 +228,14 @@ class AgStreamKTileScheduler
 
  private:
   AgRowWait ag_;
+  mutable uint32_t seen_ = 0;  // AgRowWait::wait_for_tile_rows
 
   CUTLASS_DEVICE WorkTileInfo taken_back(WorkTileInfo w) const { return w; }
 
   // A separate-reduction unit (no K tiles) reads no A; waiting for its rows anyway costs one
   // flag load per warp, since its tile's other units waited already.
   CUTLASS_DEVICE WorkTileInfo handed_out(WorkTileInfo w) const {
-    if (w.is_valid()) ag_.wait_for_tile_rows(w.M_idx);
+    if (w.is_valid()) ag_.wait_for_tile_rows(w.M_idx, seen_);
     return w;
   }
 };
