@@ -101,6 +101,18 @@ CONFIGS = {
         # of 32; 144-176 fp32 accumulators per thread in a ping-pong consumer); this one 13-15%
         # faster on two (1024 x 1280 x 8192, 1024 x 1536 x 4096), slower on the others.
         C(20, (128, 96, 64), (2, 1), "pingpong", ()),
+        # Cooperative tiles whose width makes whole waves of SMs on the narrow layers (two consumer
+        # warp groups of 64 rows: N / 2 accumulators per thread, where a ping-pong consumer holds N):
+        # 1280 = 8 x 160 = 16 x 80, 2304 / 4608 = 16 / 32 x 144, 2560 / 5120 = 16 / 32 x 160,
+        # 3584 / 7168 = 16 / 32 x 224, 768 / 1536 / 3072 = 8 / 16 / 32 x 96; 128-row tiles then
+        # give 8 x 16 = 128 tiles at 1024 rows on 132 SMs. The epilogue's subtile is gcd(32, N)
+        # columns (16 for 80 and 144: a wider one does not divide the accumulator fragments).
+        C(25, (128, 160, 64), (2, 1), "cooperative", ()),
+        C(26, (128, 160, 64), (1, 1), "cooperative", ()),
+        C(27, (128, 144, 64), (2, 1), "cooperative", ()),
+        C(28, (128, 224, 64), (2, 1), "cooperative", ()),
+        C(29, (128, 96, 64), (2, 1), "cooperative", ()),
+        C(30, (128, 80, 64), (2, 1), "cooperative", ()),
     ),
     "rs": (
         C(0, (128, 256, 64), (2, 1), "cooperative", ()),

@@ -106,6 +106,7 @@ def run_torchrun(worker: str, args: Sequence[str], nproc: int, out_dir, timeout_
     if os.environ.get("FLUX_TEST_LOG_DIR"):
         import shutil
 
+        os.makedirs(os.environ["FLUX_TEST_LOG_DIR"], exist_ok=True)
         shutil.copy(log_path, os.path.join(os.environ["FLUX_TEST_LOG_DIR"], log_name))
     with open(log_path, errors="replace") as f:
         return rc, f.read()[-8000:]

@@ -23,7 +23,6 @@ namespace flux {
 // Everything a launch needs, checked once by the dispatcher (ag_gemm_fused.cpp); `a` is a_full.
 struct AgFusedArgs : FusedGemmLaunch {
   int rank = 0, world = 1, rows_per_rank = 1;  // flags[src]: rows [src * rows_per_rank, ...) are in place
-  int wait_all_warps = 0;  // AgWaitArguments::all_warps (FLUX_AG_WAIT_ALL_WARPS=1, a diagnostic)
 };
 
 // Launches the instantiation (config, dtype variant) where it was built (false otherwise); the
@@ -59,7 +58,6 @@ void launch_ag_fused(const AgFusedArgs& a) {
   args.scheduler.tile_m = G::kTileM;
   args.scheduler.timeout_ns = a.timeout_ns;
   args.scheduler.error = a.error_record;
-  args.scheduler.all_warps = a.wait_all_warps;
   run_cutlass_gemm<typename G::Gemm>(op, args, a.device, a.stream, a.m, a.n, a.k);
 }
 

@@ -43,7 +43,6 @@ struct AgWaitArguments {
   int tile_m = 128;       // rows of one tile (the kernel's tile shape)
   uint64_t timeout_ns = 0;
   uint32_t* error = nullptr;  // host-mapped [2]: (waiting rank + 1, missing rank) on timeout
-  int all_warps = 0;          // 1: every warp that asks for a tile waits (0: the loading warps only)
 };
 
 // The readiness wait, on device: before a tile's rows of A are read, wait for the flag of every
@@ -61,21 +60,20 @@ struct AgRowWait : AgWaitArguments {
   // `seen`: the remote ranks (bit src, src < 32) whose flag this thread has already acquired in
   // this launch. Their rows were in place then and stay so for the rest of the kernel, and the
   // proxy fence after that acquire already orders every later TMA load of this thread: a tile
-  // whose ranks are all seen needs neither a flag load nor a fence (in the old mode, 1, every
-  // tile of remote rows paid both, in every warp).
+  // whose ranks are all seen needs neither a flag load nor a fence.
   CUTLASS_DEVICE void wait_for_tile_rows(int m_idx, uint32_t& seen) const {
     // Only the producer warp group's mainloop warps (CUTLASS's ProducerWarpRole Mainloop, warp 0,
     // and MainloopAux, warp 3) read A, by TMA; the consumers read the shared memory those loads
     // fill (ordered by the pipeline's barriers) and the epilogue never reads A, so their waits
     // would only add a flag load and a proxy fence to every tile's critical path.
-    if (!all_warps && (threadIdx.x >> 5) != 0 && (threadIdx.x >> 5) != 3) return;
+    if ((threadIdx.x >> 5) != 0 && (threadIdx.x >> 5) != 3) return;
     const int row0 = m_idx * tile_m;
     if (row0 >= rows_total) return;  // padding tile: no rows, nothing to wait for
     const int row1 = min(row0 + tile_m, rows_total) - 1;
     bool waited = false;
     for (int src = row0 / rows_per_rank; src <= row1 / rows_per_rank && src < world; ++src) {
       if (src == rank) continue;
-      const uint32_t bit = (!all_warps && src < 32) ? (1u << src) : 0u;
+      const uint32_t bit = src < 32 ? (1u << src) : 0u;
       if (seen & bit) continue;
       wait_flag(src);
       seen |= bit;
