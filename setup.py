@@ -315,6 +315,11 @@ def _cuda_extension():
         # access and launch_dependents near their end: the fused GEMMs can be launched with
         # programmatic dependent launch (csrc/common/fused_gemm.cuh, fused_pdl).
         nvcc_flags.append("-DCUTLASS_ENABLE_GDC_FOR_SM90")
+        # Every warpgroup MMA width (N a multiple of 8 up to 256): without it CUTLASS's builder
+        # picks the largest of 256, 192, 128, 96, 64, 32, 16, 8 dividing the tile's N, and a
+        # 160-wide tile runs five 32-wide MMAs per K step instead of one. Tiles of those widths
+        # get the same MMA either way.
+        nvcc_flags.append("-DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED")
     # CUTLASS's headers as system headers: their own warnings are not ours to print.
     nvcc_flags += [f"-isystem={d}" for d in include_dirs]
     sources = sorted(glob.glob(os.path.join("csrc", "**", "*.cu"), recursive=True))

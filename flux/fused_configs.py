@@ -105,14 +105,17 @@ CONFIGS = {
         # warp groups of 64 rows: N / 2 accumulators per thread, where a ping-pong consumer holds N):
         # 1280 = 8 x 160 = 16 x 80, 2304 / 4608 = 16 / 32 x 144, 2560 / 5120 = 16 / 32 x 160,
         # 3584 / 7168 = 16 / 32 x 224, 768 / 1536 / 3072 = 8 / 16 / 32 x 96; 128-row tiles then
-        # give 8 x 16 = 128 tiles at 1024 rows on 132 SMs. The epilogue's subtile is gcd(32, N)
-        # columns (16 for 80 and 144: a wider one does not divide the accumulator fragments).
+        # give 8 x 16 = 128 tiles at 1024 rows on 132 SMs. Each K step is one warpgroup MMA of the
+        # tile's full width (setup.py enables CUTLASS's extended MMA shapes). The epilogue's subtile
+        # is gcd(32, N) columns (16 for 80 and 144: a wider one does not divide the accumulator
+        # fragments).
         C(25, (128, 160, 64), (2, 1), "cooperative", ()),
         C(26, (128, 160, 64), (1, 1), "cooperative", ()),
         C(27, (128, 144, 64), (2, 1), "cooperative", ()),
         C(28, (128, 224, 64), (2, 1), "cooperative", ()),
         C(29, (128, 96, 64), (2, 1), "cooperative", ()),
         C(30, (128, 80, 64), (2, 1), "cooperative", ()),
+        C(31, (128, 208, 64), (2, 1), "cooperative", ()),  # 13312 / 26624 / 53248 = 64 / 128 / 256 x 208
     ),
     "rs": (
         C(0, (128, 256, 64), (2, 1), "cooperative", ()),
