@@ -113,10 +113,20 @@ def _write_if_changed(path, text):
         f.write(text)
 
 
-def _write_unit(name, comment, macro, header, args_t, launch):
+# Warpgroup MMA widths CUTLASS's builder selects by default; for other tile widths a unit enables
+# its extended MMA shapes (any multiple of 8 up to 256). Without them the builder picks the largest
+# of these dividing the tile's N: a 160-wide tile ran five 32-wide MMAs per K step instead of one
+# (1.4-2.4x cuBLAS's time). Only in those units: the macro lengthens every unit's compilation
+# (a 128x128 configuration: 48 -> 75 s), and tiles of these widths get the same MMA either way.
+_DEFAULT_MMA_N = (8, 16, 32, 64, 96, 128, 192, 256)
+
+
+def _write_unit(name, comment, macro, header, args_t, launch, extended_mma=False):
     """One generated translation unit, ``void name(const args_t& a) { launch(a); }``; its path."""
+    ext = "#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED  // the tile's width (setup.py, _DEFAULT_MMA_N)\n" \
+        if extended_mma else ""
     text = (f"{_HEADER}// {comment}\n#define FLUX_KERNEL_UNIT  // without ATen (csrc/common/check.h)\n"
-            f"#define {macro}\n#include \"{header}\"\n\nnamespace flux {{\n\n"
+            f"{ext}#define {macro}\n#include \"{header}\"\n\nnamespace flux {{\n\n"
             f"void {name}(const {args_t}& a) {{\n  {launch}(a);\n}}\n\n}}  // namespace flux\n")
     rel = os.path.join(GENERATED, name + ".cu")
     _write_if_changed(os.path.join(ROOT, rel), text)
@@ -154,7 +164,8 @@ def _generate_fused_sources(with_sm90):
         sources.append(_write_unit(
             name, f"{op} configuration {cid}: {cfg.describe()}; {src_in} inputs, {src_out} output.", macro, header,
             args_t, f"{launch}<{alias}<{_DTYPE_ENUM[dtype]}, cute::Shape<cute::_{tm}, cute::_{tn}, cute::_{tk}>,\n"
-            f"      cute::Shape<cute::_{cm}, cute::_{cn}, cute::_1>, {kernel_sched}, {epi_sched}{stream_k}>>"))
+            f"      cute::Shape<cute::_{cm}, cute::_{cn}, cute::_1>, {kernel_sched}, {epi_sched}{stream_k}>>",
+            extended_mma=tn not in _DEFAULT_MMA_N))
         decls[op].append(f"void {name}(const {args_t}& a);")
         dt_index = table["DTYPES"].index(dtype)
         cases[op].append(f"    case {cid * 4 + dt_index}: {name}(a); return true;")
@@ -315,11 +326,6 @@ def _cuda_extension():
         # access and launch_dependents near their end: the fused GEMMs can be launched with
         # programmatic dependent launch (csrc/common/fused_gemm.cuh, fused_pdl).
         nvcc_flags.append("-DCUTLASS_ENABLE_GDC_FOR_SM90")
-        # Every warpgroup MMA width (N a multiple of 8 up to 256): without it CUTLASS's builder
-        # picks the largest of 256, 192, 128, 96, 64, 32, 16, 8 dividing the tile's N, and a
-        # 160-wide tile runs five 32-wide MMAs per K step instead of one. Tiles of those widths
-        # get the same MMA either way.
-        nvcc_flags.append("-DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED")
     # CUTLASS's headers as system headers: their own warnings are not ours to print.
     nvcc_flags += [f"-isystem={d}" for d in include_dirs]
     sources = sorted(glob.glob(os.path.join("csrc", "**", "*.cu"), recursive=True))

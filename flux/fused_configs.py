@@ -109,11 +109,11 @@ CONFIGS = {
         # tile's full width (setup.py enables CUTLASS's extended MMA shapes). The epilogue's subtile
         # is gcd(32, N) columns (16 for 80 and 144: a wider one does not divide the accumulator
         # fragments).
-        C(25, (128, 160, 64), (2, 1), "cooperative", ()),
+        C(25, (128, 160, 64), (2, 1), "cooperative", BF16),
         C(26, (128, 160, 64), (1, 1), "cooperative", ()),
-        C(27, (128, 144, 64), (2, 1), "cooperative", ()),
-        C(28, (128, 224, 64), (2, 1), "cooperative", ()),
-        C(29, (128, 96, 64), (2, 1), "cooperative", ()),
+        C(27, (128, 144, 64), (2, 1), "cooperative", BF16),
+        C(28, (128, 224, 64), (2, 1), "cooperative", BF16),
+        C(29, (128, 96, 64), (2, 1), "cooperative", BF16),
         C(30, (128, 80, 64), (2, 1), "cooperative", ()),
         C(31, (128, 208, 64), (2, 1), "cooperative", ()),  # 13312 / 26624 / 53248 = 64 / 128 / 256 x 208
     ),

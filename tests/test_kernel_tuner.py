@@ -289,7 +289,7 @@ def test_shipped_h200_choices_are_served_and_built(monkeypatch):
     """On an H200 every model-grid shape gets the shipped tuned choice, made from the bench JSON of
     the whole grid among the default build's configurations, and that configuration is built."""
     entries = {}
-    for name in ("fused_gemm-h200-models.json",):
+    for name in ("fused_gemm-h200-models.json", "fused_gemm-h200-ag.json"):  # the later file wins a shape
         bench = os.path.join(REPO, "bench", "results", name)
         if not os.path.exists(bench):
             pytest.skip(f"no H200 bench JSON {name}")
@@ -465,7 +465,8 @@ def test_fused_scoreboard(tmp_path):
     assert t["rs_faster_than_mm_add_from_128"]["missed"] == 0  # 1.03 < 1.2
     assert t["rs_within_2pct_of_mm_from_1024"]["missed"] == 1  # 1.03 > 1.02
     assert "1.030" in t["rs_within_2pct_of_mm_from_1024"]["which"][0]
-    files = [os.path.join(REPO, "bench", "results", "fused_gemm-h200-models.json")]
+    files = [os.path.join(REPO, "bench", "results", n) for n in ("fused_gemm-h200-models.json",
+                                                                 "fused_gemm-h200-ag.json")]
     if all(os.path.exists(f) for f in files):
         shipped = S.scoreboard(files, "shipped")
         assert shipped["shapes"] == 144 and not shipped["untimed"], shipped["untimed"][:5]

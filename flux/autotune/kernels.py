@@ -57,10 +57,12 @@ STREAM_K_FIXED_S = 5e-6
 
 def _tile_eff(c: KernelConfig) -> float:
     """Tensor-core efficiency of a tile's mainloop: 128x256 and 256x128 tiles keep both consumer
-    warpgroups on 64+ rows of wide MMAs; a cooperative 128x128 halves each warpgroup's MMA;
+    warpgroups on 64+ rows of wide MMAs, and so do cooperative tiles 192-248 wide (one MMA of the
+    tile's width per K step; fitted to bench/results/fused_gemm-h200-ag.json: the 224-wide tile
+    is the fastest on 9-10 of the 72 AG shapes); a cooperative 128x128 halves each warpgroup's MMA;
     a ping-pong 128x128 gives each warpgroup a whole tile (less operand reuse than 128x256)."""
     area = c.tile_m * c.tile_n
-    if area >= 128 * 256:
+    if area >= 128 * 256 or (c.schedule == "cooperative" and area >= 128 * 192):
         return 1.0
     if area >= 128 * 128:
         return 0.93 if c.schedule == "pingpong" else 0.88
