@@ -57,7 +57,7 @@ class FusedConfig(NamedTuple):
 C = FusedConfig
 F = ("bf16", "fp16", "bf16_fp32")  # the dtypes of each op's general-purpose configuration (ag 0, rs 3)
 # Ids keep their meaning across releases; new shapes get new ids.
-# The default set (12 instantiations, about a CPU-minute of nvcc each) is the greedy choice over an
+# The default set (15 instantiations, about a CPU-minute of nvcc each) is the greedy choice over an
 # H200 measurement of every bf16 persistent configuration on the model grid
 # (bench/results/fused_gemm-h200-grid-bf16.json): each configuration added where it most lowered
 # the geometric mean over the shapes of the best built one's time relative to cuBLAS, in loop and
@@ -66,7 +66,9 @@ F = ("bf16", "fp16", "bf16_fp32")  # the dtypes of each op's general-purpose con
 # served). Not built by default: ag 16 (stream-K on every shape), the best on 5 of the 72 AG shapes
 # of bench/results/fused_gemm-h200-models.json (up to 13% faster than the best other one there,
 # 0.4% on the grid's geometric mean) for about a minute more of a 2-core build; RS's stream-K
-# configurations, which win on 1-2 of 72 shapes by under 1%.
+# configurations, which win on 1-2 of 72 shapes by under 1%. Then AG 25, 28 and 29, the greedy
+# choice in the same way among the tile widths of bench/results/fused_gemm-h200-ag.json (AG 26, 27,
+# 30 and 31 would improve its geometric mean by 0.6% for about two more minutes of a 2-core build).
 # The others are built with FLUX_KERNELS=all or by name ("streamk": every stream-K one, bf16).
 CONFIGS = {
     "ag": (
@@ -94,12 +96,7 @@ CONFIGS = {
         C(17, (128, 256, 64), (1, 1), "cooperative", (), "streamk-all"),
         C(18, (128, 64, 64), (1, 1), "cooperative", (), "streamk-all"),
         # A tile width between 128 and 64 for narrow layers at 1024 rows: 1024 x 1280 is 112 tiles of
-        # 128x96 on 132 SMs (80 of 128x128, 160 of 128x64). Measured (bench/results/
-        # fused_gemm-h200-widths.json) on the model grid's 1024- and 4096-row AG shapes with 128-row ping-pong tiles 80, 112, 144, 160 and 176 wide (former
-        # ids 19 and 21-24): those were 1.13-2.1x slower than the best of the others on every shape
-        # (likely causes, not profiled: 16-wide epilogue subtiles where the width is not a multiple
-        # of 32; 144-176 fp32 accumulators per thread in a ping-pong consumer); this one 13-15%
-        # faster on two (1024 x 1280 x 8192, 1024 x 1536 x 4096), slower on the others.
+        # 128x96 on 132 SMs (80 of 128x128, 160 of 128x64); its cooperative twin is AG 29.
         C(20, (128, 96, 64), (2, 1), "pingpong", ()),
         # Cooperative tiles whose width makes whole waves of SMs on the narrow layers (two consumer
         # warp groups of 64 rows: N / 2 accumulators per thread, where a ping-pong consumer holds N):
@@ -111,7 +108,7 @@ CONFIGS = {
         # fragments).
         C(25, (128, 160, 64), (2, 1), "cooperative", BF16),
         C(26, (128, 160, 64), (1, 1), "cooperative", ()),
-        C(27, (128, 144, 64), (2, 1), "cooperative", BF16),
+        C(27, (128, 144, 64), (2, 1), "cooperative", ()),
         C(28, (128, 224, 64), (2, 1), "cooperative", BF16),
         C(29, (128, 96, 64), (2, 1), "cooperative", BF16),
         C(30, (128, 80, 64), (2, 1), "cooperative", ()),
