@@ -230,8 +230,8 @@ class AgStreamKTileScheduler
 
   CUTLASS_DEVICE WorkTileInfo taken_back(WorkTileInfo w) const { return w; }
 
-  // A separate-reduction unit (no K tiles) reads no A; waiting for its rows anyway costs one
-  // flag load per warp, since its tile's other units waited already.
+  // A separate-reduction unit (no K tiles) reads no A; waiting for its rows anyway costs at most
+  // one flag load per loading warp (none for a rank this thread has seen).
   CUTLASS_DEVICE WorkTileInfo handed_out(WorkTileInfo w) const {
     if (w.is_valid()) ag_.wait_for_tile_rows(w.M_idx, seen_);
     return w;
