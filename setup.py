@@ -208,6 +208,33 @@ def _generate_fused_sources(with_sm90):
     return [rel] + sources
 
 
+HOST_UNITS = os.path.join("build", "flux_host")  # the host sources' combined units (relative to ROOT)
+
+
+def _host_units(cpp_files, units=2):
+    """The host sources (csrc/**/*.cpp) compiled as ``units`` translation units, each including a
+    share of them (balanced by size): every one of them parses ATen's headers, which is most of
+    its compile time (about a minute of one core each, 11 files), so that two units cost about
+    what two files did. Their names stay distinct across files (one anonymous namespace per unit).
+    Returns the units' paths (relative to ROOT)."""
+    out_dir = os.path.join(ROOT, HOST_UNITS)
+    os.makedirs(out_dir, exist_ok=True)
+    sized = sorted(cpp_files, key=lambda f: -os.path.getsize(os.path.join(ROOT, f)))
+    groups, loads = [[] for _ in range(units)], [0] * units
+    for f in sized:  # largest first, each to the least loaded unit
+        i = loads.index(min(loads))
+        groups[i].append(f)
+        loads[i] += os.path.getsize(os.path.join(ROOT, f))
+    paths = []
+    for i, group in enumerate(groups):
+        rel = os.path.join(HOST_UNITS, f"host_{i}.cpp")
+        text = _HEADER.replace("from flux/fused_configs.py; edit that table", "from csrc/**/*.cpp; edit those") + \
+            "".join(f'#include "{os.path.relpath(f, "csrc")}"\n' for f in sorted(group))
+        _write_if_changed(os.path.join(ROOT, rel), text)
+        paths.append(rel)
+    return paths
+
+
 def _default_jobs():
     """One compiler per CPU, but no more than one per 4 GB of available memory (a CUTLASS
     translation unit takes up to ~4 GB in nvcc's front end)."""
@@ -329,7 +356,7 @@ def _cuda_extension():
     # CUTLASS's headers as system headers: their own warnings are not ours to print.
     nvcc_flags += [f"-isystem={d}" for d in include_dirs]
     sources = sorted(glob.glob(os.path.join("csrc", "**", "*.cu"), recursive=True))
-    sources += sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True))
+    sources += _host_units(sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True)))
     sources += _generate_fused_sources(with_sm90)
     if not os.environ.get("MAX_JOBS"):
         os.environ["MAX_JOBS"] = str(_default_jobs())

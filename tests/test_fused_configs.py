@@ -6,6 +6,7 @@ rank, every shard "arrived"; RS: a random peer partial folded in), outputs poiso
 inputs random; the relative error against an fp32 reference must stay within twice cuBLAS's on
 the same data. Instantiations not built are skipped by name; calling one fails naming it.
 """
+import glob
 import math
 import os
 
@@ -69,16 +70,21 @@ def test_setup_generates_one_unit_per_instantiation(tmp_path, monkeypatch):
     os.makedirs(tmp_path / "flux")
     with open(os.path.join(ROOT, "flux", "fused_configs.py")) as f:
         (tmp_path / "flux" / "fused_configs.py").write_text(f.read())
-    monkeypatch.setenv("FLUX_KERNELS", "minimal,ag:7:fp16_fp32,rs:8:bf16,rs:12:bf16,gmm:0:kn")
+    monkeypatch.setenv("FLUX_KERNELS", "minimal,ag:7:fp16_fp32,ag:28:bf16,rs:8:bf16,rs:12:bf16,gmm:0:kn")
     sources = scope["_generate_fused_sources"](True)
     names = sorted(os.path.basename(s) for s in sources)
-    assert names == ["ag_fused_c0_bf16.cu", "ag_fused_c7_fp16_fp32.cu", "fused_dispatch.cpp", "gmm_c0_kn.cu",
-                     "rs_fused_c0_bf16.cu", "rs_fused_c12_bf16.cu", "rs_fused_c8_bf16.cu"]
+    assert names == ["ag_fused_c0_bf16.cu", "ag_fused_c28_bf16.cu", "ag_fused_c7_fp16_fp32.cu", "fused_dispatch.cpp",
+                     "gmm_c0_kn.cu", "rs_fused_c0_bf16.cu", "rs_fused_c12_bf16.cu", "rs_fused_c8_bf16.cu"]
+    # CUTLASS's extended MMA shapes only in the units whose tile width needs them (224 here).
+    ext = "#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED"
+    gen = tmp_path / "build" / "flux_generated"
+    assert ext in (gen / "ag_fused_c28_bf16.cu").read_text()
+    assert [n for n in names if n.endswith(".cu") and ext in (gen / n).read_text()] == ["ag_fused_c28_bf16.cu"]
     dispatch = (tmp_path / "build" / "flux_generated" / "fused_dispatch.cpp").read_text()
     assert "case 0: ag_fused_c0_bf16(a); return true;" in dispatch
     assert f"case {7 * 4 + 3}: ag_fused_c7_fp16_fp32(a); return true;" in dispatch
     assert f"case {8 * 4}: rs_fused_c8_bf16(a); return true;" in dispatch
-    assert '"ag:0:bf16 ag:7:fp16_fp32 rs:0:bf16 rs:8:bf16 rs:12:bf16"' in dispatch
+    assert '"ag:0:bf16 ag:7:fp16_fp32 ag:28:bf16 rs:0:bf16 rs:8:bf16 rs:12:bf16"' in dispatch
     assert "case 1: gmm_c0_kn(a); return true;" in dispatch and '"gmm:0:kn"' in dispatch
     unit = (tmp_path / "build" / "flux_generated" / "ag_fused_c7_fp16_fp32.cu").read_text()
     assert "kFp16Fp32" in unit and "cute::_64, cute::_128, cute::_64" in unit and "Pingpong" in unit
@@ -89,6 +95,16 @@ def test_setup_generates_one_unit_per_instantiation(tmp_path, monkeypatch):
     assert "stream-K always" in unit and "/*StreamK=*/2>>(a);" in unit
     unit = (tmp_path / "build" / "flux_generated" / "gmm_c0_kn.cu").read_text()
     assert "FLUX_GROUPED_IMPL" in unit and "cute::_64, cute::_256, cute::_64" in unit and "/*Pingpong=*/true, 1>>" in unit
+    # The host sources as two units that include each of them once.
+    cpps = sorted(os.path.relpath(f, ROOT) for f in glob.glob(os.path.join(ROOT, "csrc", "**", "*.cpp"), recursive=True))
+    os.makedirs(tmp_path / "csrc")
+    for f in cpps:
+        os.makedirs(os.path.dirname(tmp_path / f), exist_ok=True)
+        (tmp_path / f).write_text(open(os.path.join(ROOT, f)).read())
+    units = scope["_host_units"](cpps)
+    included = [line.split('"')[1] for u in units for line in (tmp_path / u).read_text().splitlines()
+                if line.startswith("#include")]
+    assert len(units) == 2 and sorted(included) == sorted(os.path.relpath(f, "csrc") for f in cpps)
     # Without an sm_90a target nothing is instantiated, and stale units are removed.
     assert [os.path.basename(s) for s in scope["_generate_fused_sources"](False)] == ["fused_dispatch.cpp"]
     assert os.listdir(tmp_path / "build" / "flux_generated") == ["fused_dispatch.cpp"]

@@ -20,11 +20,6 @@ int64_t lead_rows(const Plan& p, int64_t world) {
   return lead > 0 && lead < p.rows ? lead : p.rows;
 }
 
-at::Tensor output(const std::optional<at::Tensor>& out, int64_t rows, int64_t n, const at::Tensor& like,
-                  at::ScalarType dtype) {
-  return out.has_value() ? out->view({rows, n}) : at::empty({rows, n}, like.options().dtype(dtype));
-}
-
 int64_t fused_swizzle(int64_t m, int64_t n) {
   // Tile order of the fused kernel (N fastest inside bands of `swizzle` M tiles), from the kernel
   // alone on H200: bands of 8 pay when both dimensions are large (8192x8192x14336: 2.50 ms against
@@ -78,7 +73,7 @@ std::tuple<at::Tensor, at::Tensor> Runtime::ag_sequential(const Plan& p, const a
   // another call's all-gather (a mismatched NCCL call hangs or mixes data).
   if (!ws_ptrs_.empty()) barrier(cur, p.token, false);
   pg_all_gather(*pg_, gathered, a)->wait();  // the current stream waits for NCCL's
-  at::Tensor out = output(out_arg, world_ * p.rows, p.n, a, p.out_dtype);
+  at::Tensor out = output_or_empty(out_arg, world_ * p.rows, p.n, a, p.out_dtype);
   gemm_into(out, gathered, weight, bias, p.nk);
   return {out.view(p.out_shape), p.gathered ? gathered.view(p.gathered_shape) : at::Tensor()};
 }
@@ -92,7 +87,7 @@ std::tuple<at::Tensor, at::Tensor> Runtime::ag_decomposed(const Plan& p, const a
   const auto [a, slots, shard, cur] = ag_operands(p, input, op);  // slots: rows of rank s at s * rows, pushed by s
   const int64_t W = world_, r = rank_, rows = p.rows, k = p.k;
   const size_t es = a.element_size();
-  at::Tensor out = output(out_arg, W * rows, p.n, a, p.out_dtype);
+  at::Tensor out = output_or_empty(out_arg, W * rows, p.n, a, p.out_dtype);
   const int64_t lead = lead_rows(p, W);
 
   // comm: the entry barrier (after the current stream's work so far: every peer's earlier reads
@@ -172,7 +167,7 @@ std::tuple<at::Tensor, at::Tensor> Runtime::ag_oneshot(const Plan& p, const at::
                                                        const std::optional<at::Tensor>& out_arg) {
   const auto [a, slots, shard, cur] = ag_operands(p, input, "ag_gemm oneshot");
   const int64_t W = world_, r = rank_, rows = p.rows;
-  at::Tensor out = output(out_arg, W * rows, p.n, a, p.out_dtype);
+  at::Tensor out = output_or_empty(out_arg, W * rows, p.n, a, p.out_dtype);
   gather_into_workspace(p, a, shard, kDataChannel, cur);
   for (int64_t step = 1; step < W; ++step) wait_signal(cur, (r - step + W) % W, kDataChannel);
   gemm_into(out, slots, weight, bias, p.nk);

@@ -12,11 +12,6 @@
 namespace flux {
 namespace {
 
-at::Tensor output(const std::optional<at::Tensor>& out, int64_t rows, int64_t n, const at::Tensor& like,
-                  at::ScalarType dtype) {
-  return out.has_value() ? out->view({rows, n}) : at::empty({rows, n}, like.options().dtype(dtype));
-}
-
 std::optional<at::Tensor> aligned16(const std::optional<at::Tensor>& t) {
   if (!t.has_value() || is_aligned(t->data_ptr(), 16)) return t;
   return t->clone();
@@ -38,7 +33,7 @@ at::Tensor Runtime::rs_sequential(const Plan& p, const at::Tensor& input, const 
   at::Tensor partial = at::empty({world_ * p.rows, p.n}, a.options().dtype(p.out_dtype));
   gemm_into(partial, a, weight, std::nullopt, p.nk);
   if (!ws_ptrs_.empty()) join(cur, signal_);
-  at::Tensor out = output(out_arg, p.rows, p.n, a, p.out_dtype);
+  at::Tensor out = output_or_empty(out_arg, p.rows, p.n, a, p.out_dtype);
   pg_reduce_scatter(*pg_, out, partial)->wait();  // the current stream waits for NCCL's
   if (bias.has_value()) out.add_(*bias);  // once, after the reduction
   return out.view(p.out_shape);
@@ -59,7 +54,7 @@ at::Tensor Runtime::rs_decomposed(const Plan& p, const at::Tensor& input, const 
   // a signal half sent. The peers' blocks are staged in this rank's workspace after the slots
   // (only this rank writes there; the next call's GEMMs into it follow the copies that read it,
   // in stream order, and a peer's writes into it in a later call follow that call's barrier).
-  at::Tensor out = output(out_arg, rows, n, a, p.out_dtype);
+  at::Tensor out = output_or_empty(out_arg, rows, n, a, p.out_dtype);
   at::Tensor staging = p2p ? at::Tensor() : view(buffer(r) + W * block_bytes, {(W - 1) * rows, n}, pdt);
   const int64_t chunks = std::max<int64_t>(1, std::min(p.chunks, rows));
   // One peer, one chunk: its wait follows this rank's push on the communication stream itself,
@@ -140,7 +135,7 @@ at::Tensor Runtime::rs_oneshot(const Plan& p, const at::Tensor& input, const at:
   barrier(cur, p.token, false);
   gemm_into(view(buffer(r), {W * rows, n}, p.out_dtype), a, weight, std::nullopt, p.nk);  // partials in out's dtype
   barrier(cur, p.token, false);
-  at::Tensor out = output(out_arg, rows, n, a, p.out_dtype);
+  at::Tensor out = output_or_empty(out_arg, rows, n, a, p.out_dtype);
   reduce_peers_(out, buffers_dev_, W, base_offset_ + r * rows * n * (int64_t)c10::elementSize(p.out_dtype), bias);
   return out.view(p.out_shape);
 }

@@ -240,6 +240,9 @@ void launch_wait(uint32_t* slot, int channel, int rank, int peer, uint64_t timeo
 at::Tensor strided_view(const at::Tensor& t, at::IntArrayRef sizes, at::IntArrayRef strides, int64_t offset);
 // Rows [first, first + count) of a contiguous tensor of rows (dim 0), as [count, rest...].
 at::Tensor rows_of(const at::Tensor& t, int64_t first, int64_t count);
+// A plan's output: the caller's ``out`` viewed as [rows, n], or a new tensor like ``like`` in ``dtype``.
+at::Tensor output_or_empty(const std::optional<at::Tensor>& out, int64_t rows, int64_t n, const at::Tensor& like,
+                           at::ScalarType dtype);
 
 // The GEMM of every strategy: out = a @ W (+ bias), W [N, K] (nk) or [K, N]; written into ``out``.
 void gemm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& weight, const std::optional<at::Tensor>& bias,

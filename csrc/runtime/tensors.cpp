@@ -9,9 +9,6 @@
 #include "common/check.h"
 
 namespace flux {
-namespace {
-constexpr const char* kOp = "runtime";
-}  // namespace
 
 at::Tensor strided_view(const at::Tensor& t, at::IntArrayRef sizes, at::IntArrayRef strides, int64_t offset) {
   auto impl = c10::make_intrusive<c10::TensorImpl>(c10::TensorImpl::VIEW, c10::Storage(t.storage()), t.key_set(),
@@ -22,10 +19,15 @@ at::Tensor strided_view(const at::Tensor& t, at::IntArrayRef sizes, at::IntArray
   return at::Tensor(std::move(impl));
 }
 
+at::Tensor output_or_empty(const std::optional<at::Tensor>& out, int64_t rows, int64_t n, const at::Tensor& like,
+                           at::ScalarType dtype) {
+  return out.has_value() ? out->view({rows, n}) : at::empty({rows, n}, like.options().dtype(dtype));
+}
+
 at::Tensor rows_of(const at::Tensor& t, int64_t first, int64_t count) {
   std::vector<int64_t> sizes(t.sizes().begin(), t.sizes().end());
   const int64_t row = t.numel() / std::max<int64_t>(1, sizes[0]);
-  FLUX_CHECK(t.is_contiguous() && first >= 0 && count >= 0 && first + count <= sizes[0], kOp, "rows ", first, "..",
+  FLUX_CHECK(t.is_contiguous() && first >= 0 && count >= 0 && first + count <= sizes[0], "runtime", "rows ", first, "..",
              first + count, " of a tensor of ", sizes[0], " rows");
   sizes[0] = count;
   return strided_view(t, sizes, c10::contiguous_strides(sizes), first * row);
