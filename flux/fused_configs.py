@@ -68,7 +68,7 @@ F = ("bf16", "fp16", "bf16_fp32")  # the dtypes of each op's general-purpose con
 # 0.4% on the grid's geometric mean) for about a minute more of a 2-core build; RS's stream-K
 # configurations, which win on 1-2 of 72 shapes by under 1%. Then AG 25, 28 and 29, the greedy
 # choice in the same way among the tile widths of bench/results/fused_gemm-h200-ag.json (AG 26, 27,
-# 30 and 31 would improve its geometric mean by 0.6% for about two more minutes of a 2-core build).
+# 30 and 31 would improve its geometric mean by 0.6% for about three more minutes of a 2-core build).
 # The others are built with FLUX_KERNELS=all or by name ("streamk": every stream-K one, bf16).
 CONFIGS = {
     "ag": (
