@@ -14,7 +14,7 @@ fits in L2. --pdl 0,1: each fused variant also without programmatic dependent la
 own, best and summary are the PDL-on ones, "by_pdl" and "*_pdl0" the others). No GPU: one line, exit 1.
 JSON (--out, stable): {"format": 1, "command", "commit", "device", "sm_count", "torch", "cuda",
  "dtype", "out_dtype", "timings": ["loop", "graph", "spin"], "configs": {op: {"source", "list": [{"id",
- "tile" (".../sk": stream-K), "scheduler", "describe", "dtypes"}]}}, "results": [{"op", "m", "n", "k",
+ "tile" (".../sk": stream-K, ".../k4": split-K into 4), "scheduler", "describe", "dtypes"}]}}, "results": [{"op", "m", "n", "k",
  "layers", "flop", "input_sets", "calls_per_sample", "rounds", "tolerance", "cublas" (rs: and "cublas_add"):
  {"ms": {timing: ms}, "tflops": {timing: TFLOP/s}, "rel_err"}, "own" (the analytic default): {"label", "ms", "tflops",
  "vs_cublas": {timing: ratio}}, "served" (choose_config's label: tuned cache, else analytic), "best":
@@ -127,7 +127,7 @@ def bench_shape(rec, args, dtype, out_dtype, sm, device=None):
     from flux.autotune.space import m_bucket
 
     op, m, n, k = rec["op"], rec["m"], rec["n"], rec["k"]
-    built = K.kernel_configs(op, dtype, out_dtype)
+    built = [c for c in K.kernel_configs(op, dtype, out_dtype) if c.applies(k)]
     subset = {int(c) for c in args.configs.split(",")} if args.configs else None
     cfgs = [c for c in built if subset is None or c.id in subset]
     labs = K.variants(op, m, cfgs, [int(s) for s in args.swizzles.split(",")],

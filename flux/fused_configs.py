@@ -8,8 +8,10 @@ warpgroup runs whole tiles, alternating, which suits 64-row tiles and small prob
 scheduler ("persistent": one CTA per tile, whole K; "streamk": CUTLASS's stream-K scheduler,
 cooperative only, which splits K among CTAs where there are fewer tiles than SMs and reduces the
 partial accumulators in a workspace before the tile's one epilogue; "streamk-all": the same on every
-shape, not only where CUTLASS's heuristic chooses it). Every configuration is built
-for its ``default`` dtype variants; ``FLUX_KERNELS=all`` builds all four.
+shape, not only where CUTLASS's heuristic chooses it; "splitk": the persistent kernel over
+``splits`` equal slices of K as one batched launch into fp32 partials, then one pass that sums
+them in slice order and adds the bias (and, for "rs", the peer's partial): csrc/common/split_k.cuh).
+Every configuration is built for its ``default`` dtype variants; ``FLUX_KERNELS=all`` builds all four.
 
 dtype variants (inputs -> output; fp32 accumulation always; bias and, for "rs", the peer's
 partial folded in, are in the output dtype): bf16, fp16, bf16_fp32, fp16_fp32.
@@ -19,7 +21,7 @@ unit per (op, config, dtype) and the dispatch over them; ``torch.ops.flux.fused_
 says which were compiled (``built()`` below). Configuration ids are stable: tuned choices name them.
 
 FLUX_KERNELS (build setting): "default", "all", "minimal" (config 0 of each op, bf16, no grouped
-GEMM), "streamk" (every stream-K configuration, bf16), or a comma list of those and of terms
+GEMM), "streamk" / "splitk" (every stream-K / split-K configuration, bf16), or a comma list of those and of terms
 op:id[:dtype] and gmm:id[:kind] (grouped GEMMs, GROUPED below) with "*" wildcards, e.g.
 "default,ag:*:fp16,gmm:1".
 """
@@ -38,7 +40,8 @@ class FusedConfig(NamedTuple):
     cluster: tuple  # (cluster_m, cluster_n) CTAs
     schedule: str  # "cooperative" | "pingpong"
     default: tuple  # dtype variants built by default
-    scheduler: str = "persistent"  # "persistent" | "streamk" | "streamk-all" (the last two cooperative only)
+    scheduler: str = "persistent"  # "persistent" | "streamk" | "streamk-all" (cooperative only) | "splitk"
+    splits: int = 1  # slices of K ("splitk" only)
 
     @property
     def tile_m(self):
@@ -50,8 +53,14 @@ class FusedConfig(NamedTuple):
 
     def describe(self):
         m, n, k = self.tile
-        sk = {"persistent": "", "streamk": ", stream-K", "streamk-all": ", stream-K always"}[self.scheduler]
+        sk = {"persistent": "", "streamk": ", stream-K", "streamk-all": ", stream-K always",
+              "splitk": f", split-K into {self.splits}"}[self.scheduler]
         return f"{m}x{n}x{k} tile, cluster {self.cluster[0]}x{self.cluster[1]}, {self.schedule}{sk}"
+
+    def applies(self, k):
+        """Whether this configuration runs a problem of depth ``k``: split-K cuts K into equal
+        slices whose rows stay 16-byte aligned (K a multiple of 8 * splits)."""
+        return self.splits == 1 or k % (8 * self.splits) == 0
 
 
 C = FusedConfig
@@ -113,6 +122,22 @@ CONFIGS = {
         C(29, (128, 96, 64), (2, 1), "cooperative", BF16),
         C(30, (128, 80, 64), (2, 1), "cooperative", ()),
         C(31, (128, 208, 64), (2, 1), "cooperative", ()),  # 13312 / 26624 / 53248 = 64 / 128 / 256 x 208
+        # Split-K, as cuBLAS runs the narrow layers at 256 rows (256 x 8192 x 1280: 2 x 20 tiles of
+        # 128x64 leave 92 of 132 SMs idle for a 128-step K loop): the tiles times the slices fill
+        # a wave, each slice a quarter or half of K, without stream-K's workspace memset and
+        # in-kernel serial reduction. The configurations sharing a tile share one instantiation
+        # (its fp32-output GEMM); the slice count is the launch's.
+        C(32, (128, 64, 64), (1, 1), "pingpong", (), "splitk", 2),
+        C(33, (128, 64, 64), (1, 1), "pingpong", (), "splitk", 4),
+        C(34, (128, 64, 64), (1, 1), "pingpong", (), "splitk", 8),
+        C(35, (128, 96, 64), (2, 1), "cooperative", (), "splitk", 2),
+        C(36, (128, 96, 64), (2, 1), "cooperative", (), "splitk", 4),
+        C(37, (128, 96, 64), (2, 1), "cooperative", (), "splitk", 8),
+        C(38, (128, 128, 64), (2, 1), "pingpong", (), "splitk", 2),
+        C(39, (128, 128, 64), (2, 1), "pingpong", (), "splitk", 4),
+        C(40, (128, 144, 64), (2, 1), "cooperative", (), "splitk", 4),
+        C(41, (128, 160, 64), (2, 1), "cooperative", (), "splitk", 2),
+        C(42, (128, 160, 64), (2, 1), "cooperative", (), "splitk", 4),
     ),
     "rs": (
         C(0, (128, 256, 64), (2, 1), "cooperative", ()),
@@ -128,10 +153,18 @@ CONFIGS = {
         C(10, (128, 128, 64), (2, 1), "cooperative", (), "streamk"),
         C(11, (128, 64, 64), (1, 1), "cooperative", (), "streamk"),  # as AG 15
         C(12, (128, 128, 64), (1, 1), "cooperative", (), "streamk-all"),  # as AG 16
+        # Split-K (as AG 32-42) for 128-512 rows per rank and deep K: 128 x 4096 is 32 tiles of 128x128.
+        C(13, (128, 128, 64), (1, 1), "cooperative", (), "splitk", 2),
+        C(14, (128, 128, 64), (1, 1), "cooperative", (), "splitk", 4),
+        C(15, (64, 128, 64), (1, 1), "pingpong", (), "splitk", 2),
+        C(16, (64, 128, 64), (1, 1), "pingpong", (), "splitk", 4),
+        C(17, (128, 256, 64), (1, 1), "cooperative", (), "splitk", 2),
+        C(18, (128, 256, 64), (1, 1), "cooperative", (), "splitk", 4),
     ),
 }
 OPS = tuple(CONFIGS)
-SCHEDULERS = ("persistent", "streamk", "streamk-all")
+SCHEDULERS = ("persistent", "streamk", "streamk-all", "splitk")
+MAX_SPLITS = 16
 
 # The grouped GEMMs of the MoE experts (csrc/moe/grouped_gemm.cuh; flux.grouped_mm with
 # impl="cutlass"): CUTLASS sm90 ptr-array kernels, bf16, one instantiation per (configuration,
@@ -165,8 +198,11 @@ GROUPED = (
 def _check_schedulers():
     for op, cfgs in CONFIGS.items():
         for c in cfgs:  # CUTLASS's sm90 ping-pong kernel has no stream-K variant
-            if c.scheduler not in SCHEDULERS or (c.scheduler != "persistent" and c.schedule != "cooperative"):
+            if c.scheduler not in SCHEDULERS or (c.scheduler.startswith("streamk") and c.schedule != "cooperative"):
                 raise ValueError(f"flux.fused_configs: {op} configuration {c.id}: bad scheduler {c.scheduler!r}")
+            if (c.scheduler == "splitk") != (c.splits > 1) or not 1 <= c.splits <= MAX_SPLITS:
+                raise ValueError(f"flux.fused_configs: {op} configuration {c.id}: splits {c.splits} "
+                                 f"with scheduler {c.scheduler!r} (split-K: 2..{MAX_SPLITS} slices)")
 
 
 _check_schedulers()
@@ -209,11 +245,11 @@ def _expand(term):
         return {(op, c.id, d) for op in OPS for c in CONFIGS[op] for d in c.default}
     if term == "minimal":
         return {(op, 0, "bf16") for op in OPS}
-    if term == "streamk":
-        return {(op, c.id, "bf16") for op in OPS for c in CONFIGS[op] if c.scheduler != "persistent"}
+    if term in ("streamk", "splitk"):
+        return {(op, c.id, "bf16") for op in OPS for c in CONFIGS[op] if c.scheduler.startswith(term)}
     parts = term.split(":")
     if not 1 <= len(parts) <= 3 or parts[0] not in OPS:
-        raise ValueError(f"FLUX_KERNELS: bad term {term!r} (default, all, minimal, streamk, op:id[:dtype] "
+        raise ValueError(f"FLUX_KERNELS: bad term {term!r} (default, all, minimal, streamk, splitk, op:id[:dtype] "
                          f"with op in {OPS}, or gmm:id[:kind])")
     op, cid, dt = parts[0], (parts[1:] or ["*"])[0], (parts[2:] or ["*"])[0]
     ids = [c.id for c in CONFIGS[op]] if cid == "*" else [int(cid)]
@@ -270,7 +306,14 @@ def grouped_built():
 
 
 def kernel_name(op, cid, dtype):
-    """The C++ launcher (and generated file stem) of one instantiation."""
+    """The C++ launcher (and generated file stem) of one instantiation. Split-K configurations of
+    one tile, cluster and schedule share the launcher of their fp32-output GEMM for the input
+    dtype (the slice count and the output dtype are its arguments)."""
+    c = config(op, cid)
+    if c is not None and c.scheduler == "splitk":
+        (tm, tn, tk), (cm, cn) = c.tile, c.cluster
+        sched = "pp" if c.schedule == "pingpong" else "coop"
+        return f"{op}_split_{tm}x{tn}x{tk}_{cm}x{cn}_{sched}_{DTYPE_IO[dtype][0]}"
     return f"{op}_fused_c{cid}_{dtype}"
 
 

@@ -31,8 +31,10 @@ def test_table_is_consistent():
             assert c.cluster in ((1, 1), (2, 1), (1, 2)), c
             assert set(c.default) <= set(fc.DTYPES), c
             # CUTLASS's sm90 stream-K scheduler runs in the cooperative kernel only.
-            assert c.scheduler in fc.SCHEDULERS and (c.scheduler == "persistent" or c.schedule == "cooperative"), c
-            assert ("stream-K" in c.describe()) == (c.scheduler != "persistent"), c
+            assert c.scheduler in fc.SCHEDULERS and (not c.scheduler.startswith("streamk") or c.schedule == "cooperative"), c
+            assert ("stream-K" in c.describe()) == c.scheduler.startswith("streamk"), c
+            assert (f"split-K into {c.splits}" in c.describe()) == (c.scheduler == "splitk") == (c.splits > 1), c
+            assert c.applies(8 * c.splits * 3) and c.applies(8) == (c.splits == 1), c
     assert fc.config("ag", 0).tile == (128, 256, 64) and fc.config("rs", 99) is None
     # Ids keep their meaning: the fields before `scheduler` unchanged, the old ones persistent.
     assert fc.config("ag", 4) == fc.FusedConfig(4, (128, 128, 64), (1, 1), "cooperative", ())
@@ -47,6 +49,16 @@ def test_select_and_parse():
     sk = [(op, i, d) for op, i, d in default if fc.config(op, i).scheduler == "streamk"]
     assert sk == [("ag", 14, "bf16")]
     assert fc.select("streamk") == [("ag", i, "bf16") for i in range(12, 19)] + [("rs", i, "bf16") for i in range(8, 13)]
+    assert fc.select("splitk") == [("ag", i, "bf16") for i in range(32, 43)] + [("rs", i, "bf16") for i in range(13, 19)]
+    # Split-K configurations of one tile share a launcher (one unit per tile and input dtype).
+    assert fc.kernel_name("ag", 32, "bf16") == fc.kernel_name("ag", 34, "bf16_fp32") == "ag_split_128x64x64_1x1_pp_bf16"
+    assert fc.kernel_name("ag", 33, "fp16") == "ag_split_128x64x64_1x1_pp_fp16"
+    with pytest.raises(ValueError, match="splits"):
+        fc.CONFIGS["ag"] += (fc.FusedConfig(99, (128, 64, 64), (1, 1), "pingpong", (), "persistent", 2),)
+        try:
+            fc._check_schedulers()
+        finally:
+            fc.CONFIGS["ag"] = fc.CONFIGS["ag"][:-1]
     assert len(fc.select("all")) == sum(len(v) for v in fc.CONFIGS.values()) * len(fc.DTYPES)
     assert fc.select("minimal") == [("ag", 0, "bf16"), ("rs", 0, "bf16")]
     assert fc.select("ag:2") == [("ag", 2, d) for d in fc.DTYPES]
@@ -70,11 +82,13 @@ def test_setup_generates_one_unit_per_instantiation(tmp_path, monkeypatch):
     os.makedirs(tmp_path / "flux")
     with open(os.path.join(ROOT, "flux", "fused_configs.py")) as f:
         (tmp_path / "flux" / "fused_configs.py").write_text(f.read())
-    monkeypatch.setenv("FLUX_KERNELS", "minimal,ag:7:fp16_fp32,ag:28:bf16,rs:8:bf16,rs:12:bf16,gmm:0:kn")
+    monkeypatch.setenv("FLUX_KERNELS", "minimal,ag:7:fp16_fp32,ag:28:bf16,rs:8:bf16,rs:12:bf16,gmm:0:kn,"
+                       "ag:33:bf16,ag:34:bf16_fp32,rs:15:fp16")
     sources = scope["_generate_fused_sources"](True)
     names = sorted(os.path.basename(s) for s in sources)
-    assert names == ["ag_fused_c0_bf16.cu", "ag_fused_c28_bf16.cu", "ag_fused_c7_fp16_fp32.cu", "fused_dispatch.cpp",
-                     "gmm_c0_kn.cu", "rs_fused_c0_bf16.cu", "rs_fused_c12_bf16.cu", "rs_fused_c8_bf16.cu"]
+    assert names == ["ag_fused_c0_bf16.cu", "ag_fused_c28_bf16.cu", "ag_fused_c7_fp16_fp32.cu",
+                     "ag_split_128x64x64_1x1_pp_bf16.cu", "fused_dispatch.cpp", "gmm_c0_kn.cu", "rs_fused_c0_bf16.cu",
+                     "rs_fused_c12_bf16.cu", "rs_fused_c8_bf16.cu", "rs_split_64x128x64_1x1_pp_fp16.cu"]
     # CUTLASS's extended MMA shapes only in the units whose tile width needs them (224 here).
     ext = "#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED"
     gen = tmp_path / "build" / "flux_generated"
@@ -84,7 +98,18 @@ def test_setup_generates_one_unit_per_instantiation(tmp_path, monkeypatch):
     assert "case 0: ag_fused_c0_bf16(a); return true;" in dispatch
     assert f"case {7 * 4 + 3}: ag_fused_c7_fp16_fp32(a); return true;" in dispatch
     assert f"case {8 * 4}: rs_fused_c8_bf16(a); return true;" in dispatch
-    assert '"ag:0:bf16 ag:7:fp16_fp32 ag:28:bf16 rs:0:bf16 rs:8:bf16 rs:12:bf16"' in dispatch
+    assert '"ag:0:bf16 ag:7:fp16_fp32 ag:28:bf16 ag:33:bf16 ag:34:bf16_fp32 rs:0:bf16 rs:8:bf16 rs:12:bf16 ' \
+        'rs:15:fp16"' in dispatch
+    # Split-K: one unit per tile and input dtype (its fp32-output GEMM), the slice count and the
+    # output dtype variant passed by each configuration's case.
+    assert f"case {33 * 4}: ag_split_128x64x64_1x1_pp_bf16(a, 4, 0); return true;" in dispatch
+    assert f"case {34 * 4 + 2}: ag_split_128x64x64_1x1_pp_bf16(a, 8, 2); return true;" in dispatch
+    assert f"case {15 * 4 + 1}: rs_split_64x128x64_1x1_pp_fp16(a, 2, 1); return true;" in dispatch
+    unit = (tmp_path / "build" / "flux_generated" / "ag_split_128x64x64_1x1_pp_bf16.cu").read_text()
+    assert "launch_ag_split<AgSplitGemm<kBf16, cute::Shape<cute::_128, cute::_64, cute::_64>" in unit
+    assert "(const AgFusedArgs& a, int splits, int dtype)" in unit and "(a, splits, dtype);" in unit
+    unit = (tmp_path / "build" / "flux_generated" / "rs_split_64x128x64_1x1_pp_fp16.cu").read_text()
+    assert "launch_rs_split<RsSplitGemm<kFp16, cute::Shape<cute::_64, cute::_128, cute::_64>" in unit
     assert "case 1: gmm_c0_kn(a); return true;" in dispatch and '"gmm:0:kn"' in dispatch
     unit = (tmp_path / "build" / "flux_generated" / "ag_fused_c7_fp16_fp32.cu").read_text()
     assert "kFp16Fp32" in unit and "cute::_64, cute::_128, cute::_64" in unit and "Pingpong" in unit
@@ -146,6 +171,13 @@ def _case(op, cid, dtype):
     return din, dout
 
 
+def _depth(op, cid, k):
+    """K of a test shape for configuration cid: split-K takes the next multiple of 8 * splits
+    (392 -> 400, 416, 448: slices that end in a partial K tile)."""
+    step = 8 * fc.config(op, cid).splits
+    return -(-k // step) * step
+
+
 def _cublas(a, w, dout):
     """cuBLAS on the same data: the inputs' dtype, or fp32 output from the same inputs."""
     if dout == a.dtype:
@@ -175,7 +207,7 @@ def test_gpu_ag_fused(op, cid, dtype):
     dev = torch.device("cuda")
     world = 2
     for i, (m, k, n) in enumerate(_SHAPES):
-        m = m // world * world
+        m, k = m // world * world, _depth(op, cid, k)
         a = torch.randn(m, k, device=dev, dtype=din)
         w = torch.randn(n, k, device=dev, dtype=din) / k ** 0.5
         bias = torch.randn(n, device=dev, dtype=dout) if i in (1, 3) else None
@@ -196,6 +228,7 @@ def test_gpu_rs_fused(op, cid, dtype):
     din, dout = _case(op, cid, dtype)
     dev = torch.device("cuda")
     for i, (m, k, n) in enumerate(_SHAPES):
+        k = _depth(op, cid, k)
         a = torch.randn(m, k, device=dev, dtype=din)
         w = torch.randn(n, k, device=dev, dtype=din) / k ** 0.5
         src = torch.randn(m, n, device=dev, dtype=dout)  # the peer's partial, in the output dtype
@@ -249,8 +282,11 @@ def test_gpu_pdl_chain_matches_serial_launches(op):
         return outs
 
     stream_k = [t for t in built if fc.config(op, t[1]).scheduler == "streamk"]
+    split_k = [t for t in built if fc.config(op, t[1]).scheduler == "splitk"]
     try:
-        for _, cid, _ in built[:2] + stream_k[:1]:  # a stream-K one too: its reduction is deterministic
+        # A stream-K and a split-K one too: their reductions are deterministic, and split-K's
+        # reduction pass is itself launched as a dependent of its GEMM.
+        for _, cid, _ in built[:2] + stream_k[:1] + split_k[:1]:
             serial, overlapped = chain(cid, False), chain(cid, True)
             for i, (a, b) in enumerate(zip(serial, overlapped)):
                 assert torch.isfinite(a).all(), f"{op}:{cid} step {i}: NaN without PDL"
@@ -337,20 +373,47 @@ except RuntimeError as e:
 
 
 @gpu
+@pytest.mark.parametrize("scheduler", ["streamk", "splitk"])
 @pytest.mark.parametrize("op", ["ag", "rs"])
-def test_gpu_stream_k_waits_for_missing_rows(op):
-    """A stream-K kernel whose problem splits K (few tiles, deep K) with one shard (AG) or one
-    segment of the source (RS) never announced does not complete: its wait expires and traps
-    (the kernel read no rows that had not arrived); with every flag set the same call completes.
+def test_gpu_split_k_waits_for_missing_rows(op, scheduler):
+    """A stream-K kernel whose problem splits K (few tiles, deep K), or a split-K configuration
+    (AG: its GEMM's tiles wait; RS: its reduction pass waits for the source), with one shard (AG) or
+    one segment of the source (RS) never announced does not complete: its wait expires and traps
+    (nothing read rows that had not arrived); with every flag set the same call completes.
     In child processes, whose CUDA context the trap ends."""
     import subprocess
     import sys
 
-    built = sorted(t for t in _BUILT if t[0] == op and t[2] == "bf16" and fc.config(op, t[1]).scheduler == "streamk")
+    built = sorted(t for t in _BUILT if t[0] == op and t[2] == "bf16" and fc.config(op, t[1]).scheduler == scheduler)
     if not built:
-        pytest.skip(f"no {op} stream-K bf16 instantiation built (FLUX_KERNELS=streamk builds them)")
+        pytest.skip(f"no {op} {scheduler} bf16 instantiation built (FLUX_KERNELS={scheduler} builds them)")
     for missing, expect in ((0, "COMPLETED"), (1, "TRAPPED")):
         res = subprocess.run([sys.executable, "-c", _MISSING_CHILD, op, str(built[0][1]), str(missing)],
                              capture_output=True, text=True, timeout=300, cwd=ROOT,
                              env={**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")})
         assert expect in res.stdout, f"{op}:{built[0][1]} missing={missing}:\n{res.stdout}{res.stderr[-3000:]}"
+
+
+@gpu
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_gpu_split_k_rejects_a_depth_it_cannot_slice(op):
+    """A split-K configuration given K that its slices cannot cut into 16-byte rows raises before
+    any launch, naming the op and the multiple K needs."""
+    built = sorted(t for t in _BUILT if t[0] == op and t[2] == "bf16" and fc.config(op, t[1]).scheduler == "splitk")
+    if not built:
+        pytest.skip(f"no {op} split-K bf16 instantiation built (FLUX_KERNELS=splitk builds them)")
+    cid = built[0][1]
+    splits = fc.config(op, cid).splits
+    dev = torch.device("cuda")
+    m, k, n = 256, 8 * splits * 5 + 8, 256
+    a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+    out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
+    flags = torch.ones(4, device=dev, dtype=torch.int32)
+    name = "ag_gemm_fused_" if op == "ag" else "gemm_rs_fused_"
+    with pytest.raises(RuntimeError, match=f"{name}.*split-K into {splits} slices needs K a multiple of {8 * splits}"):
+        if op == "ag":
+            torch.ops.flux.ag_gemm_fused_(out, a, w, None, flags, 0, 2, m // 2, 10000, 0, 1, 1, cid)
+        else:
+            src = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
+            torch.ops.flux.gemm_rs_fused_(out, a, w, None, src, flags, m // 4, 0, 1, 10000, 0, 1, 1, cid)

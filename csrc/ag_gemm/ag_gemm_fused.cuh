@@ -45,10 +45,13 @@ using AgGemm = Sm90FusedGemm<typename FusedTypes<Dtype>::In, typename FusedTypes
                              KernelSchedule, EpilogueSchedule, false, PlainEpilogue,
                              std::conditional_t<StreamK != 0, AgStreamKSchedulerTag, AgSchedulerTag>, StreamK>;
 
+// The same GEMM with fp32 output, for split-K (common/split_k.cuh): InDtype kBf16 or kFp16.
+template <int InDtype, class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule>
+using AgSplitGemm = AgGemm<InDtype == kBf16 ? kBf16Fp32 : kFp16Fp32, TileShape, ClusterShape, KernelSchedule,
+                           EpilogueSchedule>;
+
 template <class G>
-void launch_ag_fused(const AgFusedArgs& a) {
-  constexpr const char* op = "ag_gemm_fused_";
-  typename G::Gemm::Arguments args = gemm_arguments<G>(a);
+void set_ag_wait(typename G::Gemm::Arguments& args, const AgFusedArgs& a) {
   // Along N inside bands of `swizzle` M tiles, the rotated M order (local rows first) is the
   // order in which tile rows are first touched (persistent scheduler; stream-K keeps CUTLASS's).
   args.scheduler.flags = a.flags;
@@ -58,7 +61,25 @@ void launch_ag_fused(const AgFusedArgs& a) {
   args.scheduler.tile_m = G::kTileM;
   args.scheduler.timeout_ns = a.timeout_ns;
   args.scheduler.error = a.error_record;
+}
+
+template <class G>
+void launch_ag_fused(const AgFusedArgs& a) {
+  typename G::Gemm::Arguments args = gemm_arguments<G>(a);
+  set_ag_wait<G>(args, a);
+  run_cutlass_gemm<typename G::Gemm>("ag_gemm_fused_", args, a.device, a.stream, a.m, a.n, a.k);
+}
+
+// Split-K: every slice's tiles wait for their rows as above (a slice reads the same rows).
+template <class G>
+void launch_ag_split(const AgFusedArgs& a, int splits, int dtype) {
+  constexpr const char* op = "ag_gemm_fused_";
+  const Workspace partials = split_k_partials(op, a, splits);
+  typename G::Gemm::Arguments args = gemm_arguments<G>(a);
+  set_ag_wait<G>(args, a);
+  set_split_k<G>(args, a.m, a.n, a.k, splits, static_cast<float*>(partials.ptr));
   run_cutlass_gemm<typename G::Gemm>(op, args, a.device, a.stream, a.m, a.n, a.k);
+  split_k_finish(op, dtype, static_cast<const float*>(partials.ptr), a, splits);
 }
 
 }  // namespace flux

@@ -99,6 +99,7 @@ inline FusedGemmLaunch fused_gemm_launch(at::Tensor& out, const at::Tensor& a, c
 #if defined(FLUX_WITH_SM90) && (defined(FLUX_AG_FUSED_IMPL) || defined(FLUX_RS_FUSED_IMPL))
 
 #include "common/cutlass_run.cuh"
+#include "common/split_k.cuh"
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
 #include "cutlass/epilogue/collective/collective_builder.hpp"
@@ -195,6 +196,45 @@ typename G::Gemm::Arguments gemm_arguments(const FusedGemmLaunch& l) {
     args.scheduler.decomposition_mode = cutlass::gemm::kernel::detail::DecompositionMode::StreamK;
   }
   return args;
+}
+
+// The split-K configurations' second pass (split_k.cuh): out = the `splits` partials summed
+// (+ source) (+ bias) in the output type of dtype variant `dtype`; with `flags`, after the
+// `segments` flags of the source rows are set.
+inline void split_k_finish(const char* op, int dtype, const float* partials, const FusedGemmLaunch& l, int splits,
+                           const void* source = nullptr, const uint32_t* flags = nullptr, int segments = 0,
+                           int rank = 0, int peer = 0) {
+  auto run = [&](auto tag) {
+    using Out = decltype(tag);
+    SplitKReduce<Out> p;
+    p.partials = partials;
+    p.source = static_cast<const Out*>(source);
+    p.bias = static_cast<const Out*>(l.bias);
+    p.out = static_cast<Out*>(l.out);
+    p.m = l.m;
+    p.n = l.n;
+    p.splits = splits;
+    p.flags = flags;
+    p.segments = segments;
+    p.rank = rank;
+    p.peer = peer;
+    p.timeout_ns = l.timeout_ns;
+    p.error = l.error_record;
+    launch_split_k_reduce<Out>(op, p, l.device, l.stream);
+  };
+  switch (dtype) {
+    case kBf16: run(cutlass::bfloat16_t{}); break;
+    case kFp16: run(cutlass::half_t{}); break;
+    default: run(float{}); break;  // kBf16Fp32, kFp16Fp32
+  }
+}
+
+// Split-K's checks and partials, shared by both ops' launchers: K must cut into `splits` slices
+// whose rows stay 16-byte aligned for TMA.
+inline Workspace split_k_partials(const char* op, const FusedGemmLaunch& l, int splits) {
+  FLUX_CHECK(splits >= 2 && l.k % (8 * splits) == 0, op, "split-K into ", splits, " slices needs K a multiple of ",
+             8 * splits, " (K=", l.k, ")");
+  return cutlass_workspace(size_t(splits) * size_t(l.m) * size_t(l.n) * sizeof(float), l.device);
 }
 
 }  // namespace flux

@@ -119,6 +119,24 @@ using RsFoldGemm =
                   KernelSchedule, EpilogueSchedule, true, SegmentWaitEpilogue,
                   std::conditional_t<StreamK != 0, StreamKSchedulerTag, cutlass::gemm::PersistentScheduler>, StreamK>;
 
+// Split-K (common/split_k.cuh): a plain GEMM with fp32 output (InDtype kBf16 or kFp16) writes the
+// slices' partials; the source is waited for and added by the reduction instead of the epilogue.
+template <int InDtype, class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule>
+using RsSplitGemm = Sm90FusedGemm<typename FusedTypes<InDtype>::In, float, TileShape, ClusterShape, KernelSchedule,
+                                  EpilogueSchedule, false, PlainEpilogue, cutlass::gemm::PersistentScheduler>;
+
+template <class G>
+void launch_rs_split(const RsFusedArgs& a, int splits, int dtype) {
+  constexpr const char* op = "gemm_rs_fused_";
+  const Workspace partials = split_k_partials(op, a, splits);
+  typename G::Gemm::Arguments args = gemm_arguments<G>(a);
+  set_split_k<G>(args, a.m, a.n, a.k, splits, static_cast<float*>(partials.ptr));
+  run_cutlass_gemm<typename G::Gemm>(op, args, a.device, a.stream, a.m, a.n, a.k);
+  const int segments = (a.m + a.rows_per_segment - 1) / a.rows_per_segment;
+  split_k_finish(op, dtype, static_cast<const float*>(partials.ptr), a, splits, a.source, a.flags, segments, a.rank,
+                 a.peer);
+}
+
 template <class G>
 void launch_rs_fused(const RsFusedArgs& a) {
   constexpr const char* op = "gemm_rs_fused_";

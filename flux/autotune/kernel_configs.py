@@ -40,7 +40,8 @@ class KernelConfig:
     """One configuration: a tile_m x tile_n x tile_k tile, a cluster_m x cluster_n cluster, a
     schedule ('cooperative' or 'pingpong'), the (input, output) dtypes built and the tile
     scheduler ('persistent'; 'streamk': K split among CTAs where tiles are fewer than SMs, by
-    CUTLASS's heuristic; 'streamk-all': split on every shape)."""
+    CUTLASS's heuristic; 'streamk-all': split on every shape; 'splitk': the persistent kernel over
+    ``splits`` slices of K, then a reduction pass)."""
     op: str
     id: int
     tile_m: int
@@ -51,24 +52,32 @@ class KernelConfig:
     schedule: str
     dtypes: Tuple[Tuple[str, str], ...] = (("bf16", "bf16"),)
     scheduler: str = "persistent"
+    splits: int = 1
 
     def __post_init__(self):
         if self.op not in OPS or self.id < 0 or self.schedule not in ("cooperative", "pingpong"):
             raise ValueError(f"KernelConfig: bad op, id or schedule: {self}")
-        if self.scheduler not in table.SCHEDULERS or (self.scheduler != "persistent" and self.schedule != "cooperative"):
+        if self.scheduler not in table.SCHEDULERS or (self.stream_k and self.schedule != "cooperative"):
             raise ValueError(f"KernelConfig: bad scheduler (stream-K is cooperative only): {self}")
+        if (self.scheduler == "splitk") != (self.splits > 1) or not 1 <= self.splits <= table.MAX_SPLITS:
+            raise ValueError(f"KernelConfig: split-K needs 2..{table.MAX_SPLITS} splits, and only it: {self}")
         if min(self.tile_m, self.tile_n, self.tile_k) < 16 or self.cluster_m * self.cluster_n not in (1, 2, 4):
             raise ValueError(f"KernelConfig: bad tile or cluster: {self}")
 
     @property
     def stream_k(self) -> bool:
-        return self.scheduler != "persistent"
+        return self.scheduler.startswith("streamk")
+
+    def applies(self, k: int) -> bool:
+        """Whether it runs a problem of depth k (flux/fused_configs.py FusedConfig.applies)."""
+        return self.splits == 1 or k % (8 * self.splits) == 0
 
     @property
     def desc(self) -> str:
         """As cached choices name it: a choice applies only to the same tile, cluster, schedule and scheduler."""
+        tag = f"/k{self.splits}" if self.scheduler == "splitk" else _SCHED_TAG[self.scheduler]
         return (f"{self.tile_m}x{self.tile_n}x{self.tile_k}/{self.cluster_m}x{self.cluster_n}/"
-                f"{'pp' if self.schedule == 'pingpong' else 'coop'}{_SCHED_TAG[self.scheduler]}")
+                f"{'pp' if self.schedule == 'pingpong' else 'coop'}{tag}")
 
 
 def _built():
@@ -101,7 +110,7 @@ def kernel_configs(op: str, dtype=None, out_dtype=None) -> List[KernelConfig]:
         for c in table.CONFIGS[op]:
             pairs = tuple(table.DTYPE_IO[v] for v in table.DTYPES if (op, c.id, v) in built)
             if pairs:
-                cfgs.append(KernelConfig(op, c.id, *c.tile, *c.cluster, c.schedule, pairs, c.scheduler))
+                cfgs.append(KernelConfig(op, c.id, *c.tile, *c.cluster, c.schedule, pairs, c.scheduler, c.splits))
         # Kept once flux._C is loaded (its answer is final); read again until then.
         _CONFIGS[op] = (cfgs, source, _extension_loaded())
     cfgs = _CONFIGS[op][0]

@@ -53,6 +53,9 @@ SATURATING_SM_SHARE = 0.5  # the share of SMs whose loads in flight saturate HBM
 # a stream-K launch costs a fixed few microseconds more (its workspace memset, no PDL overlap).
 PADDED_TILE_PENALTY = 1.3
 STREAM_K_FIXED_S = 5e-6
+# Split-K's reduction pass, beyond its HBM traffic: a second launch, mostly hidden behind the
+# GEMM's tail under programmatic dependent launch.
+SPLIT_K_FIXED_S = 2e-6
 
 
 def _tile_eff(c: KernelConfig) -> float:
@@ -81,7 +84,10 @@ def _grid(c: KernelConfig, m: int, n: int, swizzle: int, sm: int) -> Tuple[int, 
 def _traffic(c: KernelConfig, op: str, m: int, n: int, k: int, in_bytes: int, out_bytes: int,
              sm: int) -> Tuple[float, int]:
     """(seconds of one tile's epilogue at an SM's share of HBM, bytes the kernel moves through
-    HBM). The epilogue stores (and for rs first loads the peer's partial of) the tile's real rows."""
+    HBM). The epilogue stores (and for rs first loads the peer's partial of) the tile's real rows;
+    under split-K it stores each slice's fp32 partials (the reduction pass does the rest)."""
+    if c.splits > 1:
+        return min(c.tile_m, m) * c.tile_n * 4 / (HBM_BW / sm), (m * k + n * k) * in_bytes + c.splits * m * n * 4
     per_elem = out_bytes * (2 if op == "rs" else 1)
     epilogue = min(c.tile_m, m) * c.tile_n * per_elem / (HBM_BW / sm)
     return epilogue, (m * k + n * k) * in_bytes + m * n * per_elem
@@ -96,19 +102,26 @@ def predict_s(c: KernelConfig, op: str, m: int, n: int, k: int, swizzle: int = 1
     waves of the persistent grid, the epilogue's HBM traffic per tile (cooperative: after its
     mainloop; ping-pong: overlapped with the other warpgroup's mainloop), and the whole
     kernel's HBM traffic at a bandwidth that falls where few CTAs hold useful tiles; times
-    PADDED_TILE_PENALTY per halving of the rows below the tile's."""
+    PADDED_TILE_PENALTY per halving of the rows below the tile's. Split-K (``c.splits`` slices):
+    the slices' tiles as more tiles of a K / splits deep loop, then the reduction pass (the partials
+    read, the output written, for rs the peer's partial read, at HBM bandwidth) and SPLIT_K_FIXED_S."""
     tiles_m, tiles_n, padded, ctas = _grid(c, m, n, swizzle, sm)
+    s = c.splits
+    padded *= s
     waves = math.ceil(padded / ctas)
-    mainloop = 2.0 * c.tile_m * c.tile_n * k / (SM_FLOPS * _tile_eff(c))
+    mainloop = 2.0 * c.tile_m * c.tile_n * (k / s) / (SM_FLOPS * _tile_eff(c))
     epilogue, hbm = _traffic(c, op, m, n, k, in_bytes, out_bytes, sm)
     if c.schedule == "pingpong":
         t_compute = waves * max(mainloop, epilogue) + min(mainloop, epilogue)
     else:
         t_compute = waves * (mainloop + epilogue)
-    real = tiles_m * tiles_n
+    real = tiles_m * tiles_n * s
     useful = min(real, ctas) if padded <= ctas else ctas * real / padded
     bw = HBM_BW * min(1.0, useful / (SATURATING_SM_SHARE * ctas))
-    return max(t_compute, hbm / bw) * PADDED_TILE_PENALTY ** max(0.0, math.log2(c.tile_m / max(m, 1)))
+    t = max(t_compute, hbm / bw) * PADDED_TILE_PENALTY ** max(0.0, math.log2(c.tile_m / max(m, 1)))
+    if s > 1:
+        t += (s * 4 + out_bytes * (2 if op == "rs" else 1)) * m * n / HBM_BW + SPLIT_K_FIXED_S
+    return t
 
 
 # Stream-K: where the best persistent configuration's tiles fill less than WAVE_FRACTION of one
@@ -173,9 +186,9 @@ def _least(cfgs, predict, op, m, n, k, big, ib, ob, sm):
 def analytic_config(op: str, m: int, n: int, k: int, dtype="bf16", out_dtype=None, sm_count: int = 132,
                     configs: Optional[Sequence[KernelConfig]] = None) -> Tuple[int, int, int]:
     """(config, raster, swizzle): among the persistent configurations the one of least modelled
-    time; where it leaves SMs idle on a deep K loop (``_should_use_stream_k``) and a stream-K
-    configuration is built, the stream-K one of least modelled time instead, if that time is
-    less. Near-ties (within 2%) go to the earlier configuration of the table. Swizzle
+    time; where it leaves SMs idle on a deep K loop (``_should_use_stream_k``) and a stream-K or
+    split-K configuration is built (split-K: one whose slices divide this K), the one of least
+    modelled time among those instead, if that time is less. Near-ties (within 2%) go to the earlier configuration of the table. Swizzle
     (``_swizzle``): AG 1; RS the widest band (<= 8) that pads no tile row or column, where the
     operands exceed L2 (a band then reuses operand tiles in L2), else 1. Raster 1 (along N): the
     order the fused strategies depend on."""
@@ -186,16 +199,21 @@ def analytic_config(op: str, m: int, n: int, k: int, dtype="bf16", out_dtype=Non
         raise ValueError(f"fused {op}: no configuration built for {_dt(dtype)} -> {_dt(out_dtype)}")
     ib, ob = (4 if _dt(dtype) == "fp32" else 2), (4 if _dt(out_dtype) == "fp32" else 2)
     big = (m * k + n * k) * ib > (60 << 20)
-    persistent = [c for c in cfgs if not c.stream_k]
+    cfgs = [c for c in cfgs if c.applies(k)]
+    persistent = [c for c in cfgs if not c.stream_k and c.splits == 1]
     stream_k = [c for c in cfgs if c.stream_k]
+    split_k = [c for c in cfgs if c.splits > 1]
     best = _least(persistent, predict_s, op, m, n, k, big, ib, ob, sm_count) if persistent else None
-    if stream_k and (best is None or _should_use_stream_k(
+    if (stream_k or split_k) and (best is None or _should_use_stream_k(
             next(c for c in persistent if c.id == best[1]), m, n, k, best[2], sm_count)):
-        sk = _least(stream_k, predict_stream_k_s, op, m, n, k, big, ib, ob, sm_count)
         # Kept only if modelled faster: a 128-row stream-K tile over 32 rows, say, wastes most
         # of its MMA work.
-        if best is None or sk[0] < best[0]:
-            best = sk
+        for alt in (_least(stream_k, predict_stream_k_s, op, m, n, k, big, ib, ob, sm_count) if stream_k else None,
+                    _least(split_k, predict_s, op, m, n, k, big, ib, ob, sm_count) if split_k else None):
+            if alt is not None and (best is None or alt[0] < best[0]):
+                best = alt
+    if best is None:
+        raise ValueError(f"fused {op}: no configuration built for {_dt(dtype)} -> {_dt(out_dtype)} runs K={k}")
     return best[1], 1, best[2]
 
 
@@ -266,7 +284,7 @@ def cached_choice(cache: TuneCache, op, m, n, k, dtype, out_dtype) -> Optional[T
         cfg, raster, swz = parse_label(e["choice"])
     except (KeyError, ValueError, TypeError):
         return None
-    valid = {c.id: c.desc for c in kernel_configs(op, dtype, out_dtype)}
+    valid = {c.id: c.desc for c in kernel_configs(op, dtype, out_dtype) if c.applies(k)}
     return (cfg, raster, swz) if valid.get(cfg) == e.get("config") else None
 
 
@@ -323,7 +341,7 @@ def tune(op: str, m: int, n: int, k: int, dtype=torch.bfloat16, out_dtype=None, 
     out_dtype = out_dtype if out_dtype is not None else dtype
     key, sm = gpu_key(device)
     cache = cache if cache is not None else kernel_cache(key)
-    cfgs = kernel_configs(op, dtype, out_dtype)
+    cfgs = [c for c in kernel_configs(op, dtype, out_dtype) if c.applies(k)]
     default = label(*analytic_config(op, m, n, k, dtype, out_dtype, sm, cfgs))
     labs = variants(op, m, cfgs, n=n)
     labs = labs + [default] if default not in labs else labs
@@ -359,7 +377,7 @@ def _allowed(spec: str, dtype, out_dtype) -> Dict[str, Dict[int, KernelConfig]]:
         c = table.config(op, cid)
         (tm, tn, tk), (cm, cn) = c.tile, c.cluster
         out[op][cid] = KernelConfig(op, cid, tm, tn, tk, cm, cn, c.schedule, ((_dt(dtype), _dt(out_dtype)),),
-                                    c.scheduler)
+                                    c.scheduler, c.splits)
     return out
 
 
@@ -374,7 +392,7 @@ def entries_from_bench(doc: dict, configs: str = "default") -> Tuple[str, Dict[s
     allowed = _allowed(configs, doc["dtype"], doc["out_dtype"])
     entries = {}
     for r in doc["results"]:
-        cfgs = allowed[_op(r["op"])]
+        cfgs = {i: c for i, c in allowed[_op(r["op"])].items() if c.applies(r["k"])}
         ok = {lab: v for lab, v in r["variants"].items()  # "<label>/pdl0": a copy timed without PDL
               if re.fullmatch(r"c\d+/r\d+/s\d+", lab) and v["ok"] and v["config"] in cfgs
               and v["tile"] == cfgs[v["config"]].desc and v["ms"].get("loop") is not None}
