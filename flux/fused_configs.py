@@ -127,12 +127,12 @@ CONFIGS = {
         # a wave, each slice a quarter or half of K, without stream-K's workspace memset and
         # in-kernel serial reduction. The configurations sharing a tile share one instantiation
         # (its fp32-output GEMM); the slice count is the launch's.
-        C(32, (128, 64, 64), (1, 1), "pingpong", (), "splitk", 2),
-        C(33, (128, 64, 64), (1, 1), "pingpong", (), "splitk", 4),
-        C(34, (128, 64, 64), (1, 1), "pingpong", (), "splitk", 8),
-        C(35, (128, 96, 64), (2, 1), "cooperative", (), "splitk", 2),
-        C(36, (128, 96, 64), (2, 1), "cooperative", (), "splitk", 4),
-        C(37, (128, 96, 64), (2, 1), "cooperative", (), "splitk", 8),
+        C(32, (128, 64, 64), (1, 1), "pingpong", BF16, "splitk", 2),
+        C(33, (128, 64, 64), (1, 1), "pingpong", BF16, "splitk", 4),
+        C(34, (128, 64, 64), (1, 1), "pingpong", BF16, "splitk", 8),
+        C(35, (128, 96, 64), (2, 1), "cooperative", BF16, "splitk", 2),
+        C(36, (128, 96, 64), (2, 1), "cooperative", BF16, "splitk", 4),
+        C(37, (128, 96, 64), (2, 1), "cooperative", BF16, "splitk", 8),
         C(38, (128, 128, 64), (2, 1), "pingpong", (), "splitk", 2),
         C(39, (128, 128, 64), (2, 1), "pingpong", (), "splitk", 4),
         C(40, (128, 144, 64), (2, 1), "cooperative", (), "splitk", 4),

@@ -111,8 +111,9 @@ void launch_split_k_reduce(const char* op, const SplitKReduce<Out>& p, int devic
 #endif
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  FLUX_CHECK(cudaLaunchKernelEx(&cfg, split_k_reduce_kernel<Out>, p) == cudaSuccess, op,
-             "split-K reduction launch failed");
+  // A launch can also report an earlier kernel's failure (a readiness wait that timed out and trapped).
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, split_k_reduce_kernel<Out>, p);
+  FLUX_CHECK(e == cudaSuccess, op, "split-K reduction launch failed: ", cudaGetErrorString(e));
   FLUX_CHECK_LAUNCH();
 }
 
