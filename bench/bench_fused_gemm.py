@@ -127,7 +127,7 @@ def bench_shape(rec, args, dtype, out_dtype, sm, device=None):
     from flux.autotune.space import m_bucket
 
     op, m, n, k = rec["op"], rec["m"], rec["n"], rec["k"]
-    built = [c for c in K.kernel_configs(op, dtype, out_dtype) if c.applies(k)]
+    built = [c for c in K.kernel_configs(op, dtype, out_dtype) if c.applies(m, n, k)]
     subset = {int(c) for c in args.configs.split(",")} if args.configs else None
     cfgs = [c for c in built if subset is None or c.id in subset]
     labs = K.variants(op, m, cfgs, [int(s) for s in args.swizzles.split(",")],

@@ -57,10 +57,12 @@ class FusedConfig(NamedTuple):
               "splitk": f", split-K into {self.splits}"}[self.scheduler]
         return f"{m}x{n}x{k} tile, cluster {self.cluster[0]}x{self.cluster[1]}, {self.schedule}{sk}"
 
-    def applies(self, k):
-        """Whether this configuration runs a problem of depth ``k``: split-K cuts K into equal
-        slices whose rows stay 16-byte aligned (K a multiple of 8 * splits)."""
-        return self.splits == 1 or k % (8 * self.splits) == 0
+    def applies(self, m, n, k):
+        """Whether this configuration runs an m x n x k problem: split-K cuts K into equal slices
+        whose rows stay 16-byte aligned (K a multiple of 8 * splits), and its fp32 partials
+        (splits * m * n * 4 bytes) stay within SPLIT_K_MAX_PARTIALS (split-K serves problems of few
+        tiles; 16384 x 53248 in 8 slices would take 28 GB)."""
+        return self.splits == 1 or (k % (8 * self.splits) == 0 and 4 * self.splits * m * n <= SPLIT_K_MAX_PARTIALS)
 
 
 C = FusedConfig
@@ -165,6 +167,7 @@ CONFIGS = {
 OPS = tuple(CONFIGS)
 SCHEDULERS = ("persistent", "streamk", "streamk-all", "splitk")
 MAX_SPLITS = 16
+SPLIT_K_MAX_PARTIALS = 1 << 30  # bytes
 
 # The grouped GEMMs of the MoE experts (csrc/moe/grouped_gemm.cuh; flux.grouped_mm with
 # impl="cutlass"): CUTLASS sm90 ptr-array kernels, bf16, one instantiation per (configuration,

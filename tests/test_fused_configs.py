@@ -34,7 +34,8 @@ def test_table_is_consistent():
             assert c.scheduler in fc.SCHEDULERS and (not c.scheduler.startswith("streamk") or c.schedule == "cooperative"), c
             assert ("stream-K" in c.describe()) == c.scheduler.startswith("streamk"), c
             assert (f"split-K into {c.splits}" in c.describe()) == (c.scheduler == "splitk") == (c.splits > 1), c
-            assert c.applies(8 * c.splits * 3) and c.applies(8) == (c.splits == 1), c
+            assert c.applies(256, 1280, 8 * c.splits * 3) and c.applies(256, 1280, 8) == (c.splits == 1), c
+            assert c.applies(16384, 53248, 16384) == (c.splits == 1), c  # partials over 1 GiB
     assert fc.config("ag", 0).tile == (128, 256, 64) and fc.config("rs", 99) is None
     # Ids keep their meaning: the fields before `scheduler` unchanged, the old ones persistent.
     assert fc.config("ag", 4) == fc.FusedConfig(4, (128, 128, 64), (1, 1), "cooperative", ())

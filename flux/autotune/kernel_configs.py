@@ -68,9 +68,10 @@ class KernelConfig:
     def stream_k(self) -> bool:
         return self.scheduler.startswith("streamk")
 
-    def applies(self, k: int) -> bool:
-        """Whether it runs a problem of depth k (flux/fused_configs.py FusedConfig.applies)."""
-        return self.splits == 1 or k % (8 * self.splits) == 0
+    def applies(self, m: int, n: int, k: int) -> bool:
+        """Whether it runs an m x n x k problem (flux/fused_configs.py FusedConfig.applies)."""
+        return table.FusedConfig(self.id, (self.tile_m, self.tile_n, self.tile_k), (self.cluster_m, self.cluster_n),
+                                 self.schedule, (), self.scheduler, self.splits).applies(m, n, k)
 
     @property
     def desc(self) -> str:

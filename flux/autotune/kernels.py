@@ -199,7 +199,7 @@ def analytic_config(op: str, m: int, n: int, k: int, dtype="bf16", out_dtype=Non
         raise ValueError(f"fused {op}: no configuration built for {_dt(dtype)} -> {_dt(out_dtype)}")
     ib, ob = (4 if _dt(dtype) == "fp32" else 2), (4 if _dt(out_dtype) == "fp32" else 2)
     big = (m * k + n * k) * ib > (60 << 20)
-    cfgs = [c for c in cfgs if c.applies(k)]
+    cfgs = [c for c in cfgs if c.applies(m, n, k)]
     persistent = [c for c in cfgs if not c.stream_k and c.splits == 1]
     stream_k = [c for c in cfgs if c.stream_k]
     split_k = [c for c in cfgs if c.splits > 1]
@@ -284,7 +284,7 @@ def cached_choice(cache: TuneCache, op, m, n, k, dtype, out_dtype) -> Optional[T
         cfg, raster, swz = parse_label(e["choice"])
     except (KeyError, ValueError, TypeError):
         return None
-    valid = {c.id: c.desc for c in kernel_configs(op, dtype, out_dtype) if c.applies(k)}
+    valid = {c.id: c.desc for c in kernel_configs(op, dtype, out_dtype) if c.applies(m, n, k)}
     return (cfg, raster, swz) if valid.get(cfg) == e.get("config") else None
 
 
@@ -341,7 +341,7 @@ def tune(op: str, m: int, n: int, k: int, dtype=torch.bfloat16, out_dtype=None, 
     out_dtype = out_dtype if out_dtype is not None else dtype
     key, sm = gpu_key(device)
     cache = cache if cache is not None else kernel_cache(key)
-    cfgs = [c for c in kernel_configs(op, dtype, out_dtype) if c.applies(k)]
+    cfgs = [c for c in kernel_configs(op, dtype, out_dtype) if c.applies(m, n, k)]
     default = label(*analytic_config(op, m, n, k, dtype, out_dtype, sm, cfgs))
     labs = variants(op, m, cfgs, n=n)
     labs = labs + [default] if default not in labs else labs
@@ -392,7 +392,7 @@ def entries_from_bench(doc: dict, configs: str = "default") -> Tuple[str, Dict[s
     allowed = _allowed(configs, doc["dtype"], doc["out_dtype"])
     entries = {}
     for r in doc["results"]:
-        cfgs = {i: c for i, c in allowed[_op(r["op"])].items() if c.applies(r["k"])}
+        cfgs = {i: c for i, c in allowed[_op(r["op"])].items() if c.applies(r["m"], r["n"], r["k"])}
         ok = {lab: v for lab, v in r["variants"].items()  # "<label>/pdl0": a copy timed without PDL
               if re.fullmatch(r"c\d+/r\d+/s\d+", lab) and v["ok"] and v["config"] in cfgs
               and v["tile"] == cfgs[v["config"]].desc and v["ms"].get("loop") is not None}
