@@ -289,11 +289,18 @@ def test_entries_from_bench_and_cli(tmp_path, monkeypatch):
     assert K.cached_choice(got, "rs", 4096, 8192, 4096, "bf16", "bf16") == (3, 1, 1)
 
 
+# The bench JSONs the shipped H200 choices were chosen from, in order (a later file wins a shape):
+# the whole grid, the AG tile widths, the split-K tiles at 256 / 1024 rows, the default build
+# (split-K included) over the AG grid.
+SHIPPED_FROM = ("fused_gemm-h200-models.json", "fused_gemm-h200-ag.json",
+                "fused_gemm-h200-ag-splitk.json", "fused_gemm-h200-ag-grid-splitk.json")
+
+
 def test_shipped_h200_choices_are_served_and_built(monkeypatch):
     """On an H200 every model-grid shape gets the shipped tuned choice, made from the bench JSON of
     the whole grid among the default build's configurations, and that configuration is built."""
     entries = {}
-    for name in ("fused_gemm-h200-models.json", "fused_gemm-h200-ag.json"):  # the later file wins a shape
+    for name in SHIPPED_FROM:  # the later file wins a shape
         bench = os.path.join(REPO, "bench", "results", name)
         if not os.path.exists(bench):
             pytest.skip(f"no H200 bench JSON {name}")
@@ -469,8 +476,7 @@ def test_fused_scoreboard(tmp_path):
     assert t["rs_faster_than_mm_add_from_128"]["missed"] == 0  # 1.03 < 1.2
     assert t["rs_within_2pct_of_mm_from_1024"]["missed"] == 1  # 1.03 > 1.02
     assert "1.030" in t["rs_within_2pct_of_mm_from_1024"]["which"][0]
-    files = [os.path.join(REPO, "bench", "results", n) for n in ("fused_gemm-h200-models.json",
-                                                                 "fused_gemm-h200-ag.json")]
+    files = [os.path.join(REPO, "bench", "results", n) for n in SHIPPED_FROM]
     if all(os.path.exists(f) for f in files):
         shipped = S.scoreboard(files, "shipped")
         assert shipped["shapes"] == 144 and not shipped["untimed"], shipped["untimed"][:5]
