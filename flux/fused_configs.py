@@ -2,28 +2,25 @@
 
 Each op ("ag": fused AllGather+GEMM, csrc/ag_gemm/; "rs": fused GEMM+ReduceScatter own block,
 csrc/gemm_rs/) has configurations, each a CUTLASS sm90 warp-specialized persistent GEMM: a tile
-of M x N x K elements, a cluster of CTAs (cluster_m x cluster_n), and a schedule ("cooperative":
-two consumer warpgroups split each tile's rows, tile_m >= 128; "pingpong": each consumer
-warpgroup runs whole tiles, alternating, which suits 64-row tiles and small problems), and a tile
-scheduler ("persistent": one CTA per tile, whole K; "streamk": CUTLASS's stream-K scheduler,
-cooperative only, which splits K among CTAs where there are fewer tiles than SMs and reduces the
-partial accumulators in a workspace before the tile's one epilogue; "streamk-all": the same on every
-shape, not only where CUTLASS's heuristic chooses it; "splitk": the persistent kernel over
-``splits`` equal slices of K as one batched launch into fp32 partials, then one pass that sums
-them in slice order and adds the bias (and, for "rs", the peer's partial): csrc/common/split_k.cuh).
-Every configuration is built for its ``default`` dtype variants; ``FLUX_KERNELS=all`` builds all four.
-
-dtype variants (inputs -> output; fp32 accumulation always; bias and, for "rs", the peer's
-partial folded in, are in the output dtype): bf16, fp16, bf16_fp32, fp16_fp32.
+of M x N x K elements, a cluster of CTAs (cluster_m x cluster_n), a schedule ("cooperative": two
+consumer warpgroups split each tile's rows, tile_m >= 128; "pingpong": each consumer warpgroup
+runs whole tiles, alternating, for 64-row tiles and small problems) and a tile scheduler
+("persistent": one CTA per tile, whole K; "streamk": CUTLASS's stream-K, cooperative only, which
+splits K among CTAs where there are fewer tiles than SMs and reduces the partials in a workspace
+before the tile's one epilogue; "streamk-all": the same on every shape; "splitk": the persistent
+kernel over ``splits`` equal slices of K as one batched launch into fp32 partials, then one pass
+summing them in slice order with the bias (and, for "rs", the peer's partial):
+csrc/common/split_k.cuh). Each is built for its ``default`` dtype variants (inputs -> output, fp32
+accumulation; bias and the peer's partial in the output dtype): bf16, fp16, bf16_fp32, fp16_fp32.
 
 setup.py reads this file by path (no import of flux, no torch) and generates one translation
 unit per (op, config, dtype) and the dispatch over them; ``torch.ops.flux.fused_kernels_built()``
 says which were compiled (``built()`` below). Configuration ids are stable: tuned choices name them.
 
-FLUX_KERNELS (build setting): "default", "all", "minimal" (config 0 of each op, bf16, no grouped
-GEMM), "streamk" / "splitk" (every stream-K / split-K configuration, bf16), or a comma list of those and of terms
-op:id[:dtype] and gmm:id[:kind] (grouped GEMMs, GROUPED below) with "*" wildcards, e.g.
-"default,ag:*:fp16,gmm:1".
+FLUX_KERNELS (build setting): "default", "all" (every configuration, all four dtypes), "minimal"
+(config 0 of each op, bf16, no grouped GEMM), "streamk" / "splitk" (every stream-K / split-K
+configuration, bf16), or a comma list of those and of terms op:id[:dtype] and gmm:id[:kind]
+(grouped GEMMs, GROUPED below) with "*" wildcards, e.g. "default,ag:*:fp16,gmm:1".
 """
 from typing import NamedTuple
 
@@ -68,19 +65,21 @@ class FusedConfig(NamedTuple):
 C = FusedConfig
 F = ("bf16", "fp16", "bf16_fp32")  # the dtypes of each op's general-purpose configuration (ag 0, rs 3)
 # Ids keep their meaning across releases; new shapes get new ids.
-# The default set (15 instantiations, about a CPU-minute of nvcc each) is the greedy choice over an
-# H200 measurement of every bf16 persistent configuration on the model grid
-# (bench/results/fused_gemm-h200-grid-bf16.json): each configuration added where it most lowered
-# the geometric mean over the shapes of the best built one's time relative to cuBLAS, in loop and
-# in graph timing; plus AG's best stream-K configuration on the grid's 256- and 1024-row shapes
-# (`git show ad799fb~1:bench/results/fused_gemm-h200-streamk.json`), in place of ag 8 (64x256 ping-pong, the least
-# served). Not built by default: ag 16 (stream-K on every shape), the best on 5 of the 72 AG shapes
-# of bench/results/fused_gemm-h200-models.json (up to 13% faster than the best other one there,
-# 0.4% on the grid's geometric mean) for about a minute more of a 2-core build; RS's stream-K
-# configurations, which win on 1-2 of 72 shapes by under 1%. Then AG 25, 28 and 29, the greedy
-# choice in the same way among the tile widths of bench/results/fused_gemm-h200-ag.json (AG 26, 27,
-# 30 and 31 would improve its geometric mean by 0.6% for about three more minutes of a 2-core build).
-# The others are built with FLUX_KERNELS=all or by name ("streamk": every stream-K one, bf16).
+# The default set (19 fused units, about a CPU-minute of nvcc each; the split-K configurations of
+# one tile share a unit) is the greedy choice over an H200 measurement of every bf16 persistent
+# configuration on the model grid (bench/results/fused_gemm-h200-grid-bf16.json): each
+# configuration added where it most lowered the geometric mean over the shapes of the best built
+# one's time relative to cuBLAS, in loop and in graph timing; plus AG's best stream-K configuration
+# on the grid's 256- and 1024-row shapes, in place of ag 8 (64x256 ping-pong, the least served).
+# Not built by default: ag 16 (stream-K on every shape; 0.4% on the grid's geometric mean in
+# bench/results/fused_gemm-h200-models.json) and RS's stream-K configurations (1-2 of 72 shapes,
+# by under 1%). Then AG 25, 28 and 29, the greedy choice in the same way among the tile widths of
+# bench/results/fused_gemm-h200-ag.json (AG 26, 27, 30 and 31: 0.6% more for about three more
+# minutes of a 2-core build). Then AG's split-K tiles 128x64, 128x96, 128x144 and 128x160
+# (bench/results/fused_gemm-h200-ag-splitk.json: at 256 rows the best built configuration's worst
+# shape went from 1.20x to 1.05x cuBLAS in loop timing); not 128x128 (AG 38, 39: best on no shape)
+# nor RS's (best on 3 of the 36 shapes of bench/results/fused_gemm-h200-rs-splitk.json, by 3-7%).
+# The others are built with FLUX_KERNELS=all or by name ("streamk" / "splitk": every one, bf16).
 CONFIGS = {
     "ag": (
         C(0, (128, 256, 64), (2, 1), "cooperative", F),
@@ -137,9 +136,9 @@ CONFIGS = {
         C(37, (128, 96, 64), (2, 1), "cooperative", BF16, "splitk", 8),
         C(38, (128, 128, 64), (2, 1), "pingpong", (), "splitk", 2),
         C(39, (128, 128, 64), (2, 1), "pingpong", (), "splitk", 4),
-        C(40, (128, 144, 64), (2, 1), "cooperative", (), "splitk", 4),
-        C(41, (128, 160, 64), (2, 1), "cooperative", (), "splitk", 2),
-        C(42, (128, 160, 64), (2, 1), "cooperative", (), "splitk", 4),
+        C(40, (128, 144, 64), (2, 1), "cooperative", BF16, "splitk", 4),
+        C(41, (128, 160, 64), (2, 1), "cooperative", BF16, "splitk", 2),
+        C(42, (128, 160, 64), (2, 1), "cooperative", BF16, "splitk", 4),
     ),
     "rs": (
         C(0, (128, 256, 64), (2, 1), "cooperative", ()),
