@@ -204,8 +204,9 @@ def test_stream_k_configs_in_the_default_build():
     default picks split-K (128x96 tiles, K in 4 slices: 128 units on 132 SMs), and stream-K where K
     does not cut into such slices; neither at 1024 rows (80 tiles, where CUTLASS's heuristic keeps
     whole tiles). Labels name the scheduler (stream-K, stream-K always, split-K and its slices)."""
-    ag = {c.id: c for c in K.kernel_configs("ag", "bf16")}
-    rs = {c.id: c for c in K.kernel_configs("rs", "bf16")}
+    built = K._allowed("default", "bf16", "bf16")  # the default build's, whatever this process loaded
+    ag, rs = built["ag"], built["rs"]
+    ag_c, rs_c = list(ag.values()), list(rs.values())
     assert [i for i, c in ag.items() if c.stream_k] == [14] and not [i for i, c in rs.items() if c.stream_k]
     assert ag[14].desc == "128x128x64/2x1/coop/sk" and ag[0].desc.count("/") == 2
     assert KC.KernelConfig("ag", 16, 128, 128, 64, 1, 1, "cooperative", scheduler="streamk-all").desc == \
@@ -213,11 +214,11 @@ def test_stream_k_configs_in_the_default_build():
     assert 8 not in ag and 12 not in ag  # 64x256 ping-pong left the default build for it
     assert [i for i, c in ag.items() if c.splits > 1] == [32, 33, 34, 35, 36, 37, 40, 41, 42]
     assert ag[36].desc == "128x96x64/2x1/coop/k4" and not ag[36].stream_k
-    assert K.analytic_config("ag", 1024, 1280, 8192)[0] not in (14, 32, 33, 34, 35, 36, 37, 40, 41, 42)
-    assert K.analytic_config("ag", 256, 1280, 8192)[0] == 36
-    assert K.analytic_config("ag", 256, 1280, 8200)[0] == 14  # 8200 = 8 * 1025: no split-K applies
-    assert not rs[K.analytic_config("rs", 128, 4096, 7168)[0]].stream_k
-    assert K.analytic_config("ag", 8192, 14336, 8192)[0] != 14
+    assert K.analytic_config("ag", 1024, 1280, 8192, configs=ag_c)[0] not in (14, 32, 33, 34, 35, 36, 37, 40, 41, 42)
+    assert K.analytic_config("ag", 256, 1280, 8192, configs=ag_c)[0] == 36
+    assert K.analytic_config("ag", 256, 1280, 8200, configs=ag_c)[0] == 14  # 8200 = 8 * 1025: no split-K applies
+    assert not rs[K.analytic_config("rs", 128, 4096, 7168, configs=rs_c)[0]].stream_k
+    assert K.analytic_config("ag", 8192, 14336, 8192, configs=ag_c)[0] != 14
     with pytest.raises(ValueError, match="stream-K is cooperative only"):
         KC.KernelConfig("ag", 99, 128, 128, 64, 1, 1, "pingpong", scheduler="streamk")
 
