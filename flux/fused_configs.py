@@ -139,6 +139,27 @@ CONFIGS = {
         C(40, (128, 144, 64), (2, 1), "cooperative", BF16, "splitk", 4),
         C(41, (128, 160, 64), (2, 1), "cooperative", BF16, "splitk", 2),
         C(42, (128, 160, 64), (2, 1), "cooperative", BF16, "splitk", 4),
+        # Clusters along N (1x2: two CTAs of one row of tiles, A multicast to both) and 2x2. The
+        # operands' L2 -> SM traffic is M*N*K*2 bytes * (1 / (tile_n * cluster_n) + 1 / (tile_m *
+        # cluster_m)): narrow tiles re-read A once per column of tiles, so a cluster along N halves
+        # the larger term (1024 x 8192 x 1280 in 128x80 tiles: 436 MB with 1x1, 353 with 2x1, 302
+        # with 1x2, 219 with 2x2).
+        C(43, (128, 64, 64), (1, 2), "pingpong", ()),
+        C(44, (128, 80, 64), (1, 2), "cooperative", ()),
+        C(45, (128, 96, 64), (1, 2), "cooperative", ()),
+        C(46, (128, 144, 64), (1, 2), "cooperative", ()),
+        C(47, (128, 160, 64), (1, 2), "cooperative", ()),
+        C(48, (128, 192, 64), (1, 2), "cooperative", ()),
+        C(49, (128, 224, 64), (1, 2), "cooperative", ()),
+        C(50, (128, 128, 64), (2, 2), "cooperative", ()),
+        C(51, (128, 256, 64), (2, 2), "cooperative", ()),
+        C(52, (128, 80, 64), (2, 2), "cooperative", ()),
+        C(53, (128, 160, 64), (1, 2), "cooperative", (), "splitk", 2),
+        C(54, (128, 160, 64), (1, 2), "cooperative", (), "splitk", 4),
+        C(55, (128, 96, 64), (1, 2), "cooperative", (), "splitk", 2),
+        C(56, (128, 96, 64), (1, 2), "cooperative", (), "splitk", 4),
+        C(57, (128, 64, 64), (1, 2), "pingpong", (), "splitk", 2),
+        C(58, (128, 64, 64), (1, 2), "pingpong", (), "splitk", 4),
     ),
     "rs": (
         C(0, (128, 256, 64), (2, 1), "cooperative", ()),
@@ -161,6 +182,15 @@ CONFIGS = {
         C(16, (64, 128, 64), (1, 1), "pingpong", (), "splitk", 4),
         C(17, (128, 256, 64), (1, 1), "cooperative", (), "splitk", 2),
         C(18, (128, 256, 64), (1, 1), "cooperative", (), "splitk", 4),
+        # Clusters along N (as AG 43-58): few rows per rank make many columns of tiles re-reading A.
+        C(19, (128, 128, 64), (1, 2), "cooperative", ()),
+        C(20, (64, 128, 64), (1, 2), "pingpong", ()),
+        C(21, (128, 128, 64), (1, 2), "pingpong", ()),
+        C(22, (128, 128, 64), (2, 2), "pingpong", ()),
+        C(23, (128, 128, 64), (1, 2), "cooperative", (), "splitk", 2),
+        C(24, (128, 128, 64), (1, 2), "cooperative", (), "splitk", 4),
+        C(25, (64, 128, 64), (1, 2), "pingpong", (), "splitk", 2),
+        C(26, (64, 128, 64), (1, 2), "pingpong", (), "splitk", 4),
     ),
 }
 OPS = tuple(CONFIGS)
