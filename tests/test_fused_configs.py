@@ -28,7 +28,7 @@ def test_table_is_consistent():
             assert m in (64, 128, 256) and n % 16 == 0 and 16 <= n <= 256 and k in (64, 128), c
             # Cooperative splits a tile's rows between two consumer warpgroups of 64 rows each.
             assert c.schedule == "pingpong" or m >= 128, c
-            assert c.cluster in ((1, 1), (2, 1), (1, 2)), c
+            assert c.cluster in ((1, 1), (2, 1), (1, 2), (2, 2)), c
             assert set(c.default) <= set(fc.DTYPES), c
             # CUTLASS's sm90 stream-K scheduler runs in the cooperative kernel only.
             assert c.scheduler in fc.SCHEDULERS and (not c.scheduler.startswith("streamk") or c.schedule == "cooperative"), c
@@ -50,7 +50,8 @@ def test_select_and_parse():
     sk = [(op, i, d) for op, i, d in default if fc.config(op, i).scheduler == "streamk"]
     assert sk == [("ag", 14, "bf16")]
     assert fc.select("streamk") == [("ag", i, "bf16") for i in range(12, 19)] + [("rs", i, "bf16") for i in range(8, 13)]
-    assert fc.select("splitk") == [("ag", i, "bf16") for i in range(32, 43)] + [("rs", i, "bf16") for i in range(13, 19)]
+    assert fc.select("splitk") == ([("ag", i, "bf16") for i in [*range(32, 43), *range(53, 59)]]
+                                  + [("rs", i, "bf16") for i in [*range(13, 19), *range(23, 27)]])
     # Split-K configurations of one tile share a launcher (one unit per tile and input dtype).
     assert fc.kernel_name("ag", 32, "bf16") == fc.kernel_name("ag", 34, "bf16_fp32") == "ag_split_128x64x64_1x1_pp_bf16"
     assert fc.kernel_name("ag", 33, "fp16") == "ag_split_128x64x64_1x1_pp_fp16"
