@@ -160,6 +160,15 @@ CONFIGS = {
         C(56, (128, 96, 64), (1, 2), "cooperative", (), "splitk", 4),
         C(57, (128, 64, 64), (1, 2), "pingpong", (), "splitk", 2),
         C(58, (128, 64, 64), (1, 2), "pingpong", (), "splitk", 4),
+        # cuBLAS's tiles on layers it runs faster (its kernel names under the profiler, in this
+        # table's terms): 128x176 with a 2x1 cluster at 1024 rows of N = 14336 (82 columns x 8 rows
+        # = 4.97 waves of 132 SMs), and 64x96 with a 2x1 cluster on 256 x 3072 and 1024 x 768 (4 x 32
+        # and 16 x 8 tiles: 128). Not its 128x168 (1024 x 26624): an 8-column epilogue subtile
+        # does not compile.
+        C(59, (128, 176, 64), (2, 1), "cooperative", ()),
+        C(60, (64, 96, 64), (2, 1), "pingpong", ()),
+        C(61, (64, 96, 64), (1, 1), "pingpong", ()),
+        C(62, (64, 128, 64), (2, 1), "pingpong", ()),
     ),
     "rs": (
         C(0, (128, 256, 64), (2, 1), "cooperative", ()),
