@@ -79,6 +79,11 @@ F = ("bf16", "fp16", "bf16_fp32")  # the dtypes of each op's general-purpose con
 # (bench/results/fused_gemm-h200-ag-splitk.json: at 256 rows the best built configuration's worst
 # shape went from 1.20x to 1.05x cuBLAS in loop timing); not 128x128 (AG 38, 39: best on no shape)
 # nor RS's (best on 3 of the 36 shapes of bench/results/fused_gemm-h200-rs-splitk.json, by 3-7%).
+# Then AG 60 (64x96, 2x1 cluster) in place of the split-K 128x144 unit (AG 40): over the 256- and
+# 1024-row shapes of bench/results/fused_gemm-h200-ag-tiles.json the best built configuration's
+# geometric mean went from 0.980 / 1.047 to 0.968 / 1.038 x cuBLAS (loop / graph); AG 59, 61, 62
+# added 0.5% more. Clusters along N (AG 43-58, RS 19-26) were best on almost no shape
+# (bench/results/fused_gemm-h200-{ag,rs}-cluster-n*.json).
 # The others are built with FLUX_KERNELS=all or by name ("streamk" / "splitk": every one, bf16).
 CONFIGS = {
     "ag": (
@@ -136,7 +141,7 @@ CONFIGS = {
         C(37, (128, 96, 64), (2, 1), "cooperative", BF16, "splitk", 8),
         C(38, (128, 128, 64), (2, 1), "pingpong", (), "splitk", 2),
         C(39, (128, 128, 64), (2, 1), "pingpong", (), "splitk", 4),
-        C(40, (128, 144, 64), (2, 1), "cooperative", BF16, "splitk", 4),
+        C(40, (128, 144, 64), (2, 1), "cooperative", (), "splitk", 4),
         C(41, (128, 160, 64), (2, 1), "cooperative", BF16, "splitk", 2),
         C(42, (128, 160, 64), (2, 1), "cooperative", BF16, "splitk", 4),
         # Clusters along N (1x2: two CTAs of one row of tiles, A multicast to both) and 2x2. The
@@ -166,7 +171,7 @@ CONFIGS = {
         # and 16 x 8 tiles: 128). Not its 128x168 (1024 x 26624): an 8-column epilogue subtile
         # does not compile.
         C(59, (128, 176, 64), (2, 1), "cooperative", ()),
-        C(60, (64, 96, 64), (2, 1), "pingpong", ()),
+        C(60, (64, 96, 64), (2, 1), "pingpong", BF16),
         C(61, (64, 96, 64), (1, 1), "pingpong", ()),
         C(62, (64, 128, 64), (2, 1), "pingpong", ()),
     ),

@@ -199,10 +199,10 @@ def test_rule_stream_k_for_few_tiles_and_deep_k():
 
 
 def test_stream_k_configs_in_the_default_build():
-    """The default build holds AG's stream-K configuration 14 and split-K configurations 32-37 and
-    40-42 (bf16) and none of RS's; for a narrow AG layer at 256 rows (20 tiles of 128x128) the analytic
-    default picks split-K (128x96 tiles, K in 4 slices: 128 units on 132 SMs), and stream-K where K
-    does not cut into such slices; neither at 1024 rows (80 tiles, where CUTLASS's heuristic keeps
+    """The default build holds AG's stream-K configuration 14 and split-K configurations 32-37, 41
+    and 42 (bf16) and none of RS's; for a narrow AG layer at 256 rows (20 tiles of 128x128) the analytic
+    default picks split-K (128x96 tiles, K in 4 slices: 128 units on 132 SMs), and whole-K tiles where K
+    does not cut into such slices; split-K not at 1024 rows (80 tiles, where CUTLASS's heuristic keeps
     whole tiles). Labels name the scheduler (stream-K, stream-K always, split-K and its slices)."""
     built = K._allowed("default", "bf16", "bf16")  # the default build's, whatever this process loaded
     ag, rs = built["ag"], built["rs"]
@@ -212,11 +212,11 @@ def test_stream_k_configs_in_the_default_build():
     assert KC.KernelConfig("ag", 16, 128, 128, 64, 1, 1, "cooperative", scheduler="streamk-all").desc == \
         "128x128x64/1x1/coop/ska"
     assert 8 not in ag and 12 not in ag  # 64x256 ping-pong left the default build for it
-    assert [i for i, c in ag.items() if c.splits > 1] == [32, 33, 34, 35, 36, 37, 40, 41, 42]
+    assert [i for i, c in ag.items() if c.splits > 1] == [32, 33, 34, 35, 36, 37, 41, 42]
     assert ag[36].desc == "128x96x64/2x1/coop/k4" and not ag[36].stream_k
-    assert K.analytic_config("ag", 1024, 1280, 8192, configs=ag_c)[0] not in (14, 32, 33, 34, 35, 36, 37, 40, 41, 42)
+    assert K.analytic_config("ag", 1024, 1280, 8192, configs=ag_c)[0] not in (14, 32, 33, 34, 35, 36, 37, 41, 42)
     assert K.analytic_config("ag", 256, 1280, 8192, configs=ag_c)[0] == 36
-    assert K.analytic_config("ag", 256, 1280, 8200, configs=ag_c)[0] == 14  # 8200 = 8 * 1025: no split-K applies
+    assert ag[K.analytic_config("ag", 256, 1280, 8200, configs=ag_c)[0]].splits == 1  # 8200 = 8 * 1025: no split-K applies
     assert not rs[K.analytic_config("rs", 128, 4096, 7168, configs=rs_c)[0]].stream_k
     assert K.analytic_config("ag", 8192, 14336, 8192, configs=ag_c)[0] != 14
     with pytest.raises(ValueError, match="stream-K is cooperative only"):
@@ -298,9 +298,10 @@ def test_entries_from_bench_and_cli(tmp_path, monkeypatch):
 
 # The bench JSONs the shipped H200 choices were chosen from, in order (a later file wins a shape):
 # the whole grid, the AG tile widths, the split-K tiles at 256 / 1024 rows, the default build
-# (split-K included) over the AG grid.
+# (split-K included) over the AG grid, cuBLAS's tiles at 256 / 1024 rows.
 SHIPPED_FROM = ("fused_gemm-h200-models.json", "fused_gemm-h200-ag.json",
-                "fused_gemm-h200-ag-splitk.json", "fused_gemm-h200-ag-grid-splitk.json")
+                "fused_gemm-h200-ag-splitk.json", "fused_gemm-h200-ag-grid-splitk.json",
+                "fused_gemm-h200-ag-tiles.json")
 
 
 def test_shipped_h200_choices_are_served_and_built(monkeypatch):
