@@ -148,7 +148,8 @@ CONFIGS = {
         # operands' L2 -> SM traffic is M*N*K*2 bytes * (1 / (tile_n * cluster_n) + 1 / (tile_m *
         # cluster_m)): narrow tiles re-read A once per column of tiles, so a cluster along N halves
         # the larger term (1024 x 8192 x 1280 in 128x80 tiles: 436 MB with 1x1, 353 with 2x1, 302
-        # with 1x2, 219 with 2x2).
+        # with 1x2, 219 with 2x2). Measured no faster (bench/results/fused_gemm-h200-*-cluster-n*.json):
+        # that traffic is not what limits these tiles. Kept, built by name, to reproduce the runs.
         C(43, (128, 64, 64), (1, 2), "pingpong", ()),
         C(44, (128, 80, 64), (1, 2), "cooperative", ()),
         C(45, (128, 96, 64), (1, 2), "cooperative", ()),
