@@ -65,7 +65,7 @@ class FusedConfig(NamedTuple):
 C = FusedConfig
 F = ("bf16", "fp16", "bf16_fp32")  # the dtypes of each op's general-purpose configuration (ag 0, rs 3)
 # Ids keep their meaning across releases; new shapes get new ids.
-# The default set (19 fused units, about a CPU-minute of nvcc each; the split-K configurations of
+# The default set (20 fused units, about a CPU-minute of nvcc each; the split-K configurations of
 # one tile share a unit) is the greedy choice over an H200 measurement of every bf16 persistent
 # configuration on the model grid (bench/results/fused_gemm-h200-grid-bf16.json): each
 # configuration added where it most lowered the geometric mean over the shapes of the best built
@@ -83,7 +83,9 @@ F = ("bf16", "fp16", "bf16_fp32")  # the dtypes of each op's general-purpose con
 # 1024-row shapes of bench/results/fused_gemm-h200-ag-tiles.json the best built configuration's
 # geometric mean went from 0.980 / 1.047 to 0.968 / 1.038 x cuBLAS (loop / graph); AG 59, 61, 62
 # added 0.5% more. Clusters along N (AG 43-58, RS 19-26) were best on almost no shape
-# (bench/results/fused_gemm-h200-{ag,rs}-cluster-n*.json).
+# (bench/results/fused_gemm-h200-{ag,rs}-cluster-n*.json). Then RS 4 (64x256 ping-pong): with bands of
+# 2 and 4 M tiles timed too, the best built configuration's geometric mean over the RS shapes of 1024+
+# rows per rank went from 0.957 / 0.978 to 0.950 / 0.971 x cuBLAS (bench/results/fused_gemm-h200-rs-swizzle.json).
 # The others are built with FLUX_KERNELS=all or by name ("streamk" / "splitk": every one, bf16).
 CONFIGS = {
     "ag": (
@@ -181,7 +183,7 @@ CONFIGS = {
         C(1, (256, 128, 64), (2, 1), "cooperative", ()),
         C(2, (256, 128, 64), (1, 2), "cooperative", ()),  # cuBLAS's shape on big GEMMs
         C(3, (128, 128, 64), (1, 1), "cooperative", F),  # the general-purpose one
-        C(4, (64, 256, 64), (1, 1), "pingpong", ()),  # 128..512 rows per rank
+        C(4, (64, 256, 64), (1, 1), "pingpong", BF16),  # 128..512 rows per rank; wide N from 1024 rows
         C(5, (64, 128, 64), (1, 1), "pingpong", BF16),  # few rows per rank
         C(6, (128, 128, 64), (2, 1), "pingpong", BF16),
         C(7, (128, 192, 64), (1, 1), "cooperative", ()),

@@ -193,6 +193,18 @@ def _swizzle_prune(p: Problem, kw: Mapping[str, int]) -> Optional[str]:
     return None
 
 
+def fused_ag_swizzle(p: Problem, config: int, swizzle: int) -> int:
+    """The kernel tuner's AG swizzle (timed on one GPU, every flag set) as the fused strategy
+    launches it for ``p``: halved until a band of cluster_m * swizzle M tiles holds no more rows
+    than one rank's block. The kernel starts on this rank's band, so its first waves then read
+    only local rows while the peers' shards arrive (a cluster taller than the block still spans
+    ranks). A swizzle given as a strategy argument is launched as given."""
+    tile_m, cluster_m = FUSED_AG_TILE_M[config]
+    while swizzle > 1 and cluster_m * swizzle * tile_m > p.rows:
+        swizzle //= 2
+    return swizzle
+
+
 _CHUNKS = Param("chunks", 1, domain=lambda op, v: None if 1 <= v <= MAX_CHUNKS else
                 f"chunks must be 1..{MAX_CHUNKS} (one signal channel each)",
                 prune=lambda p, kw: "sub-blocks smaller than a tile"

@@ -80,6 +80,24 @@ def test_pruning():
         Problem("all_reduce", 1, 1, 1, BF16, 2)
 
 
+def test_fused_ag_bands_stay_within_a_rank(monkeypatch):
+    """The kernel tuner's AG swizzle is halved until a band of M tiles fits one rank's rows (the
+    first waves read local rows); a swizzle given as a strategy argument is not (see test_pruning)."""
+    from flux.autotune import kernels as K
+    from flux.ops import _plans
+    from flux.strategies import fused_ag_swizzle
+
+    # config 0: 128-row tiles, clusters of 2 along M: bands of 256 * swizzle rows
+    assert fused_ag_swizzle(big("ag_gemm", m=1024, world=2), 0, 4) == 2   # 512 rows per rank
+    assert fused_ag_swizzle(big("ag_gemm", m=1024, world=8), 0, 4) == 1   # 128: the cluster spans two ranks
+    assert fused_ag_swizzle(big("ag_gemm", m=8192, world=2), 0, 8) == 8
+    assert fused_ag_swizzle(big("ag_gemm", m=8192, world=8), 0, 8) == 4
+    assert fused_ag_swizzle(big("ag_gemm", m=4096, world=1), 5, 8) == 8   # 1x1 clusters: 1024-row bands
+    monkeypatch.setattr(K, "choose_config", lambda op, m, n, k, dt, out, dev: (0, 1, 8))
+    assert _plans.kernel_params(big("ag_gemm", m=2048, world=4), None) == {"config": 0, "raster": 1, "swizzle": 2}
+    assert _plans.kernel_params(big("gemm_rs", m=2048, world=4), None)["swizzle"] == 8  # RS: one rank's block
+
+
 def test_m_bucket():
     assert [m_bucket(m) for m in (1, 2, 3, 4, 5, 4096, 4097, 6000)] == [1, 2, 4, 4, 8, 4096, 8192, 8192]
 

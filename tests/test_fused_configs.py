@@ -44,7 +44,7 @@ def test_table_is_consistent():
 
 def test_select_and_parse():
     default = fc.select("default")
-    assert ("ag", 0, "bf16") in default and ("rs", 3, "bf16_fp32") in default and len(default) == 24
+    assert ("ag", 0, "bf16") in default and ("rs", 3, "bf16_fp32") in default and len(default) == 25
     assert not any(op == "rs" and i == 0 for op, i, _ in default)
     # One stream-K configuration, AG's, bf16, in the default build.
     sk = [(op, i, d) for op, i, d in default if fc.config(op, i).scheduler == "streamk"]
@@ -216,12 +216,12 @@ def test_gpu_ag_fused(op, cid, dtype):
         flags = torch.ones(world, device=dev, dtype=torch.int32)
         ref32 = a.float() @ w.float().t() + (bias.float() if bias is not None else 0)
         baseline = _cublas(a, w, dout) + (bias if bias is not None else 0)
-        for rank, raster, swizzle in ((1, 1, 8), (0, 2, 1)):
+        for rank, raster, swizzle in ((1, 1, 8), (1, 1, 4), (1, 1, 2), (0, 2, 1)):
             out = torch.full((m, n), float("nan"), device=dev, dtype=dout)
             torch.ops.flux.ag_gemm_fused_(out, a, w, bias, flags, rank, world, m // world, 10000, 0, raster,
                                           swizzle, cid)
             torch.cuda.synchronize()
-            _check(out, ref32, baseline, f"ag:{cid}:{dtype} {m}x{k}x{n} rank {rank} raster {raster}", k)
+            _check(out, ref32, baseline, f"ag:{cid}:{dtype} {m}x{k}x{n} rank {rank} raster {raster} swizzle {swizzle}", k)
 
 
 @gpu
@@ -239,7 +239,7 @@ def test_gpu_rs_fused(op, cid, dtype):
         flags = torch.ones(-(-m // seg_rows), device=dev, dtype=torch.int32)
         ref32 = a.float() @ w.float().t() + src.float() + (bias.float() if bias is not None else 0)
         baseline = _cublas(a, w, dout) + src + (bias if bias is not None else 0)
-        for swizzle in (1, 8):
+        for swizzle in (1, 4, 8):
             out = torch.full((m, n), float("nan"), device=dev, dtype=dout)
             torch.ops.flux.gemm_rs_fused_(out, a, w, bias, src, flags, seg_rows, 0, 1, 10000, 0, 1, swizzle, cid)
             torch.cuda.synchronize()

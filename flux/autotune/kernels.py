@@ -45,6 +45,8 @@ MARGIN = 0.01  # a tuned configuration must beat the analytic default by more th
 # ~780 TFLOP/s sustained bf16 on 132 SMs, ~3.3 TB/s sustained HBM.
 SM_FLOPS = 780e12 / 132
 HBM_BW = 3.3e12
+# The tuner's tile orders: bands of cluster_m * swizzle M tiles, N fastest inside a band (the
+# analytic default keeps AG at 1: no band rule paid over the grid; bench/results/fused_gemm-h200-ag-swizzle.json).
 SWIZZLES = (1, 2, 4, 8)
 SATURATING_SM_SHARE = 0.5  # the share of SMs whose loads in flight saturate HBM
 # Fitted to the H200 bench files (bench/results/fused_gemm-h200-*.json; docs/tuning.md): a tile
@@ -63,10 +65,15 @@ def _tile_eff(c: KernelConfig) -> float:
     warpgroups on 64+ rows of wide MMAs, and so do cooperative tiles 192-248 wide (one MMA of the
     tile's width per K step; fitted to bench/results/fused_gemm-h200-ag.json: the 224-wide tile
     is the fastest on 9-10 of the 72 AG shapes); a cooperative 128x128 halves each warpgroup's MMA;
-    a ping-pong 128x128 gives each warpgroup a whole tile (less operand reuse than 128x256)."""
+    a ping-pong 128x128 gives each warpgroup a whole tile (less operand reuse than 128x256); a
+    ping-pong 64x256 as a cooperative 128x128 (RS 4 is the best configuration only on some shapes
+    of 1024+ rows per rank and deep K, bench/results/fused_gemm-h200-rs-swizzle.json, and 1.2-1.5x
+    the tuned choice's time where K is 4096 or less: the tuner picks it, the model does not)."""
     area = c.tile_m * c.tile_n
     if area >= 128 * 256 or (c.schedule == "cooperative" and area >= 128 * 192):
         return 1.0
+    if c.tile_m == 64 and area >= 128 * 128:
+        return 0.88
     if area >= 128 * 128:
         return 0.93 if c.schedule == "pingpong" else 0.88
     return 0.75
@@ -305,7 +312,7 @@ def choose_config(op: str, m: int, n: int, k: int, dtype=torch.bfloat16, out_dty
 
 
 # ---- tuning (one GPU) -----------------------------------------------------------------------
-def variants(op: str, m: int, configs: Sequence[KernelConfig], swizzles=(1, 8), rasters=(1,),
+def variants(op: str, m: int, configs: Sequence[KernelConfig], swizzles=SWIZZLES, rasters=(1,),
              n: int = 0) -> List[str]:
     """Labels to time: each configuration with each raster and swizzle whose bands of tiles
     (cluster * swizzle) do not exceed the problem's M (and N, where given): a larger band

@@ -27,7 +27,7 @@ from flux import envs
 from flux.autotune.space import Candidate, strategy_params
 from flux.runtime import runtime
 from flux.strategies import (DTYPE_CODES, OP_CODES, PARAM_DEFAULTS, PARAM_ORDER, STRATEGY_CODES, Problem,
-                             param_error, resolve, warn_once, wide_out_ok)
+                             fused_ag_swizzle, param_error, resolve, warn_once, wide_out_ok)
 
 LAYOUT_CODES = {"nk": 0, "kn": 1}
 
@@ -67,13 +67,15 @@ def in_cxx(cand: Candidate, input: torch.Tensor, weight: torch.Tensor, group, ou
 
 def kernel_params(p: Problem, device: torch.device) -> Dict[str, int]:
     """The fused kernel's config, raster and swizzle for problem ``p``: the kernel tuner's choice
-    (flux.autotune.kernels.choose_config) for the kernel's rows (ag_gemm: all gathered rows;
-    gemm_rs: one rank's block)."""
+    (flux.autotune.kernels.choose_config) for the kernel's rows (ag_gemm: all gathered rows, its
+    bands of M tiles within one rank's block, ``fused_ag_swizzle``; gemm_rs: one rank's block)."""
     from flux.autotune.kernels import choose_config
 
     m = p.m if p.op == "ag_gemm" else p.rows
     out = p.out_dtype if p.out_dtype is not None else p.dtype
     config, raster, swizzle = choose_config(p.op, m, p.n, p.k, p.dtype, out, device)
+    if p.op == "ag_gemm":
+        swizzle = fused_ag_swizzle(p, config, swizzle)
     return {"config": config, "raster": raster, "swizzle": swizzle}
 
 
