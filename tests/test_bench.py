@@ -1,6 +1,6 @@
 """The benchmarks keep running: bench/bench_layers.py on the CPU (gloo, two processes, tiny sizes),
 where it checks that the flux block's output and gradients match the NCCL-style block's, and draws
-its plot from the JSON."""
+its plot from the JSON; bench/profile_fused_ncu.py's reading of Nsight Compute's report."""
 import os
 import subprocess
 import sys
@@ -39,3 +39,52 @@ def test_bench_layers_runs_on_cpu(tmp_path):
     subprocess.run([sys.executable, os.path.join(REPO, "bench", "bench_layers.py"), "--plot", str(out), "--png",
                     str(png)], check=True, timeout=120, cwd=REPO)
     assert png.stat().st_size > 1000
+
+
+def _load_bench(name):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "bench", name + ".py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_profile_fused_ncu_splits_the_report_at_its_marks():
+    """Nsight Compute's details page (CSV) -> one entry per profiled launch, its kernels between
+    two marks (a split-K launch has two); cases parse; a report short of marks is an error."""
+    import pytest
+
+    ncu = _load_bench("profile_fused_ncu")
+    assert ncu.parse_cases("ag:1024x8192x14336:c2/r1/s1,served; rs:64x4096x512:c6/r1/s8") == [
+        ("ag", 1024, 8192, 14336, ["c2/r1/s1", "served"]), ("rs", 64, 4096, 512, ["c6/r1/s8"])]
+    with pytest.raises(SystemExit):
+        ncu.parse_cases("mm:1x2x3:c0/r1/s1")
+    head = '"ID","Kernel Name","Grid Size","Block Size","Section Name","Metric Name","Metric Unit","Metric Value"\n'
+    rows = []
+    for kid, name in enumerate(["at::cuda::spin_kernel(long)", "nvjet_sm90_tst_176x128", "at::cuda::spin_kernel(long)",
+                                "cutlass::device_kernel<A>", "flux::split_k_reduce_kernel<B>"]):
+        rows.append(f'"{kid}","{name}","(2, 66, 1)","(384, 1, 1)","GPU Speed Of Light Throughput","Elapsed Cycles",'
+                    f'"cycle","{468424 + kid:,}"\n')
+        rows.append(f'"{kid}","{name}","(2, 66, 1)","(384, 1, 1)","GPU Speed Of Light Throughput","SM Frequency",'
+                    f'"Ghz","1.57"\n')
+    plan = [{"op": "ag", "m": 1024, "k": 8192, "n": 14336, "label": "cublas"},
+            {"op": "ag", "m": 1024, "k": 8192, "n": 14336, "label": "c41/r1/s1"}]
+    got = ncu.parse_details(head + "".join(rows), plan)
+    assert [c["label"] for c in got] == ["cublas", "c41/r1/s1"]
+    assert [k["name"] for k in got[1]["kernels"]] == ["cutlass::device_kernel<A>", "flux::split_k_reduce_kernel<B>"]
+    assert got[0]["kernels"][0]["metrics"] == {"GPU Speed Of Light Throughput/Elapsed Cycles [cycle]": 468425.0,
+                                               "GPU Speed Of Light Throughput/SM Frequency [Ghz]": 1.57}
+    with pytest.raises(SystemExit):
+        ncu.parse_details(head + "".join(rows[:4]), plan + plan)
+
+
+def test_profile_fused_ncu_without_a_gpu_says_so():
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the script would profile")
+    r = subprocess.run([sys.executable, os.path.join(REPO, "bench", "profile_fused_ncu.py"), "--cases",
+                        "ag:256x512x256:c0/r1/s1"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "nothing profiled" in r.stdout
