@@ -125,6 +125,8 @@ def find_ncu():
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", required=True, help='"op:MxKxN:label,...;..." (labels c<id>/r<r>/s<s> or served)')
+    p.add_argument("--sections", default=",".join(SECTIONS),
+                   help="ncu sections, comma-separated (e.g. add InstructionStats,SourceCounters)")
     p.add_argument("--out", default=None)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -144,7 +146,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         rep = os.path.join(tmp, "prof")
         cmd = [ncu, "--profile-from-start", "off", "--clock-control", "none", "--cache-control", "none"]
-        for s in SECTIONS:
+        sections = [x for x in args.sections.split(",") if x]
+        for s in sections:
             cmd += ["--section", s]
         cmd += ["-o", rep, sys.executable, os.path.abspath(__file__), "--child", "--cases", args.cases]
         run = subprocess.run(cmd, capture_output=True, text=True)
@@ -160,7 +163,7 @@ def main(argv=None) -> int:
     doc = {"format": 1, "command": "python " + " ".join(shlex.quote(a) for a in ["bench/profile_fused_ncu.py"] +
                                                         list(argv if argv is not None else sys.argv[1:])),
            "commit": commit(), "device": torch.cuda.get_device_name(), "ncu": version[-1] if version else None,
-           "sections": list(SECTIONS), "cases": got}
+           "sections": sections, "cases": got}
     keys = ("GPU Speed Of Light Throughput/SM Frequency", "GPU Speed Of Light Throughput/Elapsed Cycles",
             "GPU Speed Of Light Throughput/Duration", "GPU Speed Of Light Throughput/DRAM Throughput",
             "GPU Speed Of Light Throughput/L2 Cache Throughput")
