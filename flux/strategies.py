@@ -185,10 +185,15 @@ def _first8_why_not(p: Problem, kw: Mapping[str, int]) -> Optional[str]:
     return f"needs world size 2 and 0 < {f}/8 of {p.rows} rows < {p.rows}"
 
 
+def band_rows(op: str, config: int, swizzle: int) -> int:
+    """Rows of one band of the fused kernel's tile order: cluster_m * swizzle M tiles."""
+    tile_m, cluster_m = FUSED_TILE_M[op][config]
+    return cluster_m * swizzle * tile_m
+
+
 def _swizzle_prune(p: Problem, kw: Mapping[str, int]) -> Optional[str]:
     swizzle = kw["swizzle"]
-    tile_m, cluster_m = FUSED_TILE_M[p.op][kw.get("config", 0)]
-    if swizzle > 1 and p.kernel_m < cluster_m * swizzle * tile_m:
+    if swizzle > 1 and p.kernel_m < band_rows(p.op, kw.get("config", 0), swizzle):
         return "bands of M tiles larger than the problem pad the grid"
     return None
 
@@ -199,8 +204,7 @@ def fused_ag_swizzle(p: Problem, config: int, swizzle: int) -> int:
     than one rank's block. The kernel starts on this rank's band, so its first waves then read
     only local rows while the peers' shards arrive (a cluster taller than the block still spans
     ranks). A swizzle given as a strategy argument is launched as given."""
-    tile_m, cluster_m = FUSED_AG_TILE_M[config]
-    while swizzle > 1 and cluster_m * swizzle * tile_m > p.rows:
+    while swizzle > 1 and band_rows("ag_gemm", config, swizzle) > p.rows:
         swizzle //= 2
     return swizzle
 
