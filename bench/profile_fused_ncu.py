@@ -127,6 +127,9 @@ def main(argv=None) -> int:
     p.add_argument("--cases", required=True, help='"op:MxKxN:label,...;..." (labels c<id>/r<r>/s<s> or served)')
     p.add_argument("--sections", default=",".join(SECTIONS),
                    help="ncu sections, comma-separated (e.g. add InstructionStats,SourceCounters)")
+    p.add_argument("--metrics", default="",
+                   help="further ncu metrics, comma-separated (ncu's --metrics: names or regex:...); they come "
+                   "back under the section \"Command line profiler metrics\"")
     p.add_argument("--out", default=None)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -149,6 +152,8 @@ def main(argv=None) -> int:
         sections = [x for x in args.sections.split(",") if x]
         for s in sections:
             cmd += ["--section", s]
+        if args.metrics:
+            cmd += ["--metrics", args.metrics]
         cmd += ["-o", rep, sys.executable, os.path.abspath(__file__), "--child", "--cases", args.cases]
         run = subprocess.run(cmd, capture_output=True, text=True)
         plan = [json.loads(line[5:]) for line in run.stdout.splitlines() if line.startswith("PLAN ")]

@@ -153,17 +153,51 @@ struct Sm90FusedGemm {
   static constexpr int kTileM = cute::size<0>(TileShape{});
 
   using Fusion = cutlass::epilogue::fusion::LinCombPerColBias<ElementD, float, ElementD, ElementD, float>;
-  using BaseEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, ElementAcc, float, ElementC, LayoutD, kAlignD, ElementD,
-      LayoutD, kAlignD, EpilogueSchedule, Fusion>::CollectiveOp;
-  using CollectiveEpilogue = EpilogueWrap<BaseEpilogue>;
-  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+  // The mainloop's stages fill the shared memory that the epilogue `Epi` leaves.
+  template <class Epi>
+  using MainloopFor = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, LayoutA, kAlign, ElementB, LayoutB, kAlign,
       ElementAcc, TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
-          sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename EpilogueWrap<Epi>::SharedStorage))>,
       KernelSchedule>::CollectiveOp;
+
+  // The TMA epilogue stores a tile as subtiles (EpilogueTileAuto: 128 x 32 columns, or gcd(32, N), for the
+  // cooperative schedule; 64 x 32 for ping-pong) through StagesD shared-memory buffers, and before refilling
+  // a buffer it waits until the TMA store that last read it has finished. CUTLASS's choice, StagesD = 2,
+  // makes every subtile wait for the store of the one before it (11 subtiles of 128 x 16 for a 128x176
+  // tile), while the tensor cores idle. Here StagesD is the largest count up to the tile's subtiles (at
+  // most 8) that costs the mainloop no stage: the shared memory left over by the stages' rounding.
+  struct EpiPick {
+    using EpiTile = decltype(cutlass::epilogue::collective::detail::sm90_compute_tile_shape_or_override<
+                             ElementD, cutlass::epilogue::collective::EpilogueTileAuto, EpilogueSchedule, TileShape>());
+    static constexpr int kSubtiles = cute::size(cute::shape_div(cute::take<0, 2>(TileShape{}), EpiTile{}));
+    static constexpr int kFragment =
+        cute::size(EpiTile{}) / (cutlass::epilogue::collective::detail::sm90_is_cooperative_v<EpilogueSchedule> ? 256 : 128);
+    static constexpr bool kReuseC =
+        cute::sizeof_bits_v<ElementC> == cute::sizeof_bits_v<ElementD> && cute::sizeof_bits_v<ElementD> > 8;
+    static constexpr bool kDelayStore = cute::is_void_v<ElementC>;
+    template <int StagesD>
+    using At = typename cutlass::epilogue::collective::detail::Sm90TmaBuilderImpl<
+        TileShape, EpiTile, ElementAcc, float, ElementC, LayoutD, kAlignD, ElementD, LayoutD, kAlignD, Fusion,
+        cutlass::epilogue::Sm90TmaWarpSpecialized<
+            kReuseC ? cute::max(cute::min(kSubtiles, 4), StagesD + 1) : cute::min(kSubtiles, 4), StagesD, kFragment,
+            kReuseC, kDelayStore>>::CollectiveOp;
+    static constexpr int kDefault = cute::min(kSubtiles, 2);
+    static constexpr int kStages = MainloopFor<At<kDefault>>::DispatchPolicy::Stages;
+    template <int D, bool = (D <= kDefault)>
+    struct Largest {
+      static constexpr int value = MainloopFor<At<D>>::DispatchPolicy::Stages == kStages ? D : Largest<D - 1>::value;
+    };
+    template <int D>
+    struct Largest<D, true> {
+      static constexpr int value = kDefault;
+    };
+    static constexpr int kStagesD = Largest<cute::min(kSubtiles, 8)>::value;
+    using type = At<kStagesD>;
+  };
+  using BaseEpilogue = typename EpiPick::type;
+  using CollectiveEpilogue = EpilogueWrap<BaseEpilogue>;
+  using CollectiveMainloop = MainloopFor<BaseEpilogue>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, CollectiveMainloop,
                                                       CollectiveEpilogue, Scheduler>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
