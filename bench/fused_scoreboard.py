@@ -108,7 +108,8 @@ def text(s):
     for t, v in s["timings"].items():
         parts = [f"{label}: {v[key]['missed']} of {v[key]['shapes']}" for key, label in names]
         vt = v["vs_tuned"]
-        lines.append(f"{t}: " + "; ".join(parts) + f"; AG geometric mean {v['ag_geomean']:.3f}"
+        gm = v["ag_geomean"]
+        lines.append(f"{t}: " + "; ".join(parts) + (f"; AG geometric mean {gm:.3f}" if gm is not None else "")
                      + (f"; over the tuned choice: geometric mean {vt['geomean']:.3f}, {vt['over_5pct']} of "
                         f"{vt['shapes']} over 5%, max {vt['max']:.2f}" if vt["shapes"] else ""))
     return "\n".join(lines)

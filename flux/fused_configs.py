@@ -177,6 +177,9 @@ CONFIGS = {
         C(60, (64, 96, 64), (2, 1), "pingpong", BF16),
         C(61, (64, 96, 64), (1, 1), "pingpong", ()),
         C(62, (64, 128, 64), (2, 1), "pingpong", ()),
+        # cuBLAS's 64x64 tile (13 stages) on problems of one wave of few rows: 256 x 1536 is 96 tiles.
+        C(63, (64, 64, 64), (1, 2), "pingpong", ()),
+        C(64, (64, 64, 64), (2, 1), "pingpong", ()),
     ),
     "rs": (
         C(0, (128, 256, 64), (2, 1), "cooperative", ()),
@@ -208,6 +211,10 @@ CONFIGS = {
         C(24, (128, 128, 64), (1, 2), "cooperative", (), "splitk", 4),
         C(25, (64, 128, 64), (1, 2), "pingpong", (), "splitk", 2),
         C(26, (64, 128, 64), (1, 2), "pingpong", (), "splitk", 4),
+        # cuBLAS's tile at 128 rows per rank and deep K (128 x 7168 x 4096: 2 x 64 tiles of 64x64, 13
+        # stages), with the cluster along N (A multicast) or along M (B multicast).
+        C(27, (64, 64, 64), (1, 2), "pingpong", ()),
+        C(28, (64, 64, 64), (2, 1), "pingpong", ()),
     ),
 }
 OPS = tuple(CONFIGS)
