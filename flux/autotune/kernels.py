@@ -60,7 +60,7 @@ STREAM_K_FIXED_S = 5e-6
 SPLIT_K_FIXED_S = 2e-6
 
 
-def _tile_eff(c: KernelConfig) -> float:
+def _tile_eff(c: KernelConfig, tiles_m: int = 0) -> float:
     """Tensor-core efficiency of a tile's mainloop: 128x256 and 256x128 tiles keep both consumer
     warpgroups on 64+ rows of wide MMAs, and so do cooperative tiles 192-248 wide (one MMA of the
     tile's width per K step; fitted to bench/results/fused_gemm-h200-ag.json: the 224-wide tile
@@ -68,8 +68,14 @@ def _tile_eff(c: KernelConfig) -> float:
     a ping-pong 128x128 gives each warpgroup a whole tile (less operand reuse than 128x256); a
     ping-pong 64x256 as a cooperative 128x128 (RS 4 is the best configuration only on some shapes
     of 1024+ rows per rank and deep K, bench/results/fused_gemm-h200-rs-swizzle.json, and 1.2-1.5x
-    the tuned choice's time where K is 4096 or less: the tuner picks it, the model does not)."""
+    the tuned choice's time where K is 4096 or less: the tuner picks it, the model does not); 64x64
+    tiles the least, by their cluster (below)."""
     area = c.tile_m * c.tile_n
+    if area <= 64 * 64:
+        # RS 27 / 28 (bench/results/fused_gemm-h200-rs-64x64.json): where a problem has two or more
+        # tile rows (``tiles_m``), multicasting B along a 2x1 cluster ran 1.3-1.7x faster than A along
+        # 1x2; over one tile row (32, 64 rows) the 2x1 cluster's second CTA has no rows, and 1x2 won.
+        return 0.65 if 1 < c.cluster_m <= max(tiles_m, 1) else 0.45
     if area >= 128 * 256 or (c.schedule == "cooperative" and area >= 128 * 192):
         return 1.0
     if c.tile_m == 64 and area >= 128 * 128:
@@ -116,7 +122,7 @@ def predict_s(c: KernelConfig, op: str, m: int, n: int, k: int, swizzle: int = 1
     s = c.splits
     padded *= s
     waves = math.ceil(padded / ctas)
-    mainloop = 2.0 * c.tile_m * c.tile_n * (k / s) / (SM_FLOPS * _tile_eff(c))
+    mainloop = 2.0 * c.tile_m * c.tile_n * (k / s) / (SM_FLOPS * _tile_eff(c, tiles_m))
     epilogue, hbm = _traffic(c, op, m, n, k, in_bytes, out_bytes, sm)
     if c.schedule == "pingpong":
         t_compute = waves * max(mainloop, epilogue) + min(mainloop, epilogue)
@@ -157,11 +163,11 @@ def predict_stream_k_s(c: KernelConfig, op: str, m: int, n: int, k: int, swizzle
     traffic; plus STREAM_K_FIXED_S. Whole tiles (predict_s) where CUTLASS's heuristic keeps them
     ("streamk": more tiles than CTAs, or a last wave at least half full; "streamk-all": more tiles
     than CTAs)."""
-    _, _, tiles, ctas = _grid(c, m, n, swizzle, sm)
+    tiles_m, _, tiles, ctas = _grid(c, m, n, swizzle, sm)
     if tiles >= ctas or (c.scheduler == "streamk" and 2 * tiles >= ctas):
         return predict_s(c, op, m, n, k, swizzle, in_bytes, out_bytes, sm)
     splits = math.ceil(ctas / tiles)  # units sharing a tile's K loop, at most
-    compute = 2.0 * tiles * c.tile_m * c.tile_n * k / (ctas * SM_FLOPS * _tile_eff(c))
+    compute = 2.0 * tiles * c.tile_m * c.tile_n * k / (ctas * SM_FLOPS * _tile_eff(c, tiles_m))
     reduction = (splits - 1) * c.tile_m * c.tile_n * 4 / (L2_BW / sm)
     epilogue, hbm = _traffic(c, op, m, n, k, in_bytes, out_bytes, sm)
     return max(compute + reduction + epilogue, hbm / HBM_BW) + STREAM_K_FIXED_S
