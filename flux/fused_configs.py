@@ -212,8 +212,9 @@ CONFIGS = {
         # cuBLAS's tile at 128 rows per rank and fewer (128 x 7168 x 4096: 2 x 64 tiles of 64x64, 13
         # stages), the cluster along N (A multicast: 32 and 64 rows, one tile row) or along M (B
         # multicast: 128 rows). bench/results/fused_gemm-h200-rs-64x64.json: at 128 rows per rank the
-        # best configuration against mm + add went from 0.97-1.18x to 0.79-1.06x in graph timing. As
-        # AG tiles at 256 rows (1x2 and 2x1) they were best on 1 of the 18 shapes, by 4%: not kept.
+        # best configuration against mm + add went from 0.86-1.18x to 0.79-1.06x in graph timing. As
+        # AG tiles at 256 rows (1x2 and 2x1) they were best on 1 of the 18 shapes, by 4%: not kept
+        # (bench/results/fused_gemm-h200-ag-64x64.json).
         C(27, (64, 64, 64), (1, 2), "pingpong", BF16),
         C(28, (64, 64, 64), (2, 1), "pingpong", BF16),
     ),

@@ -165,8 +165,9 @@ struct Sm90FusedGemm {
   // cooperative schedule; 64 x 32 for ping-pong) through StagesD shared-memory buffers, and before refilling
   // a buffer it waits until the TMA store that last read it has finished. CUTLASS's choice, StagesD = 2,
   // makes every subtile wait for the store of the one before it (11 subtiles of 128 x 16 for a 128x176
-  // tile), while the tensor cores idle. Here StagesD is the largest count up to the tile's subtiles (at
-  // most 8) that costs the mainloop no stage: the shared memory left over by the stages' rounding.
+  // tile). Here StagesD is the largest count up to the tile's subtiles (at most 8) that costs the
+  // mainloop no stage: the shared memory left over by the stages' rounding (docs/performance.md §9:
+  // 1-2% faster on average, most on RS).
   struct EpiPick {
     using EpiTile = decltype(cutlass::epilogue::collective::detail::sm90_compute_tile_shape_or_override<
                              ElementD, cutlass::epilogue::collective::EpilogueTileAuto, EpilogueSchedule, TileShape>());
