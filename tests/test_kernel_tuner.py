@@ -146,6 +146,16 @@ def test_rule_cluster_padding_small_m():
     assert K.analytic_config("ag", 8192, 8192, 8192, configs=[c21, c12])[0] == 0
 
 
+def test_rule_64x64_tiles_by_cluster():
+    """64x64 ping-pong tiles (RS 27 / 28): a 2x1 cluster (the weight multicast) over two or more tile
+    rows, 1x2 over one (fitted to bench/results/fused_gemm-h200-rs-64x64.json)."""
+    c12, c21 = _cfg(27, 64, 64, 1, 2, "pingpong"), _cfg(28, 64, 64, 2, 1, "pingpong")
+    wide = _cfg(5, 64, 128, 1, 1, "pingpong")
+    assert K.analytic_config("rs", 128, 4096, 7168, configs=[wide, c12, c21])[0] == 28   # 2 x 64 tiles
+    assert K.analytic_config("rs", 64, 4096, 3584, configs=[wide, c12, c21])[0] == 27    # 1 x 64 tiles
+    assert K._tile_eff(c21, 2) > K._tile_eff(c21, 1) == K._tile_eff(c12, 2)
+
+
 def test_rule_pingpong_for_shallow_k():
     """Shallow K (rs O-proj at TP 8): the epilogue (store + the peer's partial) rivals the
     mainloop, and ping-pong hides it behind the other warpgroup's mainloop; deep K: wide tiles."""
