@@ -178,6 +178,18 @@ CONFIGS = {
         C(60, (64, 96, 64), (2, 1), "pingpong", BF16),
         C(61, (64, 96, 64), (1, 1), "pingpong", ()),
         C(62, (64, 128, 64), (2, 1), "pingpong", ()),
+        # Ping-pong tiles wider than 128 columns: each consumer warp group holds a whole 128 x N tile
+        # (N fp32 accumulators per thread, within the 232 registers CUTLASS gives a ping-pong
+        # consumer up to N = 192), so one group's epilogue runs while the other's MMAs do, where a
+        # cooperative tile's epilogue stalls both groups. cuBLAS's own kernels on the narrow and
+        # 1024-row layers are of this kind (128x176, 128x80; its cooperative kernels are marked so).
+        # Ids 63-70 named configurations of earlier measurements, since removed.
+        C(71, (128, 176, 64), (2, 1), "pingpong", ()),
+        C(72, (128, 160, 64), (2, 1), "pingpong", ()),
+        C(73, (128, 192, 64), (2, 1), "pingpong", ()),
+        C(74, (128, 144, 64), (2, 1), "pingpong", ()),
+        C(75, (128, 80, 64), (2, 1), "pingpong", ()),
+        C(76, (128, 80, 64), (1, 2), "pingpong", ()),
     ),
     "rs": (
         C(0, (128, 256, 64), (2, 1), "cooperative", ()),
@@ -217,6 +229,11 @@ CONFIGS = {
         # (bench/results/fused_gemm-h200-ag-64x64.json).
         C(27, (64, 64, 64), (1, 2), "pingpong", BF16),
         C(28, (64, 64, 64), (2, 1), "pingpong", BF16),
+        # Ping-pong tiles wider than 128 columns (as AG 71-74): one warp group's epilogue, adding the
+        # peer's partial, runs while the other's MMAs do.
+        C(29, (128, 176, 64), (2, 1), "pingpong", ()),
+        C(30, (128, 160, 64), (2, 1), "pingpong", ()),
+        C(31, (128, 192, 64), (2, 1), "pingpong", ()),
     ),
 }
 OPS = tuple(CONFIGS)
