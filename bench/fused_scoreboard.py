@@ -3,13 +3,14 @@
     python bench/fused_scoreboard.py bench/results/fused_gemm-h200-models.json \\
         [--choice shipped|served|tuned|analytic] [--json FILE]
 
-Per shape the library's configuration, as timed in the file (a later file wins for the shapes it
-shares with an earlier one): ``shipped`` (default), the choice in flux/autotune/shipped/ for the
+Per shape the library's configuration, as timed in the files (a later file wins for the shapes it
+shares with an earlier one; a configuration it did not time is read from the latest file that did,
+as its ratio to that file's cuBLAS): ``shipped`` (default), the choice in flux/autotune/shipped/ for the
 file's GPU, which is made from such files, so on the files it came from it is, by construction,
 their choice; ``served``, the one the run itself used (the library's choice at the run's commit);
 ``tuned``, the one ``python -m flux.autotune.kernels --from-bench`` would ship from the file;
 ``analytic``, the analytic default over the default build (flux.autotune.kernels.analytic_config;
-untimed where the file did not time its swizzle). Ratios are the kernel's ms over ``torch.mm``'s
+untimed where no file timed it). Ratios are the kernel's ms over ``torch.mm``'s
 (cuBLAS), per timing (loop, graph), and over the tuned choice's ms. The targets:
 AG within 2% of cuBLAS from 1024 rows, within 5% at 256, geometric mean at most 1.00; RS (one
 rank's block of rows) faster than ``mm`` then ``add`` from 128 rows, within 2% of ``mm`` from 1024.
@@ -28,12 +29,12 @@ CHOICES = ("shipped", "served", "tuned", "analytic")
 
 
 def shapes(paths):
-    """{(op, m, n, k): (result, doc)}, later files winning."""
+    """{(op, m, n, k): [(result, doc), ...]}, the latest file first."""
     out = {}
     for path in paths:
         doc = json.load(open(path))
         for r in doc["results"]:
-            out[(r["op"], r["m"], r["n"], r["k"])] = (r, doc)
+            out.setdefault((r["op"], r["m"], r["n"], r["k"]), []).insert(0, (r, doc))
     return out
 
 
@@ -56,9 +57,12 @@ def chosen(r, doc, how, tuned_cache):
     return e["choice"] if e else None
 
 
-def ratios(r, lab, base):
-    v = r["variants"].get(lab) if lab else None
-    if not v or not v.get("ok"):
+def ratios(timed, lab, base):
+    """{timing: ms of ``lab`` / ms of ``base``} from the latest of the results ``timed`` (latest
+    first) in which ``lab`` ran correctly; None where none did."""
+    r, v = next(((r, r["variants"][lab]) for r, _ in timed if lab and r["variants"].get(lab, {}).get("ok")),
+                (None, None))
+    if v is None:
         return None
     out = {}
     for t in TIMINGS:
@@ -70,14 +74,15 @@ def ratios(r, lab, base):
 def scoreboard(paths, how="shipped"):
     """The targets' figures per timing, with the shapes each one missed."""
     rows, tuned = [], {}
-    for (op, m, n, k), (r, doc) in sorted(shapes(paths).items()):
+    for (op, m, n, k), timed in sorted(shapes(paths).items()):
+        r, doc = timed[0]
         lab = chosen(r, doc, how, tuned)
         tuned_lab = chosen(r, doc, "tuned", tuned)
-        mine, best = ratios(r, lab, "cublas"), ratios(r, tuned_lab, "cublas")
+        mine, best = ratios(timed, lab, "cublas"), ratios(timed, tuned_lab, "cublas")
         vs_tuned = ({t: mine[t] / best[t] if mine[t] and best[t] else None for t in TIMINGS}
                     if mine and best else None)
         rows.append({"op": op, "m": m, "n": n, "k": k, "choice": lab, "vs_cublas": mine,
-                     "vs_cublas_add": ratios(r, lab, "cublas_add") if op == "rs" else None, "vs_tuned": vs_tuned})
+                     "vs_cublas_add": ratios(timed, lab, "cublas_add") if op == "rs" else None, "vs_tuned": vs_tuned})
     untimed = [f"{x['op']} {x['m']}x{x['n']}x{x['k']}" for x in rows if x["vs_cublas"] is None]
     out = {"files": list(paths), "choice": how, "shapes": len(rows), "untimed": untimed, "timings": {}}
     for t in TIMINGS:

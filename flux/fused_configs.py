@@ -185,10 +185,10 @@ CONFIGS = {
         # 1024-row layers are of this kind (128x176, 128x80; its cooperative kernels are marked so).
         # Ids 63-70 named configurations of earlier measurements, since removed.
         C(71, (128, 176, 64), (2, 1), "pingpong", ()),
-        C(72, (128, 160, 64), (2, 1), "pingpong", ()),
-        C(73, (128, 192, 64), (2, 1), "pingpong", ()),
-        C(74, (128, 144, 64), (2, 1), "pingpong", ()),
-        C(75, (128, 80, 64), (2, 1), "pingpong", ()),
+        C(72, (128, 160, 64), (2, 1), "pingpong", BF16),
+        C(73, (128, 192, 64), (2, 1), "pingpong", BF16),
+        C(74, (128, 144, 64), (2, 1), "pingpong", BF16),
+        C(75, (128, 80, 64), (2, 1), "pingpong", BF16),
         C(76, (128, 80, 64), (1, 2), "pingpong", ()),
     ),
     "rs": (

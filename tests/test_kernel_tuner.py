@@ -312,7 +312,7 @@ def test_entries_from_bench_and_cli(tmp_path, monkeypatch):
 SHIPPED_FROM = ("fused_gemm-h200-models.json", "fused_gemm-h200-ag.json",
                 "fused_gemm-h200-ag-splitk.json", "fused_gemm-h200-ag-grid-splitk.json",
                 "fused_gemm-h200-ag-tiles.json", "fused_gemm-h200-ag-swizzle.json", "fused_gemm-h200-rs-swizzle.json",
-                "fused_gemm-h200-rs-64x64.json")
+                "fused_gemm-h200-rs-64x64.json", "fused_gemm-h200-ag-pingpong.json", "fused_gemm-h200-rs-pingpong.json")
 
 
 def test_shipped_h200_choices_are_served_and_built(monkeypatch):

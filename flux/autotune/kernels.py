@@ -65,7 +65,10 @@ def _tile_eff(c: KernelConfig, tiles_m: int = 0) -> float:
     warpgroups on 64+ rows of wide MMAs, and so do cooperative tiles 192-248 wide (one MMA of the
     tile's width per K step; fitted to bench/results/fused_gemm-h200-ag.json: the 224-wide tile
     is the fastest on 9-10 of the 72 AG shapes); a cooperative 128x128 halves each warpgroup's MMA;
-    a ping-pong 128x128 gives each warpgroup a whole tile (less operand reuse than 128x256); a
+    a ping-pong 128x128 gives each warpgroup a whole tile (less operand reuse than 128x256), and
+    ping-pong tiles 144-192 wide rate as the wide cooperative ones, their epilogue then overlapped
+    (AG 72-74, bench/results/fused_gemm-h200-ag-pingpong.json: the fastest on 34 of its 72 AG shapes;
+    the analytic choice's time over the tuned one's went from 1.025 / 1.030 to 1.016 / 1.021); a
     ping-pong 64x256 as a cooperative 128x128 (RS 4 is the best configuration only on some shapes
     of 1024+ rows per rank and deep K, bench/results/fused_gemm-h200-rs-swizzle.json, and 1.2-1.5x
     the tuned choice's time where K is 4096 or less: the tuner picks it, the model does not); 64x64
@@ -77,6 +80,8 @@ def _tile_eff(c: KernelConfig, tiles_m: int = 0) -> float:
         # 1x2; over one tile row (32, 64 rows) the 2x1 cluster's second CTA has no rows, and 1x2 won.
         return 0.65 if 1 < c.cluster_m <= max(tiles_m, 1) else 0.45
     if area >= 128 * 256 or (c.schedule == "cooperative" and area >= 128 * 192):
+        return 1.0
+    if c.schedule == "pingpong" and c.tile_m == 128 and c.tile_n > 128:
         return 1.0
     if c.tile_m == 64 and area >= 128 * 128:
         return 0.88
