@@ -183,8 +183,6 @@ def _generate_fused_sources(with_sm90):
             continue
         # the alias's StreamK mode: 0 persistent (its default), 1 stream-K by CUTLASS's heuristic, 2 always
         stream_k = {"persistent": "", "streamk": ", /*StreamK=*/1", "streamk-all": ", /*StreamK=*/2"}[cfg.scheduler]
-        if getattr(cfg, "l2_hint", 0):  # the alias's L2Hint, after its StreamK mode
-            stream_k = (stream_k or ", /*StreamK=*/0") + f", /*L2Hint=*/{cfg.l2_hint}"
         sources.append(_write_unit(
             name, f"{op} configuration {cid}: {cfg.describe()}; {src_in} inputs, {src_out} output.", macro, header,
             args_t, f"{launch}<{alias}<{_DTYPE_ENUM[dtype]}, {shapes}{stream_k}>>",

@@ -39,7 +39,6 @@ class FusedConfig(NamedTuple):
     default: tuple  # dtype variants built by default
     scheduler: str = "persistent"  # "persistent" | "streamk" | "streamk-all" (cooperative only) | "splitk"
     splits: int = 1  # slices of K ("splitk" only)
-    l2_hint: int = 0  # the mainloop's L2 eviction hints: 0 none, 1 A evict-last, weight evict-first
 
     @property
     def tile_m(self):
@@ -53,8 +52,7 @@ class FusedConfig(NamedTuple):
         m, n, k = self.tile
         sk = {"persistent": "", "streamk": ", stream-K", "streamk-all": ", stream-K always",
               "splitk": f", split-K into {self.splits}"}[self.scheduler]
-        hint = ", A kept in L2" if self.l2_hint else ""
-        return f"{m}x{n}x{k} tile, cluster {self.cluster[0]}x{self.cluster[1]}, {self.schedule}{sk}{hint}"
+        return f"{m}x{n}x{k} tile, cluster {self.cluster[0]}x{self.cluster[1]}, {self.schedule}{sk}"
 
     def applies(self, m, n, k):
         """Whether this configuration runs an m x n x k problem: split-K cuts K into equal slices
@@ -192,14 +190,8 @@ CONFIGS = {
         C(74, (128, 144, 64), (2, 1), "pingpong", BF16),
         C(75, (128, 80, 64), (2, 1), "pingpong", BF16),
         C(76, (128, 80, 64), (1, 2), "pingpong", ()),
-        # With L2 eviction hints on the mainloop's loads (A evict-last, the weight evict-first;
-        # csrc/common/fused_gemm.cuh HintedMainloop): AG 0, 2, 72, 73, 5 and 25 otherwise.
-        C(77, (128, 256, 64), (2, 1), "cooperative", (), l2_hint=1),
-        C(78, (128, 128, 64), (2, 1), "pingpong", (), l2_hint=1),
-        C(79, (128, 160, 64), (2, 1), "pingpong", (), l2_hint=1),
-        C(80, (128, 192, 64), (2, 1), "pingpong", (), l2_hint=1),
-        C(81, (128, 192, 64), (1, 1), "cooperative", (), l2_hint=1),
-        C(82, (128, 160, 64), (2, 1), "cooperative", (), l2_hint=1),
+        # Ids 77-82 (and RS 32, 33) named AG 0, 2, 72, 73, 5, 25 (RS 6, 4) with L2 eviction hints on the
+        # mainloop's loads, measured slower and removed (bench/results/fused_gemm-h200-*-l2hint.json).
     ),
     "rs": (
         C(0, (128, 256, 64), (2, 1), "cooperative", ()),
@@ -244,9 +236,6 @@ CONFIGS = {
         C(29, (128, 176, 64), (2, 1), "pingpong", ()),
         C(30, (128, 160, 64), (2, 1), "pingpong", ()),
         C(31, (128, 192, 64), (2, 1), "pingpong", ()),
-        # With L2 eviction hints (as AG 77-82): RS 6 and 4 otherwise.
-        C(32, (128, 128, 64), (2, 1), "pingpong", (), l2_hint=1),
-        C(33, (64, 256, 64), (1, 1), "pingpong", (), l2_hint=1),
     ),
 }
 OPS = tuple(CONFIGS)

@@ -40,10 +40,10 @@ namespace flux {
 // StreamK (Sm90FusedGemm's StreamKMode): CUTLASS's stream-K scheduler with the same readiness wait
 // (cooperative schedule only).
 template <int Dtype, class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule,
-          int StreamK = 0, int L2Hint = 0>
+          int StreamK = 0>
 using AgGemm = Sm90FusedGemm<typename FusedTypes<Dtype>::In, typename FusedTypes<Dtype>::Out, TileShape, ClusterShape,
                              KernelSchedule, EpilogueSchedule, false, PlainEpilogue,
-                             std::conditional_t<StreamK != 0, AgStreamKSchedulerTag, AgSchedulerTag>, StreamK, L2Hint>;
+                             std::conditional_t<StreamK != 0, AgStreamKSchedulerTag, AgSchedulerTag>, StreamK>;
 
 // The same GEMM with fp32 output, for split-K (common/split_k.cuh): InDtype kBf16 or kFp16.
 template <int InDtype, class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule>

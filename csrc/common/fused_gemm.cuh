@@ -127,67 +127,12 @@ struct FusedTypes<kBf16Fp32> { using In = cutlass::bfloat16_t; using Out = float
 template <>
 struct FusedTypes<kFp16Fp32> { using In = cutlass::half_t; using Out = float; };
 
-// L2 eviction priorities of the mainloop's TMA loads (Sm90FusedGemm's L2Hint): 0 none (CUTLASS's
-// evict-normal); 1 A evict-last, weight evict-first. The persistent schedulers hand out tiles along N
-// inside bands of M tiles, so a band's rows of A are read again by every wave that sweeps the band's
-// columns, while a K slice of a weight panel is read by the band's CTAs at about the same time and
-// then not until the next band: keeping A and letting the weight go first keeps A's re-reads out of
-// HBM (docs/design.md §5).
-template <class Base, int L2Hint>
-struct HintedMainloop : Base {
-  static constexpr cute::TMA::CacheHintSm90 kHintA =
-      L2Hint == 1 ? cute::TMA::CacheHintSm90::EVICT_LAST : cute::TMA::CacheHintSm90::EVICT_NORMAL;
-  static constexpr cute::TMA::CacheHintSm90 kHintB =
-      L2Hint == 1 ? cute::TMA::CacheHintSm90::EVICT_FIRST : cute::TMA::CacheHintSm90::EVICT_NORMAL;
-
-  // CUTLASS's producer load (sm90_mma_tma_gmma_ss_warpspecialized.hpp), with the hints above.
-  template <class TensorA, class TensorB, class KTileIterator, class BlockCoord>
-  CUTLASS_DEVICE void load(typename Base::Params const& params, typename Base::MainloopPipeline pipeline,
-                           typename Base::PipelineState write, cute::tuple<TensorA, TensorB> const& inputs,
-                           BlockCoord const& blk_coord, KTileIterator k_tile_iter, int k_tile_count, int /*thread*/,
-                           uint32_t block_rank_in_cluster, typename Base::TensorStorage& smem) {
-    using namespace cute;
-    if (!cute::elect_one_sync()) return;
-    using Cluster = typename Base::DispatchPolicy::ClusterShape;
-    Tensor sA = make_tensor(make_smem_ptr(smem.smem_A.data()), typename Base::SmemLayoutA{});
-    Tensor sB = make_tensor(make_smem_ptr(smem.smem_B.data()), typename Base::SmemLayoutB{});
-    constexpr uint32_t cluster_x = get<0>(Cluster{});
-    const uint2 in_cluster = {block_rank_in_cluster % cluster_x, block_rank_in_cluster / cluster_x};
-    auto tma_a = params.tma_load_a.get_slice(in_cluster.y);
-    auto tma_b = params.tma_load_b.get_slice(in_cluster.x);
-    auto [m, n, k, l] = blk_coord;
-    Tensor tAgA = tma_a.partition_S(get<0>(inputs)(_, _, m, _, l));
-    Tensor tAsA = tma_a.partition_D(sA);
-    Tensor tBgB = tma_b.partition_S(get<1>(inputs)(_, _, n, _, l));
-    Tensor tBsB = tma_b.partition_D(sB);
-    const cute::TMA::CacheHintSm90 hint_a = kHintA, hint_b = kHintB;  // passed by reference: not the members
-    uint16_t mask_a = 0, mask_b = 0;  // the cluster's CTAs that share this CTA's A rows / weight columns
-    auto blocks = Layout<Cluster>{};
-    if constexpr (cute::is_same_v<typename Base::GmemTiledCopyA, SM90_TMA_LOAD_MULTICAST>) {
-      for (int j = 0; j < size<1>(blocks); ++j) mask_a |= uint16_t(1) << blocks(in_cluster.x, j, Int<0>{});
-    }
-    if constexpr (cute::is_same_v<typename Base::GmemTiledCopyB, SM90_TMA_LOAD_MULTICAST>) {
-      for (int i = 0; i < size<0>(blocks); ++i) mask_b |= uint16_t(1) << blocks(i, in_cluster.y, Int<0>{});
-    }
-    CUTLASS_PRAGMA_NO_UNROLL
-    for (; k_tile_count > 0; --k_tile_count) {
-      pipeline.producer_acquire(write);
-      auto* barrier = pipeline.producer_get_barrier(write);
-      const int stage = write.index();
-      copy(params.tma_load_a.with(*barrier, mask_a, hint_a), tAgA(_, _, _, *k_tile_iter), tAsA(_, _, _, stage));
-      copy(params.tma_load_b.with(*barrier, mask_b, hint_b), tBgB(_, _, _, *k_tile_iter), tBsB(_, _, _, stage));
-      ++k_tile_iter;
-      ++write;
-    }
-  }
-};
-
 // A [M, K] row-major, weight [N, K] (nn.Linear, K contiguous), both ElementIn (bf16 or fp16),
 // D [M, N] row-major ElementOut (the input dtype or fp32), fp32 accumulation;
 // D = acc (+ C, ElementOut, where HasSource) + bias per column (ElementOut), rounded once.
 template <class ElementIn, class ElementOut, class TileShape_, class ClusterShape_, class KernelSchedule,
           class EpilogueSchedule, bool HasSource, template <class> class EpilogueWrap, class Scheduler,
-          int StreamKMode = 0, int L2Hint = 0>
+          int StreamKMode = 0>
 struct Sm90FusedGemm {
   // 0: a persistent scheduler; 1: CUTLASS's stream-K scheduler, its heuristic deciding between
   // whole tiles, split-K and stream-K; 2: stream-K always (the heuristic keeps whole tiles where
@@ -253,8 +198,7 @@ struct Sm90FusedGemm {
   };
   using BaseEpilogue = typename EpiPick::type;
   using CollectiveEpilogue = EpilogueWrap<BaseEpilogue>;
-  using CollectiveMainloop = std::conditional_t<L2Hint == 0, MainloopFor<BaseEpilogue>,
-                                                HintedMainloop<MainloopFor<BaseEpilogue>, L2Hint>>;
+  using CollectiveMainloop = MainloopFor<BaseEpilogue>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, CollectiveMainloop,
                                                       CollectiveEpilogue, Scheduler>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;

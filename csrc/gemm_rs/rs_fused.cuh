@@ -113,12 +113,11 @@ class SegmentWaitEpilogue : public Base {
 // StreamK (Sm90FusedGemm's StreamKMode): CUTLASS's stream-K scheduler (cooperative schedule only);
 // the wait stays in load(), see SegmentWaitEpilogue.
 template <int Dtype, class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule,
-          int StreamK = 0, int L2Hint = 0>
+          int StreamK = 0>
 using RsFoldGemm =
     Sm90FusedGemm<typename FusedTypes<Dtype>::In, typename FusedTypes<Dtype>::Out, TileShape, ClusterShape,
                   KernelSchedule, EpilogueSchedule, true, SegmentWaitEpilogue,
-                  std::conditional_t<StreamK != 0, StreamKSchedulerTag, cutlass::gemm::PersistentScheduler>, StreamK,
-                  L2Hint>;
+                  std::conditional_t<StreamK != 0, StreamKSchedulerTag, cutlass::gemm::PersistentScheduler>, StreamK>;
 
 // Split-K (common/split_k.cuh): a plain GEMM with fp32 output (InDtype kBf16 or kFp16) writes the
 // slices' partials; the source is waited for and added by the reduction instead of the epilogue.

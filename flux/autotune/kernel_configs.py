@@ -53,7 +53,6 @@ class KernelConfig:
     dtypes: Tuple[Tuple[str, str], ...] = (("bf16", "bf16"),)
     scheduler: str = "persistent"
     splits: int = 1
-    l2_hint: int = 0  # flux/fused_configs.py FusedConfig.l2_hint
 
     def __post_init__(self):
         if self.op not in OPS or self.id < 0 or self.schedule not in ("cooperative", "pingpong"):
@@ -79,7 +78,7 @@ class KernelConfig:
         """As cached choices name it: a choice applies only to the same tile, cluster, schedule and scheduler."""
         tag = f"/k{self.splits}" if self.scheduler == "splitk" else _SCHED_TAG[self.scheduler]
         return (f"{self.tile_m}x{self.tile_n}x{self.tile_k}/{self.cluster_m}x{self.cluster_n}/"
-                f"{'pp' if self.schedule == 'pingpong' else 'coop'}{tag}{'/l2' if self.l2_hint else ''}")
+                f"{'pp' if self.schedule == 'pingpong' else 'coop'}{tag}")
 
 
 def _built():
@@ -112,8 +111,7 @@ def kernel_configs(op: str, dtype=None, out_dtype=None) -> List[KernelConfig]:
         for c in table.CONFIGS[op]:
             pairs = tuple(table.DTYPE_IO[v] for v in table.DTYPES if (op, c.id, v) in built)
             if pairs:
-                cfgs.append(KernelConfig(op, c.id, *c.tile, *c.cluster, c.schedule, pairs, c.scheduler, c.splits,
-                                         c.l2_hint))
+                cfgs.append(KernelConfig(op, c.id, *c.tile, *c.cluster, c.schedule, pairs, c.scheduler, c.splits))
         # Kept once flux._C is loaded (its answer is final); read again until then.
         _CONFIGS[op] = (cfgs, source, _extension_loaded())
     cfgs = _CONFIGS[op][0]

@@ -395,7 +395,7 @@ def _allowed(spec: str, dtype, out_dtype) -> Dict[str, Dict[int, KernelConfig]]:
         c = table.config(op, cid)
         (tm, tn, tk), (cm, cn) = c.tile, c.cluster
         out[op][cid] = KernelConfig(op, cid, tm, tn, tk, cm, cn, c.schedule, ((_dt(dtype), _dt(out_dtype)),),
-                                    c.scheduler, c.splits, c.l2_hint)
+                                    c.scheduler, c.splits)
     return out
 
 
