@@ -65,7 +65,7 @@ class FusedConfig(NamedTuple):
 C = FusedConfig
 F = ("bf16", "fp16", "bf16_fp32")  # the dtypes of each op's general-purpose configuration (ag 0, rs 3)
 # Ids keep their meaning across releases; new shapes get new ids.
-# The default set (22 fused units, about a CPU-minute of nvcc each; the split-K configurations of
+# The default set (23 fused units, about a CPU-minute of nvcc each; the split-K configurations of
 # one tile share a unit) is the greedy choice over an H200 measurement of every bf16 persistent
 # configuration on the model grid (bench/results/fused_gemm-h200-grid-bf16.json): each
 # configuration added where it most lowered the geometric mean over the shapes of the best built
@@ -86,7 +86,9 @@ F = ("bf16", "fp16", "bf16_fp32")  # the dtypes of each op's general-purpose con
 # (bench/results/fused_gemm-h200-{ag,rs}-cluster-n*.json). Then RS 4 (64x256 ping-pong): with bands of
 # 2 and 4 M tiles timed too, the best built configuration's geometric mean over the RS shapes of 1024+
 # rows per rank went from 0.957 / 0.978 to 0.950 / 0.971 x cuBLAS (bench/results/fused_gemm-h200-rs-swizzle.json).
-# Then RS 27 and 28 (64x64 ping-pong; 22 fused units): see their entries.
+# Then RS 27 and 28 (64x64 ping-pong): see their entries. Then AG 72-75 (ping-pong, 80-192 wide; see
+# their entries) in place of AG 9 (128x64 ping-pong), AG 25 (128x160 cooperative) and RS 4, which the
+# shipped H200 choices then no longer named (re-made without them: the same choice on every shape).
 # The others are built with FLUX_KERNELS=all or by name ("streamk" / "splitk": every one, bf16).
 CONFIGS = {
     "ag": (
@@ -99,7 +101,7 @@ CONFIGS = {
         C(6, (128, 256, 64), (1, 2), "cooperative", ()),
         C(7, (64, 128, 64), (1, 1), "pingpong", ()),  # few rows, narrow N: 2x the tiles of 128x128
         C(8, (64, 256, 64), (1, 1), "pingpong", ()),  # few rows, wide N
-        C(9, (128, 64, 64), (1, 1), "pingpong", BF16),  # few rows, narrow N
+        C(9, (128, 64, 64), (1, 1), "pingpong", ()),  # few rows, narrow N
         C(10, (128, 128, 64), (1, 2), "pingpong", ()),
         C(11, (64, 128, 128), (1, 1), "pingpong", ()),
         # Stream-K: fewer tiles than SMs and deep K (256..1024 rows of the narrow layers).
@@ -124,7 +126,7 @@ CONFIGS = {
         # tile's full width (setup.py enables CUTLASS's extended MMA shapes). The epilogue's subtile
         # is gcd(32, N) columns (16 for 80 and 144: a wider one does not divide the accumulator
         # fragments).
-        C(25, (128, 160, 64), (2, 1), "cooperative", BF16),
+        C(25, (128, 160, 64), (2, 1), "cooperative", ()),
         C(26, (128, 160, 64), (1, 1), "cooperative", ()),
         C(27, (128, 144, 64), (2, 1), "cooperative", ()),
         C(28, (128, 224, 64), (2, 1), "cooperative", BF16),
@@ -198,7 +200,7 @@ CONFIGS = {
         C(1, (256, 128, 64), (2, 1), "cooperative", ()),
         C(2, (256, 128, 64), (1, 2), "cooperative", ()),  # cuBLAS's shape on big GEMMs
         C(3, (128, 128, 64), (1, 1), "cooperative", F),  # the general-purpose one
-        C(4, (64, 256, 64), (1, 1), "pingpong", BF16),  # 128..512 rows per rank; wide N from 1024 rows
+        C(4, (64, 256, 64), (1, 1), "pingpong", ()),  # 128..512 rows per rank; wide N from 1024 rows
         C(5, (64, 128, 64), (1, 1), "pingpong", BF16),  # few rows per rank
         C(6, (128, 128, 64), (2, 1), "pingpong", BF16),
         C(7, (128, 192, 64), (1, 1), "cooperative", ()),
