@@ -496,6 +496,15 @@ def test_fused_scoreboard(tmp_path):
     assert t["rs_faster_than_mm_add_from_128"]["missed"] == 0  # 1.03 < 1.2
     assert t["rs_within_2pct_of_mm_from_1024"]["missed"] == 1  # 1.03 > 1.02
     assert "1.030" in t["rs_within_2pct_of_mm_from_1024"]["which"][0]
+    # A label the later file did not time is read from the latest file that did, as its ratio to that
+    # file's cuBLAS (c9 only in c.json: 1.2 / 2.0), and a label no file timed leaves the shape untimed.
+    c, d = tmp_path / "c.json", tmp_path / "d.json"
+    c.write_text(json.dumps(doc([res("ag", 1024, {"c0/r1/s1": 1.0, "c9/r1/s1": 1.2}, "c0/r1/s1", base=2.0)])))
+    d.write_text(json.dumps(doc([res("ag", 1024, {"c0/r1/s1": 0.5}, "c9/r1/s1"),
+                                 res("ag", 256, {"c0/r1/s1": 0.5}, "c7/r1/s1")])))
+    s2 = S.scoreboard([str(c), str(d)], "served")
+    assert s2["untimed"] == ["ag 256x64x64"]
+    assert abs(s2["timings"]["graph"]["ag_geomean"] - 0.6) < 1e-9
     files = [os.path.join(REPO, "bench", "results", n) for n in SHIPPED_FROM]
     if all(os.path.exists(f) for f in files):
         shipped = S.scoreboard(files, "shipped")
