@@ -309,7 +309,8 @@ def test_entries_from_bench_and_cli(tmp_path, monkeypatch):
 
 # The bench JSONs the shipped H200 choices were chosen from, in order (a later file wins a shape):
 # the whole grid, the AG tile widths, the split-K tiles at 256 / 1024 rows, the default build
-# (split-K included) over the AG grid, cuBLAS's tiles at 256 / 1024 rows.
+# (split-K included) over the AG grid, cuBLAS's tiles at 256 / 1024 rows, bands of 2 and 4 M tiles
+# (AG, RS), RS's 64x64 tiles, the ping-pong tiles wider than 128 columns (AG, RS).
 SHIPPED_FROM = ("fused_gemm-h200-models.json", "fused_gemm-h200-ag.json",
                 "fused_gemm-h200-ag-splitk.json", "fused_gemm-h200-ag-grid-splitk.json",
                 "fused_gemm-h200-ag-tiles.json", "fused_gemm-h200-ag-swizzle.json", "fused_gemm-h200-rs-swizzle.json",

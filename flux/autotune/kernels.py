@@ -79,9 +79,8 @@ def _tile_eff(c: KernelConfig, tiles_m: int = 0) -> float:
         # tile rows (``tiles_m``), multicasting B along a 2x1 cluster ran 1.3-1.7x faster than A along
         # 1x2; over one tile row (32, 64 rows) the 2x1 cluster's second CTA has no rows, and 1x2 won.
         return 0.65 if 1 < c.cluster_m <= max(tiles_m, 1) else 0.45
-    if area >= 128 * 256 or (c.schedule == "cooperative" and area >= 128 * 192):
-        return 1.0
-    if c.schedule == "pingpong" and c.tile_m == 128 and c.tile_n > 128:
+    if area >= 128 * 256 or (c.schedule == "cooperative" and area >= 128 * 192) or (
+            c.schedule == "pingpong" and c.tile_m == 128 and c.tile_n > 128):
         return 1.0
     if c.tile_m == 64 and area >= 128 * 128:
         return 0.88
