@@ -1034,8 +1034,10 @@ def metadata(bench, argv):
         r = subprocess.run(["git", "-C", REPO, *cmd], capture_output=True, text=True, timeout=10)
         return r.stdout.strip() if r.returncode == 0 else None
 
-    commit = _try(lambda: _git("rev-parse", "--verify", "-q", "HEAD"))
-    dirty = _try(lambda: None if commit is None else bool(_git("status", "--porcelain", "--untracked-files=no")))
+    # FLUX_COMMIT where the runner sets it (a copied tree may carry stale git metadata).
+    commit = os.environ.get("FLUX_COMMIT") or _try(lambda: _git("rev-parse", "--verify", "-q", "HEAD"))
+    dirty = (None if os.environ.get("FLUX_COMMIT") else
+             _try(lambda: None if commit is None else bool(_git("status", "--porcelain", "--untracked-files=no"))))
     args = bench.args
     return {
         "command": f"torchrun --nproc_per_node={bench.world} " + shlex.join(argv),
