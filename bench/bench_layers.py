@@ -301,7 +301,7 @@ def build_layer_pair(hidden, ffn, heads, dtype, group):
     from flux.integrations import megatron as fm
 
     world, dev = dist.get_world_size(group), torch.device("cuda", torch.cuda.current_device())
-    mw.setup_megatron(world)
+    mw.setup_megatron(world, cuda=True)
     config = mw.layer_config(world, dtype, dev, hidden=hidden, heads=heads, ffn=ffn)
     stock = mw.build_layer(mw.stock_spec(), config, dev, dtype)
     mw.randomize(stock, hidden, ffn, 1234)

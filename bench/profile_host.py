@@ -16,7 +16,7 @@ profiler's own cost inflates what it records; the unprofiled median is the figur
 breakdown says where it goes. Rank 0 prints per method: host µs, then the API calls and ATen
 ops by total µs per call (count per call in brackets). JSON (--out): everything, per rank.
 
-``moe:TxExKxH``: the bounded MoE dispatch and combine, their C++ entries and a gather (moe_methods).
+``moe:TxExKxH``: the MoE dispatch and combine (bounded and unbounded), their C++ entries and a gather (moe_methods).
 With FLUX_GLOO_CUDA=1 the ranks may share one GPU (flux's test mode: gloo, no NCCL): 'seq' is
 then left out, as gloo moves CUDA tensors through host copies, and 'mm' (torch.mm of the same
 GEMM alone, the floor of every method's host cost) takes its place. The strategies' host time is
@@ -132,8 +132,8 @@ def methods(op, m, k, n, world, group, shared=False):
 
 def moe_methods(t, e, k, h, group):
     """[(name, zero-argument callable)] of ``moe:TxExKxH`` (T tokens per rank, E experts, top-K,
-    hidden H, uniform routing): flux.moe_dispatch and flux.moe_combine of the bounded variant (C = T),
-    repeat calls (their plan made); at world size 1 (the ``local`` strategy) their C++ entries alone
+    hidden H, uniform routing): flux.moe_dispatch and flux.moe_combine of the bounded variant (C = T)
+    and of the unbounded one, repeat calls (their plan made); at world size 1 (the ``local`` strategy) their C++ entries alone
     with the same arguments ('dispatch entry', 'combine entry'); and 'gather' (``x[rows]`` of the
     T * K rows: one ATen op with the dispatch's output size, the floor of its host cost)."""
     import flux
@@ -144,9 +144,12 @@ def moe_methods(t, e, k, h, group):
     w = torch.rand(t, k, device="cuda", generator=g).softmax(-1)
     recv, _, handle = flux.moe_dispatch(x, idx, w, e, group=group, max_tokens_per_rank=t)
     rows = torch.div(idx.reshape(-1).sort(stable=True).indices, k, rounding_mode="floor")
+    recv_u, _, handle_u = flux.moe_dispatch(x, idx, w, e, group=group)
     out = [("gather", lambda: x[rows]),
            ("dispatch", lambda: flux.moe_dispatch(x, idx, w, e, group=group, max_tokens_per_rank=t)),
-           ("combine", lambda: flux.moe_combine(recv, handle))]
+           ("combine", lambda: flux.moe_combine(recv, handle)),
+           ("dispatch unbounded", lambda: flux.moe_dispatch(x, idx, w, e, group=group)),
+           ("combine unbounded", lambda: flux.moe_combine(recv_u, handle_u))]
     if handle.strategy == "local":
         out += [("dispatch entry", lambda: torch.ops.flux.moe_local_dispatch(x, idx, e, t, 0, True)),
                 ("combine entry", lambda: torch.ops.flux.moe_local_combine(recv, w, handle.recv_dest, k))]

@@ -56,12 +56,17 @@ import _ref  # noqa: E402
 CASE_TIMEOUT_S = 240
 
 
-def setup_megatron(world: int) -> None:
-    """megatron-core's parallel state with tensor-parallel size ``world`` (idempotent)."""
+def setup_megatron(world: int, cuda: bool = False) -> None:
+    """megatron-core's parallel state with tensor-parallel size ``world`` (idempotent); ``cuda``:
+    also seed megatron's model-parallel CUDA RNG, which its GPU layers draw their weights from."""
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+        if cuda:
+            from megatron.core import tensor_parallel
+
+            tensor_parallel.model_parallel_cuda_manual_seed(1234)  # megatron's GPU initialisation draws from it
 
 
 def layer_config(world: int, dtype: torch.dtype, device: torch.device, *, hidden: int, heads: int, ffn: int,
@@ -264,10 +269,7 @@ def main():
     dev = torch.device("cuda", local)
     dist.init_process_group("nccl", device_id=dev)
     faulthandler.enable()
-    setup_megatron(world)
-    from megatron.core import tensor_parallel
-
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)  # megatron's GPU initialisation draws from it
+    setup_megatron(world, cuda=True)
     names = sys.argv[1].split(",") if len(sys.argv) > 1 and sys.argv[1] != "all" else list(CASES)
     out_dir = os.environ.get("FLUX_GPU_RESULTS_DIR")
     results = open(os.path.join(out_dir, f"megatron.{rank}"), "w") if out_dir else None
