@@ -585,7 +585,9 @@ def main():
     from flux.ops import moe_tp
 
     moe_tp_why = moe_tp.decomposed_usable(dev, group)
-    assert why is not None or moe_mod._choose_strategy(torch.empty(1, device=dev), group, False) == "symm"
+    # The automatic choice: symm for bounded calls where it can run, the all-to-all for unbounded ones.
+    assert why is not None or moe_mod._choose_strategy(torch.empty(1, device=dev), group, True) == "symm"
+    assert moe_mod._choose_strategy(torch.empty(1, device=dev), group, False) == "sequential"
     for name in names:
         rec = {"case": name, "rank": rank, "status": "ok", "error": None}
         # The tp_ cases need the TP ops' decomposed strategy (moe_tp.decomposed_usable), the others MoE's symm.

@@ -67,9 +67,12 @@ def run_strategy(name: str, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight
 
 
 def _choose_strategy(x, group: dist.ProcessGroup, bounded: bool, num_experts=None, topk_idx=None) -> str:
-    """The strategy of one call: the same on every rank (it depends only on the group and its
-    device, which the ranks share, never on ``x``, which is not checked yet): ``symm`` wherever it
-    can run (a CUDA group with a symmetric workspace), else the reference ``sequential``. It is part
+    """The strategy of one call: the same on every rank (it depends only on the group, its device
+    and whether the call is bounded, which the ranks share, never on ``x``, which is not checked
+    yet): a bounded call takes ``symm`` wherever it can run (a CUDA group with a symmetric
+    workspace), an unbounded one and every call elsewhere the reference ``sequential`` (at two
+    H200s the unbounded ``symm`` path, ~100 launches a call, lost to the all-to-all in every
+    measured cell: docs/performance.md, MoE at two GPUs). It is part
     of the checked signature, so ranks that would choose differently get an error, not a hang.
     A group of one rank on CUDA takes ``local`` (flux/ops/moe/local.py) where its kernels take
     num_experts and K (at most 1024 experts, K <= 64).
@@ -93,7 +96,7 @@ def _choose_strategy(x, group: dist.ProcessGroup, bounded: bool, num_experts=Non
         if forced == "symm" and why is not None:
             raise FluxInputError(f"{OP}: {STRATEGY_ENV}=symm, but it cannot run here: {why}")
         return forced
-    return "symm" if why is None else "sequential"
+    return "symm" if why is None and bounded else "sequential"
 
 
 # --------------------------------------------------------------------------------------

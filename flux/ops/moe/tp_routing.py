@@ -34,9 +34,13 @@ OP = "flux.ag_scatter_grouped_mm"
 OP_RS = "flux.grouped_mm_gather_rs"
 STRATEGIES = ("sequential", "chunked", "decomposed")  # former names: flux/strategies.py
 STRATEGY_ENV = "FLUX_STRATEGY_MOE_TP"
-# Token-shard elements (T_l * H) from which 'chunked' is chosen. Not tuned yet: a first guess
-# (T_l = 512 at H = 4096), to be set from timings on the GPUs.
+# Token-shard elements (T_l * H) from which an overlapped strategy is chosen, from
+# OVERLAP_MIN_WORLD ranks. At two H200s 'sequential' beat the overlapped strategies in every
+# measured cell (T_l * H from 4M to 29M elements; docs/performance.md, TP MoE at two GPUs), so two
+# ranks never overlap by default; above two the threshold is a first guess (T_l = 512 at H = 4096),
+# not measured.
 OVERLAP_MIN_SHARD = 1 << 21
+OVERLAP_MIN_WORLD = 3
 WEIGHT_LAYOUTS = ("nk", "kn")
 _INDEX_DTYPES = (torch.int64, torch.int32)
 
@@ -203,11 +207,11 @@ def _is_gloo(group: dist.ProcessGroup) -> bool:
 
 
 def _should_overlap(device: torch.device, group: dist.ProcessGroup, tokens_per_rank: int, hidden: int) -> bool:
-    """Whether the chunked strategy is worth its extra launches: CUDA tensors on an NCCL group
-    of two or more ranks, and a token shard of at least OVERLAP_MIN_SHARD elements. Depends only
-    on what every rank shares (the group, the device type, T_l and H), so every rank decides
-    alike."""
-    if device.type != "cuda" or dist.get_world_size(group) < 2:
+    """Whether an overlapped strategy is worth its extra launches: CUDA tensors on an NCCL group
+    of at least OVERLAP_MIN_WORLD ranks, and a token shard of at least OVERLAP_MIN_SHARD elements.
+    Depends only on what every rank shares (the group, the device type, T_l and H), so every rank
+    decides alike."""
+    if device.type != "cuda" or dist.get_world_size(group) < OVERLAP_MIN_WORLD:
         return False
     if "nccl" not in str(dist.get_backend(group)).lower():
         return False
