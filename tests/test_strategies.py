@@ -182,3 +182,38 @@ def test_former_strategy_names_are_read_as_the_current_ones(monkeypatch):
         assert moe_tp._choose_strategy(torch.device("cpu"), None, 1, 1) == ("decomposed", None)
     monkeypatch.setenv("FLUX_STRATEGY_MOE_TP", "all_to_all")  # a former name of the other family only
     assert moe_tp._choose_strategy(torch.device("cpu"), None, 1, 1)[1] is not None
+
+
+def test_automatic_moe_choices_follow_the_two_gpu_measurements(monkeypatch):
+    """docs/performance.md §11: at two GPUs the unbounded ``symm`` path and the overlapped TP MoE
+    strategies lost to the all-to-all / ``sequential`` in every measured cell. So, on a CUDA NCCL
+    group with a symmetric workspace (stubbed here: no GPU needed): MoE's bounded calls take
+    ``symm`` and unbounded ones ``sequential``; TP MoE overlaps from three ranks only, above its
+    shard threshold."""
+    import torch.distributed as dist
+
+    from flux.ops.moe import strategies as moe_strategies
+    from flux.ops.moe import tp_routing
+
+    monkeypatch.delenv("FLUX_STRATEGY_MOE", raising=False)
+    monkeypatch.delenv("FLUX_STRATEGY_MOE_TP", raising=False)
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(moe_strategies, "group_device", lambda group: cuda)
+    monkeypatch.setattr(moe_strategies._moe_local, "usable", lambda group, dev: "a group of more than one rank")
+    monkeypatch.setattr(moe_strategies._moe_symm, "usable", lambda group, dev: None)
+    x = torch.empty(1)
+    assert moe_strategies._choose_strategy(x, None, True) == "symm"
+    assert moe_strategies._choose_strategy(x, None, False) == "sequential"
+    monkeypatch.setenv("FLUX_STRATEGY_MOE", "symm")  # still there when asked for
+    assert moe_strategies._choose_strategy(x, None, False) == "symm"
+
+    world = {"n": 2}
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: world["n"])
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(tp_routing, "decomposed_usable", lambda device, group: None)
+    big = tp_routing.OVERLAP_MIN_SHARD  # T_l * H at the threshold
+    assert tp_routing._choose_strategy(cuda, None, big, 1) == ("sequential", None)
+    for n in (3, 4, 8):
+        world["n"] = n
+        assert tp_routing._choose_strategy(cuda, None, big, 1) == ("decomposed", None)
+        assert tp_routing._choose_strategy(cuda, None, big - 1, 1) == ("sequential", None)
