@@ -27,8 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
-from bench_layers import _f, attempt, ratio, rel_err  # noqa: E402
-from bench_moe import _commit  # noqa: E402
+from bench_layers import _commit, _f, attempt, ratio, rel_err  # noqa: E402
 from flux.ops.grouped_mm import grouped_mm  # noqa: E402
 
 IMPLS = ("auto", "cutlass", "kernel", "hybrid", "triton", "torch", "dense")

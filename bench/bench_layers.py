@@ -48,6 +48,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 import warnings
@@ -451,15 +452,27 @@ def run(args):
     return finish(args, dev, dtype, records, table(records))
 
 
+def _commit():
+    """FLUX_COMMIT where the runner sets it (a copied tree may carry stale git metadata), else git's HEAD."""
+    if os.environ.get("FLUX_COMMIT"):
+        return os.environ["FLUX_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)),
+                              capture_output=True, text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+
 def finish(args, dev, dtype, records, text, **metadata) -> int:
-    """The end of a benchmark run: rank 0 writes the JSON (--out: the metadata with the command,
-    then the records) and prints ``text`` (the table); every rank leaves the group. Returns the
+    """The end of a benchmark run: rank 0 writes the JSON (--out: the metadata with the command
+    and the commit, then the records) and prints ``text`` (the table); every rank leaves the group. Returns the
     exit code: 0 when every record is ok or skipped."""
     world = dist.get_world_size()
     if dist.get_rank() == 0:
         meta = {"command": " ".join(["torchrun", f"--nproc_per_node={world}"] + sys.argv), "world_size": world,
                 "torch": torch.__version__, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-                "dtype": str(dtype), "steps": args.steps, "rounds": args.rounds, **metadata}
+                "dtype": str(dtype), "steps": args.steps, "rounds": args.rounds, "commit": _commit(), **metadata}
         if args.out:
             with open(args.out, "w") as fh:
                 json.dump({"metadata": meta, "results": records}, fh, indent=1)

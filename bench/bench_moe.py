@@ -70,7 +70,6 @@ correctness run, as their timings are those of one GPU time-sliced between proce
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 os.environ["NCCL_NVLS_ENABLE"] = "0"  # never NVLink multicast
@@ -88,7 +87,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import flux  # noqa: E402
 from flux.ops.grouped_mm import grouped_mm  # noqa: E402
-from bench_layers import _f, attempt, finish, ratio, rel_err, start  # noqa: E402
+from bench_layers import _commit, _f, attempt, finish, ratio, rel_err, start  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------
@@ -506,21 +505,10 @@ def run(args):
     launcher = ["python"] if "TORCHELASTIC_RUN_ID" not in os.environ else ["torchrun", f"--nproc_per_node={world}"]
     if os.environ.get("FLUX_GROUPED_MM"):  # the layer's grouped GEMM implementation (flux.ops.grouped_mm)
         launcher = [f"FLUX_GROUPED_MM={os.environ['FLUX_GROUPED_MM']}"] + launcher
-    return finish(args, dev, dtype, records, text, ffn=args.ffn, skew=args.skew, commit=_commit(),
+    return finish(args, dev, dtype, records, text, ffn=args.ffn, skew=args.skew,
                   command=" ".join(launcher + sys.argv),
                   bytes=("HBM traffic: (valid pairs + T) x H x itemsize (bounded dispatch: (E x T + T) rows)"
                          if world == 1 else "rows of remote (token, slot) pairs x H x itemsize, mean over ranks"))
-
-
-def _commit():
-    """FLUX_COMMIT where the runner sets it (a copied tree may carry stale git metadata), else git's HEAD."""
-    if os.environ.get("FLUX_COMMIT"):
-        return os.environ["FLUX_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)),
-                              capture_output=True, text=True, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 def layer_table(records):
