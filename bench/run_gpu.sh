@@ -6,7 +6,8 @@
 #   bench/run_gpu.sh OUTDIR [--quick] [--skip-tests] [--tests EXPR] [--skip-bench] [--tune] [--matrix] [--layers] [--moe]
 #                    [--moe-tp] [--host-profile] [--shared W[,W...]] [-- extra bench_ops.py args]
 #
-# --tests EXPR: only the GPU tests that pytest -k EXPR selects (default: "gpu and not shared").
+# --tests EXPR: only the GPU tests that pytest -k EXPR selects (default: "gpu and not shared"), bounded by
+# $TESTS_TIMEOUT s (default 900; set it below the machine's per-call limit less the build).
 #
 # --tune: before the benchmark, tune the public suite (torchrun -m flux.autotune --suite) into
 # OUTDIR/cache and let the benchmark's flux:auto use that cache (FLUX_CACHE_DIR).
@@ -98,7 +99,9 @@ echo "HGMMA instructions in flux._C: $(cuobjdump --dump-sass flux/_C*.so 2>/dev/
 
 rc_tests=0
 if [ $TESTS -eq 1 ]; then
-  timeout 900 $PY -m pytest -v -rs tests -k "$TEST_EXPR" 2>&1 | tee "$OUTDIR/tests.log"
+  # The workers' own logs (gpu-worker-w*.log: every case's error text) land in OUTDIR as each
+  # worker ends, so a run cut short by the machine's time limit still shows why a case failed.
+  FLUX_TEST_LOG_DIR=$OUTDIR timeout ${TESTS_TIMEOUT:-900} $PY -m pytest -v -rs tests -k "$TEST_EXPR" 2>&1 | tee "$OUTDIR/tests.log"
   rc_tests=${PIPESTATUS[0]}
 fi
 for w in ${SHARED//,/ }; do
