@@ -194,6 +194,11 @@ CONFIGS = {
         C(76, (128, 80, 64), (1, 2), "pingpong", ()),
         # Ids 77-82 (and RS 32, 33) named AG 0, 2, 72, 73, 5, 25 (RS 6, 4) with L2 eviction hints on the
         # mainloop's loads, measured slower and removed (bench/results/fused_gemm-h200-*-l2hint.json).
+        # Split-K of the 128x80 ping-pong tile: at 1024 x 8192 x 1280 the whole tile is 128 tiles on
+        # 132 SMs, one per CTA, so one of a CTA's two consumer warp groups has no tile and the tensor
+        # pipes run at half rate; 2 or 4 slices of K give each group its own. Not timed yet.
+        C(83, (128, 80, 64), (2, 1), "pingpong", (), "splitk", 2),
+        C(84, (128, 80, 64), (2, 1), "pingpong", (), "splitk", 4),
     ),
     "rs": (
         C(0, (128, 256, 64), (2, 1), "cooperative", ()),
