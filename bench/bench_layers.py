@@ -463,7 +463,6 @@ def _commit():
         return None
 
 
-
 def finish(args, dev, dtype, records, text, **metadata) -> int:
     """The end of a benchmark run: rank 0 writes the JSON (--out: the metadata with the command
     and the commit, then the records) and prints ``text`` (the table); every rank leaves the group. Returns the

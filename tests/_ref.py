@@ -1,10 +1,13 @@
 """Helpers shared by the CPU tests (tests/test_*.py) and the GPU worker (tests/gpu_worker.py):
-deterministic inputs, the tolerance rule, and the check of a FluxInputError's message.
+deterministic inputs, the tolerance rule, the check of a FluxInputError's message, and the count
+of a GEMM op's slow-path calls.
 
 Tolerance: an op's output is compared with a float64 reference by relative norm error, and
 must be within twice the error of the same-precision unfused baseline (the result computed
 the plain way in the op's dtype) plus a small floor per dtype.
 """
+import contextlib
+
 import torch
 
 # Floor of the relative error allowed above 2x the same-precision baseline, by output dtype.
@@ -52,3 +55,20 @@ def expect_flux_error(fn, op, *fragments):
     for f in fragments:
         assert f in msg, f"expected {f!r} in {msg!r}"
     return msg
+
+
+@contextlib.contextmanager
+def slow_path_calls(op: str):
+    """A list that gets one entry per call of ``op``'s ("ag" / "rs") slow path (its GemmOp's
+    ``slow``, flux/ops/_gemm_op.py) while the block runs."""
+    import flux.ops.ag_gemm
+    import flux.ops.gemm_rs
+
+    gemm_op = flux.ops.ag_gemm._AG if op == "ag" else flux.ops.gemm_rs._RS
+    seen = []
+    orig = gemm_op.slow
+    gemm_op.slow = lambda *a, **k: (seen.append(1), orig(*a, **k))[1]
+    try:
+        yield seen
+    finally:
+        del gemm_op.slow

@@ -676,24 +676,20 @@ def _host_cost(op):
                 return out
         measured = {"nccl+mm": _host_us(baseline)}
         slow_calls = {}
-        slow = []
-        gemm_op = mod._AG if op == "ag" else mod._RS  # flux/ops/_gemm_op.py's GemmOp: its slow path counted
-        orig = gemm_op.slow
-        gemm_op.slow = lambda *a, **k: (slow.append(1), orig(*a, **k))[1]
         strategies = mod.available_strategies(dev)
         try:
-            for strategy in strategies:
-                autotune.force(name, strategy)
-                slow.clear()
-                outs = [public(prob.x, prob.w) for _ in range(20)]
-                slow_calls[strategy] = len(slow)
-                prob.check(outs[-1], f"{strategy}, 20th call")
-                measured[strategy] = _host_us(lambda: public(prob.x, prob.w))
-                rt = _gemm_op._hot.get(dist.group.WORLD)
-                measured[f"{strategy} (C++ entry)"] = _host_us(
-                    lambda: rt.call(0 if op == "ag" else 1, prob.x, prob.w, None, None, 0, -1, False))
+            with _ref.slow_path_calls(op) as slow:
+                for strategy in strategies:
+                    autotune.force(name, strategy)
+                    slow.clear()
+                    outs = [public(prob.x, prob.w) for _ in range(20)]
+                    slow_calls[strategy] = len(slow)
+                    prob.check(outs[-1], f"{strategy}, 20th call")
+                    measured[strategy] = _host_us(lambda: public(prob.x, prob.w))
+                    rt = _gemm_op._hot.get(dist.group.WORLD)
+                    measured[f"{strategy} (C++ entry)"] = _host_us(
+                        lambda: rt.call(0 if op == "ag" else 1, prob.x, prob.w, None, None, 0, -1, False))
         finally:
-            del gemm_op.slow
             autotune.force(name, None)
         # Every rank asserts on the same numbers: the maximum over the ranks.
         t = torch.tensor(list(measured.values()), dtype=torch.float64, device=dev)

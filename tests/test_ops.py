@@ -187,17 +187,11 @@ def _slow_path_case(op):
     """The op's slow path is its GemmOp's ``slow`` (the GPU host-cost cases of tests/gpu_worker.py
     count calls through it): patched on the op object, it sees every gloo call (no plan on CPU)."""
     def fn(rank, world):
-        gemm_op = flux.ops.ag_gemm._AG if op == "ag" else flux.ops.gemm_rs._RS
         x = rank_inputs(world, (3 if op == "ag" else 3 * world, 8), F32, 1600)[rank]
         w = rank_inputs(world, (5, 8), F32, 2600)[rank]
-        seen = []
-        orig = gemm_op.slow
-        gemm_op.slow = lambda *a, **k: (seen.append(1), orig(*a, **k))[1]
-        try:
+        with _ref.slow_path_calls(op) as seen:
             for _ in range(3):
                 _call(op, x, w, None)
-        finally:
-            del gemm_op.slow
         assert len(seen) == 3, f"{len(seen)} of 3 calls went through GemmOp.slow"
         return True
 
