@@ -13,7 +13,7 @@ a GPU spin: a kernel-time diagnostic, never the headline); inputs rotate among 2
 fits in L2. --pdl 0,1: each fused variant also without programmatic dependent launch ("<label>/pdl0";
 own, best and summary are the PDL-on ones, "by_pdl" and "*_pdl0" the others). No GPU: one line, exit 1.
 JSON (--out, stable): {"format": 1, "command", "commit", "device", "sm_count", "torch", "cuda",
- "dtype", "out_dtype", "timings": ["loop", "graph", "spin"], "configs": {op: {"source", "list": [{"id",
+ "dtype", "ag_world", "out_dtype", "timings": ["loop", "graph", "spin"], "configs": {op: {"source", "list": [{"id",
  "tile" (".../sk": stream-K, ".../k4": split-K into 4), "scheduler", "describe", "dtypes"}]}}, "results": [{"op", "m", "n", "k",
  "layers", "flop", "input_sets", "calls_per_sample", "rounds", "tolerance", "cublas" (rs: and "cublas_add"):
  {"ms": {timing: ms}, "tflops": {timing: TFLOP/s}, "rel_err"}, "own" (the analytic default): {"label", "ms", "tflops",
@@ -55,6 +55,9 @@ def parse_args(argv=None):
     p.add_argument("--rasters", default="1", help="1 along N (as the strategies launch), 2 along M, 0 CUTLASS's")
     p.add_argument("--pdl", default="1", help="programmatic dependent launch of the fused kernels: 1 (default), 0, "
                    "or 0,1 (both, interleaved)")
+    p.add_argument("--ag-world", type=int, default=2,
+                   help="ag: the rows as the shards of W ranks (this one rank 0, the peers' flags set; default 2); "
+                   "1: no flag read (the readiness wait's cost, a diagnostic)")
     p.add_argument("--quick", action="store_true", help="shorter samples, 3 rounds")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -135,7 +138,8 @@ def bench_shape(rec, args, dtype, out_dtype, sm, device=None):
     own = K.label(*K.analytic_config(op, m_bucket(m), n, k, dtype, out_dtype, sm, built))
     served = K.label(*K.choose_config(op, m, n, k, dtype, out_dtype, device))
     labs += [x for x in dict.fromkeys([own, served]) if x not in labs]
-    prob = KernelProblem(op, m, n, k, dtype, out_dtype, device or torch.device("cuda"))
+    prob = KernelProblem(op, m, n, k, dtype, out_dtype, device or torch.device("cuda"),
+                         ag_world=getattr(args, "ag_world", 2))
     base = {"cublas": prob.cublas()}
     if op == "rs":
         base["cublas_add"] = prob.cublas(add=True)
@@ -326,7 +330,7 @@ def _document(args, ops, results, sm, dtype):
     summ = summarize(results)
     doc = {"format": 1, "command": "python " + " ".join(shlex.quote(a) for a in sys.argv), "commit": commit(),
            "device": torch.cuda.get_device_name(), "sm_count": sm, "torch": torch.__version__,
-           "cuda": torch.version.cuda, "dtype": args.dtype,
+           "cuda": torch.version.cuda, "dtype": args.dtype, "ag_world": args.ag_world,
            "out_dtype": "fp32" if args.out_dtype == "fp32" else args.dtype,
            "timings": list(TIMINGS), "pdl": getattr(args, "pdl_list", [1]),
            "configs": {op: {"source": K.config_source(op),
