@@ -199,6 +199,14 @@ CONFIGS = {
         # pipes run at half rate; 2 or 4 slices of K give each group its own. Not timed yet.
         C(83, (128, 80, 64), (2, 1), "pingpong", (), "splitk", 2),
         C(84, (128, 80, 64), (2, 1), "pingpong", (), "splitk", 4),
+        # K steps of 128 (one barrier wait and one MMA batch per 128 of K, half as many as with 64):
+        # twins of the ping-pong tiles served on the 256- to 4096-row layers. Not timed yet.
+        C(85, (128, 80, 128), (2, 1), "pingpong", ()),
+        C(86, (128, 96, 128), (2, 1), "pingpong", ()),
+        C(87, (128, 128, 128), (2, 1), "pingpong", ()),
+        C(88, (64, 96, 128), (2, 1), "pingpong", ()),
+        C(89, (128, 144, 128), (2, 1), "pingpong", ()),
+        C(90, (128, 160, 128), (2, 1), "pingpong", ()),
     ),
     "rs": (
         C(0, (128, 256, 64), (2, 1), "cooperative", ()),
@@ -243,6 +251,10 @@ CONFIGS = {
         C(29, (128, 176, 64), (2, 1), "pingpong", ()),
         C(30, (128, 160, 64), (2, 1), "pingpong", ()),
         C(31, (128, 192, 64), (2, 1), "pingpong", ()),
+        # K steps of 128 (as AG 85-90): twins of RS 6, 5, 27. Not timed yet.
+        C(34, (128, 128, 128), (2, 1), "pingpong", ()),
+        C(35, (64, 128, 128), (1, 1), "pingpong", ()),
+        C(36, (64, 64, 128), (1, 2), "pingpong", ()),
     ),
 }
 OPS = tuple(CONFIGS)
