@@ -11,7 +11,9 @@ calls interleaved round by round, median over rounds after warm-up, timed as loo
 back, events around the loop), graph (that loop as a CUDA graph, replayed) and spin (one call behind
 a GPU spin: a kernel-time diagnostic, never the headline); inputs rotate among 2-4 sets where one set
 fits in L2. --pdl 0,1: each fused variant also without programmatic dependent launch ("<label>/pdl0";
-own, best and summary are the PDL-on ones, "by_pdl" and "*_pdl0" the others). No GPU: one line, exit 1.
+own, best and summary are the PDL-on ones, "by_pdl" and "*_pdl0" the others). --ag-world 2,1,8: each AG
+variant also with its rows as 1 and 8 ranks' shards ("<label>/w1", "/w8": 1 reads no flag), the first
+world the primary. No GPU: one line, exit 1.
 JSON (--out, stable): {"format": 1, "command", "commit", "device", "sm_count", "torch", "cuda",
  "dtype", "ag_world", "out_dtype", "timings": ["loop", "graph", "spin"], "configs": {op: {"source", "list": [{"id",
  "tile" (".../sk": stream-K, ".../k4": split-K into 4), "scheduler", "describe", "dtypes"}]}}, "results": [{"op", "m", "n", "k",
@@ -19,7 +21,7 @@ JSON (--out, stable): {"format": 1, "command", "commit", "device", "sm_count", "
  {"ms": {timing: ms}, "tflops": {timing: TFLOP/s}, "rel_err"}, "own" (the analytic default): {"label", "ms", "tflops",
  "vs_cublas": {timing: ratio}}, "served" (choose_config's label: tuned cache, else analytic), "best":
  {timing: {"label", "ms", "vs_cublas"}}, "variants": {"c<id>/r<raster>/s<swizzle>": {"config",
- "raster", "swizzle", "tile", "pdl", "ms", "tflops", "rel_err", "ok", "error"?}}, "by_pdl"?: {"0": {"own",
+ "raster", "swizzle", "tile", "pdl", "ag_world"?, "ms", "tflops", "rel_err", "ok", "error"?}}, "by_pdl"?: {"0": {"own",
  "best"}}}], "pdl": [settings], "summary": {op: {timing: {"shapes", "own_within_2pct", "own_within_5pct",
  "best_within_2pct", "best_within_5pct", "own_wrong", "geomean_own_over_cublas", "geomean_best_over_cublas",
  "geomean_own_over_best", "geomean_served_over_cublas", "geomean_{own,best}_over_cublas_pdl0"?}}}}; untimed: null.
@@ -55,9 +57,10 @@ def parse_args(argv=None):
     p.add_argument("--rasters", default="1", help="1 along N (as the strategies launch), 2 along M, 0 CUTLASS's")
     p.add_argument("--pdl", default="1", help="programmatic dependent launch of the fused kernels: 1 (default), 0, "
                    "or 0,1 (both, interleaved)")
-    p.add_argument("--ag-world", type=int, default=2,
+    p.add_argument("--ag-world", default="2",
                    help="ag: the rows as the shards of W ranks (this one rank 0, the peers' flags set; default 2); "
-                   "1: no flag read (the readiness wait's cost, a diagnostic)")
+                   "1: no flag read; e.g. 2,1,8: each variant also at the others, interleaved (the readiness "
+                   "wait's cost, a diagnostic)")
     p.add_argument("--quick", action="store_true", help="shorter samples, 3 rounds")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -71,6 +74,12 @@ def parse_args(argv=None):
         args.pdl_list = []
     if not args.pdl_list or any(x not in (0, 1) for x in args.pdl_list):
         p.error("--pdl takes 1, 0 or 0,1")
+    try:
+        args.worlds = list(dict.fromkeys(int(x) for x in args.ag_world.split(",")))  # the primary first
+    except ValueError:
+        args.worlds = []
+    if not args.worlds or any(not 1 <= w <= 64 for w in args.worlds):
+        p.error("--ag-world takes rank counts 1..64, e.g. 2 or 2,1,8")
     return args
 
 
@@ -138,8 +147,8 @@ def bench_shape(rec, args, dtype, out_dtype, sm, device=None):
     own = K.label(*K.analytic_config(op, m_bucket(m), n, k, dtype, out_dtype, sm, built))
     served = K.label(*K.choose_config(op, m, n, k, dtype, out_dtype, device))
     labs += [x for x in dict.fromkeys([own, served]) if x not in labs]
-    prob = KernelProblem(op, m, n, k, dtype, out_dtype, device or torch.device("cuda"),
-                         ag_world=getattr(args, "ag_world", 2))
+    prob = KernelProblem(op, m, n, k, dtype, out_dtype, device or torch.device("cuda"))
+    worlds = getattr(args, "worlds", [2]) if op == "ag" else [2]
     base = {"cublas": prob.cublas()}
     if op == "rs":
         base["cublas_add"] = prob.cublas(add=True)
@@ -154,12 +163,14 @@ def bench_shape(rec, args, dtype, out_dtype, sm, device=None):
         raise RuntimeError("--pdl " + args.pdl + ": this flux._C has no torch.ops.flux.set_fused_pdl")
     var, fns = {}, {}
     for base_lab in labs:
-        for pdl in pdls:
-            lab = base_lab if pdl == pdls[0] else f"{base_lab}/pdl{pdl}"
+        for pdl, world in [(p, w) for p in pdls for w in worlds]:
+            lab = base_lab + ("" if pdl == pdls[0] else f"/pdl{pdl}") + ("" if world == worlds[0] else f"/w{world}")
             cfg, raster, swz = K.parse_label(base_lab)
             v = {"config": cfg, "raster": raster, "swizzle": swz, "tile": desc[cfg], "pdl": pdl}
+            if op == "ag":
+                v["ag_world"] = world
             try:
-                f = prob.fused(cfg, raster, swz)
+                f = prob.fused(cfg, raster, swz, world)
                 if switch is not None:
                     f = _with_pdl(f, pdl, switch)
                 v["rel_err"] = prob.rel_err(f)
@@ -193,7 +204,8 @@ def bench_shape(rec, args, dtype, out_dtype, sm, device=None):
              "vs_cublas": {tm: _ratio(own_ms[tm], cub[tm]) for tm in TIMINGS}}
         best = {}
         for tm in TIMINGS:
-            timed = {lab: v["ms"][tm] for lab, v in var.items() if v["ms"][tm] is not None and v["pdl"] == pdl}
+            timed = {lab: v["ms"][tm] for lab, v in var.items()
+                     if v["ms"][tm] is not None and v["pdl"] == pdl and v.get("ag_world", worlds[0]) == worlds[0]}
             if timed:
                 b = min(timed, key=timed.get)
                 best[tm] = {"label": b, "ms": timed[b], "vs_cublas": _ratio(timed[b], cub[tm])}
@@ -330,7 +342,7 @@ def _document(args, ops, results, sm, dtype):
     summ = summarize(results)
     doc = {"format": 1, "command": "python " + " ".join(shlex.quote(a) for a in sys.argv), "commit": commit(),
            "device": torch.cuda.get_device_name(), "sm_count": sm, "torch": torch.__version__,
-           "cuda": torch.version.cuda, "dtype": args.dtype, "ag_world": args.ag_world,
+           "cuda": torch.version.cuda, "dtype": args.dtype, "ag_world": args.worlds,
            "out_dtype": "fp32" if args.out_dtype == "fp32" else args.dtype,
            "timings": list(TIMINGS), "pdl": getattr(args, "pdl_list", [1]),
            "configs": {op: {"source": K.config_source(op),

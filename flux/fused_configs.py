@@ -194,19 +194,12 @@ CONFIGS = {
         C(76, (128, 80, 64), (1, 2), "pingpong", ()),
         # Ids 77-82 (and RS 32, 33) named AG 0, 2, 72, 73, 5, 25 (RS 6, 4) with L2 eviction hints on the
         # mainloop's loads, measured slower and removed (bench/results/fused_gemm-h200-*-l2hint.json).
-        # Split-K of the 128x80 ping-pong tile: at 1024 x 8192 x 1280 the whole tile is 128 tiles on
-        # 132 SMs, one per CTA, so one of a CTA's two consumer warp groups has no tile and the tensor
-        # pipes run at half rate; 2 or 4 slices of K give each group its own. Not timed yet.
-        C(83, (128, 80, 64), (2, 1), "pingpong", (), "splitk", 2),
-        C(84, (128, 80, 64), (2, 1), "pingpong", (), "splitk", 4),
-        # K steps of 128 (one barrier wait and one MMA batch per 128 of K, half as many as with 64):
-        # twins of the ping-pong tiles served on the 256- to 4096-row layers. Not timed yet.
-        C(85, (128, 80, 128), (2, 1), "pingpong", ()),
-        C(86, (128, 96, 128), (2, 1), "pingpong", ()),
-        C(87, (128, 128, 128), (2, 1), "pingpong", ()),
-        C(88, (64, 96, 128), (2, 1), "pingpong", ()),
-        C(89, (128, 144, 128), (2, 1), "pingpong", ()),
-        C(90, (128, 160, 128), (2, 1), "pingpong", ()),
+        # Ids 83-90 named two kinds of tile measured slower and removed: split-K in 2 / 4 of the 128x80
+        # ping-pong tile (83, 84; each consumer warp group its own slice where the whole tile leaves one
+        # idle): 1.40-1.99x cuBLAS on the narrow 1024-row layers, where the whole tile ran 1.05-1.55x
+        # (bench/results/fused_gemm-h200-ag-splitk80.json); K steps of 128 in place of 64 (85-90, twins of
+        # AG 75, 20, 2, 60, 74, 72): 1.02-1.13x their twins' time (geometric means over 54 shapes), their
+        # fewer stages outweighing the halved barrier waits (bench/results/fused_gemm-h200-ag-k128.json).
     ),
     "rs": (
         C(0, (128, 256, 64), (2, 1), "cooperative", ()),
@@ -251,10 +244,9 @@ CONFIGS = {
         C(29, (128, 176, 64), (2, 1), "pingpong", ()),
         C(30, (128, 160, 64), (2, 1), "pingpong", ()),
         C(31, (128, 192, 64), (2, 1), "pingpong", ()),
-        # K steps of 128 (as AG 85-90): twins of RS 6, 5, 27. Not timed yet.
-        C(34, (128, 128, 128), (2, 1), "pingpong", ()),
-        C(35, (64, 128, 128), (1, 1), "pingpong", ()),
-        C(36, (64, 64, 128), (1, 2), "pingpong", ()),
+        # Ids 34-36 named K steps of 128 (twins of RS 6, 5, 27), measured and removed as AG 85-90:
+        # 1.12x, 1.06x and 0.98x their twins' time, the best per shape unchanged in graph timing
+        # (bench/results/fused_gemm-h200-rs-k128.json).
     ),
 }
 OPS = tuple(CONFIGS)

@@ -365,7 +365,11 @@ def fake_gpu(monkeypatch):
 
     from flux.autotune import kernel_timing as KT
 
+    ag_worlds = []  # the world of every AG launch
+
     def ag(out, a, w, bias, flags, rank, world, rows, timeout, err, raster, swizzle, config):
+        assert rank == 0 and world * rows == a.shape[0] and bool((flags[:world] != 0).all())
+        ag_worlds.append(world)
         out.copy_(a.float() @ w.float().t() * (1.5 if config == WRONG["ag"] else 1.0))
 
     def rs(out, a, w, bias, src, flags, seg_rows, rank, peer, timeout, err, raster, swizzle, config):
@@ -383,6 +387,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(KT, "_events_ms", events_ms)
     monkeypatch.setattr(KT, "capture", lambda loop, calls=1: types.SimpleNamespace(replay=loop))
     monkeypatch.setattr(KT, "L2_BYTES", 1 << 20)  # the small shapes below rotate input sets
+    return ag_worlds
 
 
 @pytest.mark.parametrize("op", ["ag", "rs"])
@@ -433,6 +438,27 @@ def test_bench_pdl_both_on_fakes(fake_gpu, monkeypatch):
                for e in entries.values())
     with pytest.raises(SystemExit):
         bench.parse_args(["--pdl", "2"])
+
+
+def test_bench_ag_worlds_on_fakes(fake_gpu):
+    """--ag-world 2,1,8: every AG variant also launched as 1 and 8 ranks' shards, labelled apart, the
+    primary world's copies alone in own / best and never a tuned choice."""
+    bench = _bench_module()
+    args = bench.parse_args(["--op", "ag", "--shapes", "256x256x512", "--quick", "--ag-world", "2,1,8"])
+    assert args.worlds == [2, 1, 8]
+    r = bench.bench_shape(bench.problems(args)[0], args, torch.bfloat16, torch.bfloat16, 132, torch.device("cpu"))
+    plain = {lab for lab in r["variants"] if "/w" not in lab}
+    assert {lab + s for lab in plain for s in ("/w1", "/w8")} == set(r["variants"]) - plain
+    assert all(r["variants"][lab]["ag_world"] == (1 if lab.endswith("/w1") else 8 if lab.endswith("/w8") else 2)
+               for lab in r["variants"])
+    assert set(fake_gpu) == {1, 2, 8}
+    assert "/w" not in r["own"]["label"] and all("/w" not in (b["label"] or "") for b in r["best"].values())
+    _, entries = K.entries_from_bench({"device": "x", "sm_count": 132, "dtype": "bf16", "out_dtype": "bf16",
+                                       "results": [r]})
+    assert all("/w" not in e["choice"] and not any("/w" in lab for lab in e["loop_ms"]) for e in entries.values())
+    for bad in ("0", "65", "x"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--ag-world", bad])
 
 
 def test_tune_on_fakes(fake_gpu):

@@ -28,17 +28,15 @@ SPIN_CYCLES = 1_000_000
 TIMEOUT_MS = 10000
 RS_SEGMENTS = 8  # segments of the peer's partial, as the fused RS strategy signals them
 MAX_REF_ROWS = 2048
+MAX_AG_WORLD = 64
 
 
 class KernelProblem:
     """Input sets and a sampled fp32 reference of one (op, m, n, k, dtype, out_dtype)."""
 
     def __init__(self, op: str, m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dtype,
-                 device: torch.device, max_sets: int = 4, seed: int = 0, ag_world: int = 2):
+                 device: torch.device, max_sets: int = 4, seed: int = 0):
         self.op, self.m, self.n, self.k, self.dtype, self.out_dtype = op, m, n, k, dtype, out_dtype
-        # ag: the rows as the shards of ag_world ranks, this one rank 0, every peer's flag set (the
-        # kernel reads each flag once per CTA); 1: no peer, no flag read.
-        self.ag_world = ag_world if m % ag_world == 0 else 1
         el, oel = torch.empty(0, dtype=dtype).element_size(), torch.empty(0, dtype=out_dtype).element_size()
         in_bytes = (m * k + n * k) * el + (m * n * oel if op == "rs" else 0)
         self.n_sets = 1 if in_bytes > L2_BYTES else max(2, min(max_sets, math.ceil(2 * L2_BYTES / in_bytes)))
@@ -57,19 +55,21 @@ class KernelProblem:
         s0 = self.sets[0]
         self.ref_mm = s0["a"][self.rows].float() @ s0["w"].float().t()
         self.ref = self.ref_mm + s0["src"][self.rows].float() if op == "rs" else self.ref_mm
-        self.ag_flags = torch.ones(max(2, self.ag_world), dtype=torch.int32, device=device)
+        self.ag_flags = torch.ones(MAX_AG_WORLD, dtype=torch.int32, device=device)
         self.rs_flags = torch.ones(RS_SEGMENTS, dtype=torch.int32, device=device)
 
     @property
     def flop(self) -> int:
         return 2 * self.m * self.n * self.k
 
-    def fused(self, config: int, raster: int, swizzle: int) -> List[Callable[[], None]]:
-        """One launcher per input set of the fused kernel (every flag set: nothing waits)."""
+    def fused(self, config: int, raster: int, swizzle: int, ag_world: int = 2) -> List[Callable[[], None]]:
+        """One launcher per input set of the fused kernel (every flag set: nothing waits). ag: the
+        rows as the shards of ``ag_world`` ranks (where they divide), this one rank 0, so that the
+        kernel reads each peer's flag once per CTA; 1: no peer, no flag read."""
         fns = []
+        world = ag_world if 1 <= ag_world <= MAX_AG_WORLD and self.m % ag_world == 0 else 1
         for s in self.sets:
             if self.op == "ag":
-                world = self.ag_world
                 fns.append(lambda s=s, w=world: torch.ops.flux.ag_gemm_fused_(
                     s["out"], s["a"], s["w"], None, self.ag_flags, 0, w, self.m // w, TIMEOUT_MS, 0,
                     raster, swizzle, config))
