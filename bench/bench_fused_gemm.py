@@ -66,6 +66,16 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.shapes and not args.op:
         p.error("--shapes needs --op")
+    if REPO not in sys.path:
+        sys.path.insert(0, REPO)
+    from flux.autotune.kernels import SWIZZLES
+    try:
+        swizzles = [int(x) for x in args.swizzles.split(",")]
+    except ValueError:
+        swizzles = []
+    if not swizzles or any(x not in SWIZZLES for x in swizzles):
+        p.error(f"--swizzles takes bands among {','.join(map(str, SWIZZLES))} "
+                "(CUTLASS's scheduler runs a larger one as 8)")
     if not args.shapes and not args.grid:
         args.grid = "models"
     try:

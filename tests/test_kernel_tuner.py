@@ -307,14 +307,34 @@ def test_entries_from_bench_and_cli(tmp_path, monkeypatch):
     assert K.cached_choice(got, "rs", 4096, 8192, 4096, "bf16", "bf16") == (3, 1, 1)
 
 
+def test_entries_from_bench_band_above_8_is_a_sample_of_8():
+    """CUTLASS's scheduler runs a band above 8 tiles as 8: such a variant is one more sample of the
+    8-tile one (averaged in), never a choice of its own."""
+    c0 = FC.config("ag", 0)
+    desc = KC.KernelConfig("ag", 0, *c0.tile, *c0.cluster, c0.schedule).desc
+
+    def var(swz, ms):
+        return {"config": 0, "raster": 1, "swizzle": swz, "tile": desc, "ok": True,
+                "ms": {"loop": ms, "graph": ms, "spin": ms}}
+    doc = {"device": "NVIDIA H200", "sm_count": 132, "dtype": "bf16", "out_dtype": "bf16", "results": [
+        {"op": "ag", "m": 16384, "n": 28672, "k": 8192, "cublas": {"ms": {"loop": 10.0, "graph": 10.0}},
+         "variants": {"c0/r1/s1": var(1, 11.0), "c0/r1/s8": var(8, 10.6), "c0/r1/s16": var(16, 9.0)}}]}
+    _, entries = K.entries_from_bench(doc)
+    (e,) = entries.values()
+    assert set(e["loop_ms"]) == {"c0/r1/s1", "c0/r1/s8"} and e["loop_ms"]["c0/r1/s8"] == pytest.approx(9.8)
+    assert e["choice"] == "c0/r1/s8" and e["vs_cublas"] == pytest.approx(0.98)
+
+
 # The bench JSONs the shipped H200 choices were chosen from, in order (a later file wins a shape):
 # the whole grid, the AG tile widths, the split-K tiles at 256 / 1024 rows, the default build
 # (split-K included) over the AG grid, cuBLAS's tiles at 256 / 1024 rows, bands of 2 and 4 M tiles
-# (AG, RS), RS's 64x64 tiles, the ping-pong tiles wider than 128 columns (AG, RS).
+# (AG, RS), RS's 64x64 tiles, the ping-pong tiles wider than 128 columns (AG, RS), bands of up to 8
+# M tiles on the large 16384-row AG shapes.
 SHIPPED_FROM = ("fused_gemm-h200-models.json", "fused_gemm-h200-ag.json",
                 "fused_gemm-h200-ag-splitk.json", "fused_gemm-h200-ag-grid-splitk.json",
                 "fused_gemm-h200-ag-tiles.json", "fused_gemm-h200-ag-swizzle.json", "fused_gemm-h200-rs-swizzle.json",
-                "fused_gemm-h200-rs-64x64.json", "fused_gemm-h200-ag-pingpong.json", "fused_gemm-h200-rs-pingpong.json")
+                "fused_gemm-h200-rs-64x64.json", "fused_gemm-h200-ag-pingpong.json", "fused_gemm-h200-rs-pingpong.json",
+                "fused_gemm-h200-ag-bands16k.json")
 
 
 def test_shipped_h200_choices_are_served_and_built(monkeypatch):
@@ -459,6 +479,9 @@ def test_bench_ag_worlds_on_fakes(fake_gpu):
     for bad in ("0", "65", "x"):
         with pytest.raises(SystemExit):
             bench.parse_args(["--ag-world", bad])
+    for bad in ("16", "3", "1,x"):  # CUTLASS runs a band above 8 as 8
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--swizzles", bad])
 
 
 def test_tune_on_fakes(fake_gpu):
