@@ -247,6 +247,10 @@ CONFIGS = {
         # Ids 34-36 named K steps of 128 (twins of RS 6, 5, 27), measured and removed as AG 85-90:
         # 1.12x, 1.06x and 0.98x their twins' time, the best per shape unchanged in graph timing
         # (bench/results/fused_gemm-h200-rs-k128.json).
+        # cuBLAS's tile at 128 rows per rank where N >= 8192 (128 x 14336 x 8192: 2 x 64 tiles of 64x128
+        # with the cluster along M, so the weight is multicast; bench/results/fused_ncu-h200-cluster.json):
+        # RS 5's tile with RS 28's cluster. Not timed yet.
+        C(37, (64, 128, 64), (2, 1), "pingpong", ()),
     ),
 }
 OPS = tuple(CONFIGS)
