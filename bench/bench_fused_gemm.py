@@ -37,6 +37,7 @@ import sys
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)  # flux, from this checkout
 TIMINGS = ("loop", "graph", "spin")
 HEADLINE = ("loop", "graph")
 
@@ -66,14 +67,12 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.shapes and not args.op:
         p.error("--shapes needs --op")
-    if REPO not in sys.path:
-        sys.path.insert(0, REPO)
     from flux.autotune.kernels import SWIZZLES
     try:
-        swizzles = [int(x) for x in args.swizzles.split(",")]
+        args.swizzle_list = [int(x) for x in args.swizzles.split(",")]
     except ValueError:
-        swizzles = []
-    if not swizzles or any(x not in SWIZZLES for x in swizzles):
+        args.swizzle_list = []
+    if not args.swizzle_list or any(x not in SWIZZLES for x in args.swizzle_list):
         p.error(f"--swizzles takes bands among {','.join(map(str, SWIZZLES))} "
                 "(CUTLASS's scheduler runs a larger one as 8)")
     if not args.shapes and not args.grid:
@@ -152,7 +151,7 @@ def bench_shape(rec, args, dtype, out_dtype, sm, device=None):
     built = [c for c in K.kernel_configs(op, dtype, out_dtype) if c.applies(m, n, k)]
     subset = {int(c) for c in args.configs.split(",")} if args.configs else None
     cfgs = [c for c in built if subset is None or c.id in subset]
-    labs = K.variants(op, m, cfgs, [int(s) for s in args.swizzles.split(",")],
+    labs = K.variants(op, m, cfgs, args.swizzle_list,
                       [int(r) for r in args.rasters.split(",")], n)
     own = K.label(*K.analytic_config(op, m_bucket(m), n, k, dtype, out_dtype, sm, built))
     served = K.label(*K.choose_config(op, m, n, k, dtype, out_dtype, device))
@@ -303,7 +302,6 @@ def main(argv=None):
         print("bench_fused_gemm: needs a CUDA GPU and flux._C with the sm_90a fused kernels (no GPU visible); "
               "nothing run")
         return 1
-    sys.path.insert(0, REPO)
     import flux  # noqa: F401  (loads flux._C)
     from flux.autotune import kernels as K
     from flux.autotune.kernel_timing import DTYPES

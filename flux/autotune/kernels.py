@@ -411,17 +411,15 @@ def entries_from_bench(doc: dict, configs: str = "default") -> Tuple[str, Dict[s
     entries = {}
     for r in doc["results"]:
         cfgs = {i: c for i, c in allowed[_op(r["op"])].items() if c.applies(r["m"], r["n"], r["k"])}
-        ok = {}
-        for lab, v in r["variants"].items():  # "<label>/pdl0": a copy timed without PDL
-            if not (re.fullmatch(r"c\d+/r\d+/s\d+", lab) and v["ok"] and v["config"] in cfgs
+        samples = {}  # label -> the timings of its correct variants
+        for lab, v in r["variants"].items():  # "<label>/pdl0", "<label>/w1": diagnostic copies, not choices
+            if (re.fullmatch(r"c\d+/r\d+/s\d+", lab) and v["ok"] and v["config"] in cfgs
                     and v["tile"] == cfgs[v["config"]].desc and v["ms"].get("loop") is not None):
-                continue
-            # A band above the largest ran as that one: one more sample of it, averaged in.
-            top = label(v["config"], v["raster"], min(v["swizzle"], SWIZZLES[-1]))
-            ok.setdefault(top, {"ms": {}, "samples": []})["samples"].append(v["ms"])
-        for v in ok.values():
-            v["ms"] = {t: sum(x[t] for x in v["samples"]) / len(v["samples"])
-                       for t in ("loop", "graph") if all(x.get(t) is not None for x in v["samples"])}
+                # A band above the largest ran as that one: one more sample of it, averaged in.
+                samples.setdefault(label(v["config"], v["raster"], min(v["swizzle"], SWIZZLES[-1])), []).append(v["ms"])
+        ok = {lab: {"ms": {t: sum(x[t] for x in xs) / len(xs)
+                           for t in ("loop", "graph") if all(x.get(t) is not None for x in xs)}}
+              for lab, xs in samples.items()}
         if not ok:
             continue
         ref = (r.get("cublas") or {}).get("ms") or {}
