@@ -65,7 +65,7 @@ class FusedConfig(NamedTuple):
 C = FusedConfig
 F = ("bf16", "fp16", "bf16_fp32")  # the dtypes of each op's general-purpose configuration (ag 0, rs 3)
 # Ids keep their meaning across releases; new shapes get new ids.
-# The default set (23 fused units, about a CPU-minute of nvcc each; the split-K configurations of
+# The default set (24 fused units, about a CPU-minute of nvcc each; the split-K configurations of
 # one tile share a unit) is the greedy choice over an H200 measurement of every bf16 persistent
 # configuration on the model grid (bench/results/fused_gemm-h200-grid-bf16.json): each
 # configuration added where it most lowered the geometric mean over the shapes of the best built
@@ -89,6 +89,7 @@ F = ("bf16", "fp16", "bf16_fp32")  # the dtypes of each op's general-purpose con
 # Then RS 27 and 28 (64x64 ping-pong): see their entries. Then AG 72-75 (ping-pong, 80-192 wide; see
 # their entries) in place of AG 9 (128x64 ping-pong), AG 25 (128x160 cooperative) and RS 4, which the
 # shipped H200 choices then no longer named (re-made without them: the same choice on every shape).
+# Then RS 37 (64x128 ping-pong, 2x1): see its entry.
 # The others are built with FLUX_KERNELS=all or by name ("streamk" / "splitk": every one, bf16).
 CONFIGS = {
     "ag": (
@@ -200,6 +201,9 @@ CONFIGS = {
         # (bench/results/fused_gemm-h200-ag-splitk80.json); K steps of 128 in place of 64 (85-90, twins of
         # AG 75, 20, 2, 60, 74, 72): 1.02-1.13x their twins' time (geometric means over 54 shapes), their
         # fewer stages outweighing the halved barrier waits (bench/results/fused_gemm-h200-ag-k128.json).
+        # cuBLAS's kernel at 1024 x 4096 x 1536 (bench/results/fused_ncu-h200-misses.json): 128x96
+        # ping-pong with the cluster along N (16 columns x 8 rows of tiles, A multicast).
+        C(91, (128, 96, 64), (1, 2), "pingpong", ()),
     ),
     "rs": (
         C(0, (128, 256, 64), (2, 1), "cooperative", ()),
@@ -249,8 +253,10 @@ CONFIGS = {
         # (bench/results/fused_gemm-h200-rs-k128.json).
         # cuBLAS's tile at 128 rows per rank where N >= 8192 (128 x 14336 x 8192: 2 x 64 tiles of 64x128
         # with the cluster along M, so the weight is multicast; bench/results/fused_ncu-h200-cluster.json):
-        # RS 5's tile with RS 28's cluster. Not timed yet.
-        C(37, (64, 128, 64), (2, 1), "pingpong", ()),
+        # RS 5's tile with RS 28's cluster. bench/results/fused_gemm-h200-rs-64x128.json: at 128 rows per
+        # rank and N >= 8192 the best configuration against mm then add went from 0.82-1.05x to 0.77-1.03x
+        # in graph timing (128 x 14336 x 8192: 1.048 -> 0.974); in the default build since.
+        C(37, (64, 128, 64), (2, 1), "pingpong", BF16),
     ),
 }
 OPS = tuple(CONFIGS)
