@@ -201,9 +201,10 @@ CONFIGS = {
         # (bench/results/fused_gemm-h200-ag-splitk80.json); K steps of 128 in place of 64 (85-90, twins of
         # AG 75, 20, 2, 60, 74, 72): 1.02-1.13x their twins' time (geometric means over 54 shapes), their
         # fewer stages outweighing the halved barrier waits (bench/results/fused_gemm-h200-ag-k128.json).
-        # cuBLAS's kernel at 1024 x 4096 x 1536 (bench/results/fused_ncu-h200-misses.json): 128x96
-        # ping-pong with the cluster along N (16 columns x 8 rows of tiles, A multicast).
-        C(91, (128, 96, 64), (1, 2), "pingpong", ()),
+        # Id 91 named the 128x96 ping-pong tile with a 1x2 cluster, cuBLAS's kernel at 1024 x 4096 x 1536
+        # (bench/results/fused_ncu-h200-misses.json): 1.06 / 1.25x cuBLAS there (loop / graph) against AG 29's
+        # 0.97 / 1.12, and slower than the served tile on all seven narrow layers timed
+        # (bench/results/fused_gemm-h200-ag-91.json); removed.
     ),
     "rs": (
         C(0, (128, 256, 64), (2, 1), "cooperative", ()),
@@ -253,9 +254,9 @@ CONFIGS = {
         # (bench/results/fused_gemm-h200-rs-k128.json).
         # cuBLAS's tile at 128 rows per rank where N >= 8192 (128 x 14336 x 8192: 2 x 64 tiles of 64x128
         # with the cluster along M, so the weight is multicast; bench/results/fused_ncu-h200-cluster.json):
-        # RS 5's tile with RS 28's cluster. bench/results/fused_gemm-h200-rs-64x128.json: at 128 rows per
-        # rank and N >= 8192 the best configuration against mm then add went from 0.82-1.05x to 0.77-1.03x
-        # in graph timing (128 x 14336 x 8192: 1.048 -> 0.974); in the default build since.
+        # RS 5's tile with RS 28's cluster. bench/results/fused_gemm-h200-rs-64x128.json (32-512 rows per
+        # rank): the best configuration on 8 of 36 shapes in graph timing; against mm then add, shapes not
+        # faster 6 -> 4 (128 x 14336 x 8192: 1.048 -> 0.974, 256 x 3584 x 4096: 1.026 -> 0.930).
         C(37, (64, 128, 64), (2, 1), "pingpong", BF16),
     ),
 }
