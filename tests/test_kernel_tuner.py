@@ -484,11 +484,29 @@ def test_bench_ag_worlds_on_fakes(fake_gpu):
             bench.parse_args(["--swizzles", bad])
 
 
-def test_tune_on_fakes(fake_gpu):
+def test_tune_on_fakes(fake_gpu, monkeypatch):
+    from flux.autotune import kernel_timing as KT
+
     cache = K.KernelCache("kernels|cpu|sm132")
     e = K.tune("ag", 256, 512, 256, torch.bfloat16, device=torch.device("cpu"), quick=True, cache=cache)
     assert not any(lab.startswith("c2/") for lab in e["loop_ms"])  # the wrong configuration is never timed
     assert e["choice"] in e["loop_ms"] and cache.get(K.entry_key("ag", 256, 512, 256, "bf16")) == e
+    # rounds: a floor on the planned rounds (3 with quick), never fewer
+    seen, timed = [], KT.time_calls
+    monkeypatch.setattr(KT, "time_calls", lambda fns, calls, rounds, *a, **kw: seen.append(rounds) or timed(
+        fns, calls, rounds, *a, **kw))
+    for floor in (7, 1):
+        K.tune("rs", 256, 512, 256, torch.bfloat16, device=torch.device("cpu"), quick=True, cache=cache, rounds=floor)
+    assert seen == [7, 3]
+
+
+def test_bench_rounds_on_fakes(fake_gpu):
+    """--rounds N: at least N rounds per shape, recorded in the JSON; fewer keep the planned count."""
+    bench = _bench_module()
+    for floor, want in ((6, 6), (2, 3)):
+        args = bench.parse_args(["--op", "ag", "--shapes", "256x256x512", "--quick", "--rounds", str(floor)])
+        r = bench.bench_shape(bench.problems(args)[0], args, torch.bfloat16, torch.bfloat16, 132, torch.device("cpu"))
+        assert r["rounds"] == want
 
 
 # ---- on a GPU: the real kernels -------------------------------------------------------------

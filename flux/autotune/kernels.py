@@ -14,7 +14,7 @@ choice whose configuration is no longer built with the same tile, cluster and sc
 The configurations are those of the table flux/fused_configs.py that are built for the dtypes
 (``kernel_configs``).
 
-CLI (one GPU): python -m flux.autotune.kernels --grid models [--op ag|rs] [--ship]; or, without a GPU,
+CLI (one GPU): python -m flux.autotune.kernels --grid models [--op ag|rs] [--rounds N] [--ship]; or, without a GPU,
 from a bench/bench_fused_gemm.py JSON: python -m flux.autotune.kernels --from-bench FILE [--configs SPEC]
 [--ship] (SPEC: a FLUX_KERNELS value, default "default": only what that build holds is chosen).
 """
@@ -351,9 +351,10 @@ def make_entry(loop_ms: Dict[str, float], graph_ms: Dict[str, float], default: s
 
 
 def tune(op: str, m: int, n: int, k: int, dtype=torch.bfloat16, out_dtype=None, device=None, quick=False,
-         cache: Optional[TuneCache] = None) -> dict:
+         cache: Optional[TuneCache] = None, rounds: int = 0) -> dict:
     """Time every variant of ``op`` alone (all flags set) in loop and graph timing and store the
-    entry (``make_entry``) in ``cache`` (default: this GPU's); the entry."""
+    entry (``make_entry``) in ``cache`` (default: this GPU's); the entry. ``rounds``: at least this
+    many interleaved rounds (``plan_sampling`` gives 3 where a sample runs over 5 ms)."""
     from flux.autotune.kernel_timing import DTYPES, KernelProblem, estimate_ms, plan_sampling, time_calls, tolerance
 
     out_dtype = out_dtype if out_dtype is not None else dtype
@@ -376,8 +377,8 @@ def tune(op: str, m: int, n: int, k: int, dtype=torch.bfloat16, out_dtype=None, 
             fns[lab] = f
     if not fns:
         raise RuntimeError(f"fused {op} {m}x{n}x{k}: no configuration computed the right result")
-    calls, rounds = plan_sampling(estimate_ms(next(iter(fns.values()))), quick)
-    t = time_calls(fns, calls, rounds, ("loop", "graph"))
+    calls, planned = plan_sampling(estimate_ms(next(iter(fns.values()))), quick)
+    t = time_calls(fns, calls, max(planned, rounds), ("loop", "graph"))
     entry = make_entry({lab: v["loop"] for lab, v in t.items()}, {lab: v["graph"] for lab, v in t.items()},
                        default, {c.id: c.desc for c in cfgs})
     cache.put(entry_key(op, m, n, k, dtype, out_dtype), entry)
@@ -452,6 +453,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     p.add_argument("--out-dtype", choices=("same", "fp32"), default="same")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--rounds", type=int, default=0, help="at least this many rounds per shape (3 by default where "
+                   "a sample runs over 5 ms: the 16384-row shapes)")
     p.add_argument("--ship", action="store_true", help="write into flux/autotune/shipped/ instead of the user cache")
     p.add_argument("--from-bench", default=None, metavar="JSON",
                    help="make the entries from bench/bench_fused_gemm.py's output instead of timing (no GPU)")
@@ -488,7 +491,8 @@ def main(argv=None) -> int:
         if ek in done:
             continue
         done.add(ek)
-        e = tune(r["op"], m_bucket(r["m"]), r["n"], r["k"], args.dtype, out_dtype, quick=args.quick, cache=cache)
+        e = tune(r["op"], m_bucket(r["m"]), r["n"], r["k"], args.dtype, out_dtype, quick=args.quick, cache=cache,
+                 rounds=args.rounds)
         print(f"{ek:44s} {e['choice']:>12s} (default {e['default']})", flush=True)
     print(f"wrote {len(done)} entries to {cache.save()}")
     return 0
