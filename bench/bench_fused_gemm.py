@@ -196,8 +196,7 @@ def bench_shape(rec, args, dtype, out_dtype, sm, device=None):
                 fns[lab] = f
             var[lab] = v
     t_est = estimate_ms(base["cublas"])
-    calls, rounds = plan_sampling(t_est, args.quick)
-    rounds = max(rounds, args.rounds)
+    calls, rounds = plan_sampling(t_est, args.quick, args.rounds)
     out.update(calls_per_sample=calls, rounds=rounds)
     t = time_calls({**base, **fns}, calls, rounds, TIMINGS, settle=t_est < 1.0)
 

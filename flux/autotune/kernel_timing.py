@@ -155,13 +155,14 @@ def estimate_ms(fns: Sequence[Callable[[], None]]) -> float:
     return _events_ms(loop_of(fns, 3)) / 3
 
 
-def plan_sampling(t_ms: float, quick: bool = False):
+def plan_sampling(t_ms: float, quick: bool = False, min_rounds: int = 0):
     """(calls per sample, rounds): samples of ~2 ms (1 ms quick), at least 2 calls; fewer
-    rounds where a sample is long, so that the largest problems stay within the time budget."""
+    rounds where a sample is long, so that the largest problems stay within the time budget;
+    at least ``min_rounds`` rounds (the callers' --rounds)."""
     target = 1.0 if quick else 2.0
     calls = max(2, min(64, round(target / max(t_ms, 1e-4))))
     rounds = 3 if quick or calls * t_ms > 5.0 else 5
-    return calls, rounds
+    return calls, max(rounds, min_rounds)
 
 
 def time_calls(variants: Dict[str, Sequence[Callable[[], None]]], calls: int, rounds: int,

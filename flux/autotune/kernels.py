@@ -377,8 +377,8 @@ def tune(op: str, m: int, n: int, k: int, dtype=torch.bfloat16, out_dtype=None, 
             fns[lab] = f
     if not fns:
         raise RuntimeError(f"fused {op} {m}x{n}x{k}: no configuration computed the right result")
-    calls, planned = plan_sampling(estimate_ms(next(iter(fns.values()))), quick)
-    t = time_calls(fns, calls, max(planned, rounds), ("loop", "graph"))
+    calls, rounds = plan_sampling(estimate_ms(next(iter(fns.values()))), quick, rounds)
+    t = time_calls(fns, calls, rounds, ("loop", "graph"))
     entry = make_entry({lab: v["loop"] for lab, v in t.items()}, {lab: v["graph"] for lab, v in t.items()},
                        default, {c.id: c.desc for c in cfgs})
     cache.put(entry_key(op, m, n, k, dtype, out_dtype), entry)
