@@ -7,7 +7,9 @@ runs all M gathered rows, rs one rank's block of M/TP rows adding the peer's par
 epilogue. Baselines: torch.mm into the output dtype ('cublas'); rs also mm then the add ('cublas_add').
 Protocol: correctness first (random data, NaN-poisoned output, relative error of sampled rows vs an
 fp32 reference; above max(2 x cuBLAS's error, 1e-3) a config is reported, never timed); then all
-calls interleaved round by round, median over rounds after warm-up, timed as loop (calls back to
+calls interleaved round by round (each round starting one variant further; from 0.5 ms a call, each
+variant first runs untimed for 60 ms, so that the clock is its own: flux/autotune/kernel_timing.py),
+median over rounds after warm-up, timed as loop (calls back to
 back, events around the loop), graph (that loop as a CUDA graph, replayed) and spin (one call behind
 a GPU spin: a kernel-time diagnostic, never the headline); inputs rotate among 2-4 sets where one set
 fits in L2. --pdl 0,1: each fused variant also without programmatic dependent launch ("<label>/pdl0";
@@ -159,7 +161,7 @@ def _ratio(a, b):
 
 def bench_shape(rec, args, dtype, out_dtype, sm, device=None):
     from flux.autotune import kernels as K
-    from flux.autotune.kernel_timing import KernelProblem, estimate_ms, plan_sampling, time_calls
+    from flux.autotune.kernel_timing import KernelProblem, estimate_ms, plan_sampling, time_calls, warm_calls
     from flux.autotune.space import m_bucket
 
     op, m, n, k = rec["op"], rec["m"], rec["n"], rec["k"]
@@ -216,7 +218,7 @@ def bench_shape(rec, args, dtype, out_dtype, sm, device=None):
     t_est = estimate_ms(base["cublas"])
     calls, rounds = plan_sampling(t_est, args.quick, args.rounds)
     out.update(calls_per_sample=calls, rounds=rounds)
-    t = time_calls({**base, **fns}, calls, rounds, TIMINGS, settle=t_est < 1.0)
+    t = time_calls({**base, **fns}, calls, rounds, TIMINGS, settle=t_est < 1.0, warm=warm_calls(t_est))
 
     def tflops(ms):
         return {tm: (prob.flop / (v * 1e-3) / 1e12 if v else None) for tm, v in ms.items()}

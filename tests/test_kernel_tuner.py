@@ -588,3 +588,24 @@ def test_fused_scoreboard(tmp_path):
                 assert vt["shapes"] == 144 and vt["geomean"] < 1.03, (t, vt)
     # No tuned choice on the two-file set (its tiles name no built configuration): no ratio to it.
     assert s["timings"]["loop"]["vs_tuned"] == {"shapes": 0, "geomean": None, "over_5pct": 0, "max": None}
+
+
+def test_time_calls_rotates_and_warms(monkeypatch):
+    """Each round starts one variant further; ``warm`` untimed calls precede a variant's samples
+    in every round (the clock its own power draw sets); warm_calls only from 0.5 ms a call."""
+    from flux.autotune import kernel_timing as KT
+
+    log = []
+    monkeypatch.setattr(KT, "_events_ms", lambda run, spin=False: (log.append("sample"), run(), 1.0)[2])
+    monkeypatch.setattr(KT, "capture", lambda loop, calls=1: types.SimpleNamespace(replay=loop))
+    variants = {lab: [lambda lab=lab: log.append(lab)] for lab in "abc"}
+    t = KT.time_calls(variants, calls=2, rounds=3, timings=("loop",), settle=False, warm=4)
+    assert set(t) == set("abc") and all(v["loop"] == 0.5 for v in t.values())
+    timed = log[3 + 0:]  # after each variant's first call
+    firsts, i = [], 0
+    while i < len(timed):  # per variant and round: 4 warm calls, then a sample of 2 calls
+        assert timed[i:i + 4] == [timed[i]] * 4 and timed[i + 4:i + 7] == ["sample", timed[i], timed[i]], timed[i:i + 7]
+        firsts.append(timed[i])
+        i += 7
+    assert firsts == list("abc" "bca" "cab")
+    assert KT.warm_calls(0.2) == 0 and KT.warm_calls(10.0) == 6 and KT.warm_calls(0.5) == 120

@@ -4,8 +4,10 @@ Shared by the kernel tuner (flux/autotune/kernels.py) and bench/bench_fused_gemm
 Problems are the kernel's own (m, n, k): ag runs all gathered rows against its N columns of
 the weight; rs runs one rank's block of rows and adds the peer's partial (``src``).
 
-Timings, each the median over rounds (all calls interleaved round by round, so that a drift
-of clocks or temperature spreads over all of them):
+Timings, each the median over rounds (all calls interleaved round by round, each round starting
+one variant further, so that a drift of clocks or temperature spreads over all of them; where a
+call runs 0.5 ms or more, each variant first runs untimed for WARM_MS, so that its samples run
+at the clock its own power draw sets, not the one the variant before it left):
   loop   ``calls`` launches back to back between two CUDA events, ms per call;
   graph  that loop captured in a CUDA graph and replayed, ms per call;
   spin   one launch queued behind a GPU spin of SPIN_CYCLES (kernel time from a cool start,
@@ -25,6 +27,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 L2_BYTES = 60 << 20  # H100/H200 L2 is 50/60 MB: rotate sets while one set is below this
 SPIN_CYCLES = 1_000_000
+WARM_MS = 60.0  # warm_calls: GPU time per variant and round before its samples
 TIMEOUT_MS = 10000
 RS_SEGMENTS = 8  # segments of the peer's partial, as the fused RS strategy signals them
 MAX_REF_ROWS = 2048
@@ -165,18 +168,32 @@ def plan_sampling(t_ms: float, quick: bool = False, min_rounds: int = 0):
     return calls, max(rounds, min_rounds)
 
 
+def warm_calls(t_ms: float) -> int:
+    """Untimed calls of a variant before its samples in each round, where one call runs 0.5 ms or
+    more: WARM_MS of GPU time. The card's clock follows the power that the running kernel draws with
+    a lag of tens of milliseconds, so without them a variant's first samples run at the clock that
+    the variant before it left (on an H200 at 16384 rows, up to 10% either way)."""
+    return 0 if t_ms < 0.5 else math.ceil(WARM_MS / t_ms)
+
+
 def time_calls(variants: Dict[str, Sequence[Callable[[], None]]], calls: int, rounds: int,
-               timings: Sequence[str] = ("loop", "graph", "spin"), settle: bool = True) -> Dict[str, Dict]:
-    """{label: {timing: median ms per call or None}} for every variant, rounds interleaved.
+               timings: Sequence[str] = ("loop", "graph", "spin"), settle: bool = True,
+               warm: int = 0) -> Dict[str, Dict]:
+    """{label: {timing: median ms per call or None}} for every variant, rounds interleaved, each
+    round starting one variant further (no variant always follows the same one).
     ``settle``: one untimed call of a variant before its samples of each round (its operands
-    after the previous variant's)."""
+    after the previous variant's); ``warm``: that many more (``warm_calls``: the clock)."""
     loops = {lab: loop_of(fns, calls) for lab, fns in variants.items()}
     for lab, fns in variants.items():
         fns[0]()
     graphs = {lab: capture(loops[lab], calls=1) if "graph" in timings else None for lab in variants}
     samples = {lab: {t: [] for t in timings} for lab in variants}
-    for _ in range(rounds):
-        for lab, fns in variants.items():
+    order = list(variants)
+    for r in range(rounds):
+        for lab in order[r % len(order):] + order[:r % len(order)]:
+            fns = variants[lab]
+            if warm:
+                loop_of(fns, warm)()
             if settle:
                 fns[-1]()
             if "loop" in timings:

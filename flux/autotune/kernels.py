@@ -355,7 +355,8 @@ def tune(op: str, m: int, n: int, k: int, dtype=torch.bfloat16, out_dtype=None, 
     """Time every variant of ``op`` alone (all flags set) in loop and graph timing and store the
     entry (``make_entry``) in ``cache`` (default: this GPU's); the entry. ``rounds``: at least this
     many interleaved rounds (``plan_sampling`` gives 3 where a sample runs over 5 ms)."""
-    from flux.autotune.kernel_timing import DTYPES, KernelProblem, estimate_ms, plan_sampling, time_calls, tolerance
+    from flux.autotune.kernel_timing import (DTYPES, KernelProblem, estimate_ms, plan_sampling, time_calls,
+                                             tolerance, warm_calls)
 
     out_dtype = out_dtype if out_dtype is not None else dtype
     key, sm = gpu_key(device)
@@ -377,8 +378,9 @@ def tune(op: str, m: int, n: int, k: int, dtype=torch.bfloat16, out_dtype=None, 
             fns[lab] = f
     if not fns:
         raise RuntimeError(f"fused {op} {m}x{n}x{k}: no configuration computed the right result")
-    calls, rounds = plan_sampling(estimate_ms(next(iter(fns.values()))), quick, rounds)
-    t = time_calls(fns, calls, rounds, ("loop", "graph"))
+    t_est = estimate_ms(next(iter(fns.values())))
+    calls, rounds = plan_sampling(t_est, quick, rounds)
+    t = time_calls(fns, calls, rounds, ("loop", "graph"), warm=warm_calls(t_est))
     entry = make_entry({lab: v["loop"] for lab, v in t.items()}, {lab: v["graph"] for lab, v in t.items()},
                        default, {c.id: c.desc for c in cfgs})
     cache.put(entry_key(op, m, n, k, dtype, out_dtype), entry)
