@@ -329,12 +329,14 @@ def test_entries_from_bench_band_above_8_is_a_sample_of_8():
 # the whole grid, the AG tile widths, the split-K tiles at 256 / 1024 rows, the default build
 # (split-K included) over the AG grid, cuBLAS's tiles at 256 / 1024 rows, bands of 2 and 4 M tiles
 # (AG, RS), RS's 64x64 tiles, the ping-pong tiles wider than 128 columns (AG, RS), bands of up to 8
-# M tiles on the large 16384-row AG shapes, RS's 64x128 2x1 tile at 32-512 rows per rank.
+# M tiles on the large 16384-row AG shapes, RS's 64x128 2x1 tile at 32-512 rows per rank; then,
+# timed with each variant warmed up (its own clock), AG at 4096 / 16384 rows and RS at 16384.
 SHIPPED_FROM = ("fused_gemm-h200-models.json", "fused_gemm-h200-ag.json",
                 "fused_gemm-h200-ag-splitk.json", "fused_gemm-h200-ag-grid-splitk.json",
                 "fused_gemm-h200-ag-tiles.json", "fused_gemm-h200-ag-swizzle.json", "fused_gemm-h200-rs-swizzle.json",
                 "fused_gemm-h200-rs-64x64.json", "fused_gemm-h200-ag-pingpong.json", "fused_gemm-h200-rs-pingpong.json",
-                "fused_gemm-h200-ag-bands16k.json", "fused_gemm-h200-rs-64x128.json")
+                "fused_gemm-h200-ag-bands16k.json", "fused_gemm-h200-rs-64x128.json",
+                "fused_gemm-h200-ag-warm.json", "fused_gemm-h200-rs-warm.json")
 
 
 def test_shipped_h200_choices_are_served_and_built(monkeypatch):
