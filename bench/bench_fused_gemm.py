@@ -15,8 +15,7 @@ a GPU spin: a kernel-time diagnostic, never the headline); inputs rotate among 2
 fits in L2. --pdl 0,1: each fused variant also without programmatic dependent launch ("<label>/pdl0";
 own, best and summary are the PDL-on ones, "by_pdl" and "*_pdl0" the others). --ag-world 2,1,8: each AG
 variant also with its rows as 1 and 8 ranks' shards ("<label>/w1", "/w8": 1 reads no flag), the first
-world the primary. --tma-l2 128,256: each variant also with that L2 fetch size in its TMA descriptors
-("<label>/l2p256"; torch.ops.flux.set_tma_l2_promotion), the first the primary. --rounds N: at least N rounds (samples of more than 5 ms get 3 by default). No GPU:
+world the primary. --rounds N: at least N rounds (samples of more than 5 ms get 3 by default). No GPU:
 one line, exit 1.
 JSON (--out, stable): {"format": 1, "command", "commit", "device", "sm_count", "torch", "cuda",
  "dtype", "ag_world", "out_dtype", "timings": ["loop", "graph", "spin"], "configs": {op: {"source", "list": [{"id",
@@ -25,7 +24,7 @@ JSON (--out, stable): {"format": 1, "command", "commit", "device", "sm_count", "
  {"ms": {timing: ms}, "tflops": {timing: TFLOP/s}, "rel_err"}, "own" (the analytic default): {"label", "ms", "tflops",
  "vs_cublas": {timing: ratio}}, "served" (choose_config's label: tuned cache, else analytic), "best":
  {timing: {"label", "ms", "vs_cublas"}}, "variants": {"c<id>/r<raster>/s<swizzle>": {"config",
- "raster", "swizzle", "tile", "pdl", "ag_world"?, "tma_l2"?, "ms", "tflops", "rel_err", "ok", "error"?}}, "by_pdl"?: {"0": {"own",
+ "raster", "swizzle", "tile", "pdl", "ag_world"?, "ms", "tflops", "rel_err", "ok", "error"?}}, "by_pdl"?: {"0": {"own",
  "best"}}}], "pdl": [settings], "summary": {op: {timing: {"shapes", "own_within_2pct", "own_within_5pct",
  "best_within_2pct", "best_within_5pct", "own_wrong", "geomean_own_over_cublas", "geomean_best_over_cublas",
  "geomean_own_over_best", "geomean_served_over_cublas", "geomean_{own,best}_over_cublas_pdl0"?}}}}; untimed: null.
@@ -62,9 +61,6 @@ def parse_args(argv=None):
     p.add_argument("--rasters", default="1", help="1 along N (as the strategies launch), 2 along M, 0 CUTLASS's")
     p.add_argument("--pdl", default="1", help="programmatic dependent launch of the fused kernels: 1 (default), 0, "
                    "or 0,1 (both, interleaved)")
-    p.add_argument("--tma-l2", default="128",
-                   help="L2 fetch size (bytes) of the TMA descriptors: 128 (default, CUTLASS's), or e.g. 128,256,0: "
-                   "each variant also at the others, interleaved (\"<label>/l2p256\"; own and best at the first)")
     p.add_argument("--ag-world", default="2",
                    help="ag: the rows as the shards of W ranks (this one rank 0, the peers' flags set; default 2); "
                    "1: no flag read; e.g. 2,1,8: each variant also at the others, interleaved (the readiness "
@@ -94,12 +90,6 @@ def parse_args(argv=None):
     if not args.pdl_list or any(x not in (0, 1) for x in args.pdl_list):
         p.error("--pdl takes 1, 0 or 0,1")
     try:
-        args.l2p_list = list(dict.fromkeys(int(x) for x in args.tma_l2.split(",")))  # the primary first
-    except ValueError:
-        args.l2p_list = []
-    if not args.l2p_list or any(x not in (0, 64, 128, 256) for x in args.l2p_list):
-        p.error("--tma-l2 takes 0, 64, 128, 256, e.g. 128,256")
-    try:
         args.worlds = list(dict.fromkeys(int(x) for x in args.ag_world.split(",")))  # the primary first
     except ValueError:
         args.worlds = []
@@ -116,15 +106,14 @@ def _pdl_switch():
         return None
 
 
-def _with_settings(fns, settings):
-    """The launchers with process-wide switches (PDL, the TMA L2 fetch size) set by the first of
-    them: a loop, a graph capture or a spin sample starts with it, and a variant's calls are never
-    interleaved with another's, so the others inherit the settings (one call per input-set cycle)."""
+def _with_pdl(fns, pdl, switch):
+    """The launchers with the process-wide PDL switch set by the first of them: a loop, a graph
+    capture or a spin sample starts with it, and a variant's calls are never interleaved with
+    another's, so the others inherit the setting (one switch call per input-set cycle)."""
     first = fns[0]
 
     def set_then_call():
-        for switch, value in settings:
-            switch(value)
+        switch(bool(pdl))
         first()
     return [set_then_call, *fns[1:]]
 
@@ -187,25 +176,18 @@ def bench_shape(rec, args, dtype, out_dtype, sm, device=None):
     switch = _pdl_switch() if pdls != [1] else None
     if pdls != [1] and switch is None:
         raise RuntimeError("--pdl " + args.pdl + ": this flux._C has no torch.ops.flux.set_fused_pdl")
-    l2ps = getattr(args, "l2p_list", [128])
-    l2_switch = torch.ops.flux.set_tma_l2_promotion if l2ps != [128] else None
     var, fns = {}, {}
     for base_lab in labs:
-        for pdl, world, l2p in [(p, w, q) for p in pdls for w in worlds for q in l2ps]:
-            lab = (base_lab + ("" if pdl == pdls[0] else f"/pdl{pdl}") + ("" if world == worlds[0] else f"/w{world}")
-                   + ("" if l2p == l2ps[0] else f"/l2p{l2p}"))
+        for pdl, world in [(p, w) for p in pdls for w in worlds]:
+            lab = base_lab + ("" if pdl == pdls[0] else f"/pdl{pdl}") + ("" if world == worlds[0] else f"/w{world}")
             cfg, raster, swz = K.parse_label(base_lab)
             v = {"config": cfg, "raster": raster, "swizzle": swz, "tile": desc[cfg], "pdl": pdl}
             if op == "ag":
                 v["ag_world"] = world
-            if l2_switch is not None:
-                v["tma_l2"] = l2p
             try:
                 f = prob.fused(cfg, raster, swz, world)
-                settings = ([(switch, bool(pdl))] if switch is not None else []) + (
-                    [(l2_switch, l2p)] if l2_switch is not None else [])
-                if settings:
-                    f = _with_settings(f, settings)
+                if switch is not None:
+                    f = _with_pdl(f, pdl, switch)
                 v["rel_err"] = prob.rel_err(f)
                 if math.isinf(v["rel_err"]):
                     v["rel_err"], v["error"] = None, "output left NaN (tiles not written)"
@@ -238,8 +220,7 @@ def bench_shape(rec, args, dtype, out_dtype, sm, device=None):
         best = {}
         for tm in TIMINGS:
             timed = {lab: v["ms"][tm] for lab, v in var.items()
-                     if v["ms"][tm] is not None and v["pdl"] == pdl and v.get("ag_world", worlds[0]) == worlds[0]
-                     and v.get("tma_l2", l2ps[0]) == l2ps[0]}
+                     if v["ms"][tm] is not None and v["pdl"] == pdl and v.get("ag_world", worlds[0]) == worlds[0]}
             if timed:
                 b = min(timed, key=timed.get)
                 best[tm] = {"label": b, "ms": timed[b], "vs_cublas": _ratio(timed[b], cub[tm])}
@@ -255,8 +236,6 @@ def bench_shape(rec, args, dtype, out_dtype, sm, device=None):
             out["by_pdl"][str(pdl)] = {"own": o, "best": b}
     if switch is not None:
         switch(bool(pdls[0]))  # the process default again
-    if l2_switch is not None:
-        l2_switch(128)
     del prob, fns, base
     return out
 

@@ -5,7 +5,7 @@
 
 A case is op:MxKxN (the kernel's own rows, K, N, as bench/bench_fused_gemm.py's shapes) and the
 fused launches to profile: labels c<config>/r<raster>/s<swizzle>, or "served" (the library's
-choice), each optionally with "/l2p<bytes>" (the TMA descriptors' L2 fetch size; default 128). Each case profiles torch.mm (cuBLAS) first, then its labels; every flag set, bf16; each
+choice). Each case profiles torch.mm (cuBLAS) first, then its labels; every flag set, bf16; each
 launch warmed up three times, then one launch inside the profiler's range, after a short GPU spin
 (torch.cuda._sleep) that marks where the launch's kernels begin (a split-K launch has two).
 
@@ -65,15 +65,12 @@ def child(cases) -> None:
     plan = []
     for op, m, k, n, labels in cases:
         pr = KernelProblem(op, m, n, k, torch.bfloat16, torch.bfloat16, torch.device("cuda"), max_sets=1)
-        runs = [("cublas", pr.cublas()[0], 128)]
+        runs = [("cublas", pr.cublas()[0])]
         for lab in labels:
-            lab, _, l2p = lab.partition("/l2p")  # "<label>/l2p256": that TMA L2 fetch size
             if lab == "served":
                 lab = K.label(*K.choose_config(op, m, n, k, torch.bfloat16, torch.bfloat16, None))
-            runs.append((lab + (f"/l2p{l2p}" if l2p else ""), pr.fused(*K.parse_label(lab))[0], int(l2p or 128)))
-        for lab, fn, l2p in runs:
-            if hasattr(torch.ops.flux, "set_tma_l2_promotion"):
-                torch.ops.flux.set_tma_l2_promotion(l2p)
+            runs.append((lab, pr.fused(*K.parse_label(lab))[0]))
+        for lab, fn in runs:
             for _ in range(3):
                 fn()
             torch.cuda.synchronize()

@@ -26,10 +26,6 @@ std::string fused_kernels_built();
 // Programmatic dependent launch of the fused GEMMs, process-wide (default on; common/fused_gemm.cuh).
 bool fused_pdl();
 void set_fused_pdl(bool enabled);
-// The L2 fetch size of the CUTLASS GEMMs' TMA descriptors in bytes, process-wide (default 128;
-// common/tma_l2.h).
-void set_tma_l2_promotion(int64_t bytes);
-int64_t get_tma_l2_promotion();
 
 // Fused GEMM+ReduceScatter own block (csrc/gemm_rs/rs_fused.cpp): out = a @ weight^T + source (+ bias),
 // the epilogue of each tile waiting for the flags of the source segments it reads.

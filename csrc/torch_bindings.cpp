@@ -66,10 +66,6 @@ TORCH_LIBRARY(flux, m) {
   // on): their prologue overlaps the tail of the kernel before them in the stream.
   m.def("set_fused_pdl(bool enabled) -> ()");
   m.def("fused_pdl() -> bool");
-  // The L2 fetch size ("promotion", bytes: 0, 64, 128 or 256) of the TMA descriptors of the CUTLASS
-  // GEMMs (fused and grouped), process-wide, default 128 (csrc/common/tma_l2.h).
-  m.def("set_tma_l2_promotion(int bytes) -> ()");
-  m.def("tma_l2_promotion() -> int");
   // Fused GEMM+ReduceScatter own block (csrc/gemm_rs/rs_fused.cpp): out = a @ weight^T + source (+ bias);
   // source: this rank's workspace slot that the peer fills segment by segment, segment s announced
   // by flags[s] != 0; the epilogue of a tile waits (bounded, naming `peer`) for its segments.
@@ -84,8 +80,6 @@ TORCH_LIBRARY_IMPL(flux, CompositeExplicitAutograd, m) {
   m.impl("grouped_kernels_built", &flux::grouped_kernels_built);
   m.impl("set_fused_pdl", &flux::set_fused_pdl);
   m.impl("fused_pdl", &flux::fused_pdl);
-  m.impl("set_tma_l2_promotion", &flux::set_tma_l2_promotion);
-  m.impl("tma_l2_promotion", &flux::get_tma_l2_promotion);
 }
 
 TORCH_LIBRARY_IMPL(flux, CUDA, m) {

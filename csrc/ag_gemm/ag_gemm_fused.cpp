@@ -6,25 +6,15 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include "ag_gemm/ag_gemm_fused.cuh"
-#include "common/tma_l2.h"
 
 namespace flux {
 
 namespace {
 std::atomic<bool> g_fused_pdl{true};
-std::atomic<int> g_tma_l2_promotion{128};
 }  // namespace
 
 bool fused_pdl() { return g_fused_pdl.load(std::memory_order_relaxed); }
 void set_fused_pdl(bool enabled) { g_fused_pdl.store(enabled, std::memory_order_relaxed); }
-
-int tma_l2_promotion() { return g_tma_l2_promotion.load(std::memory_order_relaxed); }
-void set_tma_l2_promotion(int64_t bytes) {
-  FLUX_CHECK(bytes == 0 || bytes == 64 || bytes == 128 || bytes == 256, "set_tma_l2_promotion",
-             "bytes 0, 64, 128 or 256 expected (got ", bytes, ")");
-  g_tma_l2_promotion.store(static_cast<int>(bytes), std::memory_order_relaxed);
-}
-int64_t get_tma_l2_promotion() { return tma_l2_promotion(); }
 
 bool ag_gemm_fused_supported() {
 #if defined(FLUX_WITH_SM90)

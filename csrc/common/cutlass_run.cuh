@@ -4,7 +4,6 @@
 #pragma once
 
 #include "common/check.h"
-#include "common/tma_l2.h"  // before any CUTLASS header
 #include "cutlass/cutlass.h"
 #include "cutlass/kernel_hardware_info.h"
 
