@@ -166,17 +166,26 @@ def test_rule_pingpong_for_shallow_k():
 
 
 def test_rule_swizzle():
-    """RS: the widest band that pads nothing, where the operands exceed L2; AG: no band (bands
-    measured slower there, docs/tuning.md)."""
+    """RS: the widest band that pads nothing, where the operands exceed L2; AG: the band of least
+    modelled time among those that pad nothing: a weight over L2 is read once per band of M tiles
+    (bands that one wave runs together share a read), and its HBM traffic lowers the clock."""
     c = _cfg(0, 128, 256, 2, 1)
     assert K.analytic_config("rs", 256, 4096, 4096, configs=[c])[2] == 1  # fits in L2: no band
     assert K.analytic_config("rs", 16384, 14336, 8192, configs=[c])[2] == 8
     assert K.analytic_config("rs", 768, 53248, 16384, configs=[c])[2] == 1  # 6 M tiles: no band divides
     assert K.analytic_config("rs", 8192, 5120, 8192, configs=[c])[2] == 4  # 20 N tiles: bands of 8 would pad to 24
-    for m, n, k in ((256, 4096, 4096), (16384, 14336, 8192), (8192, 5120, 8192)):
-        assert K.analytic_config("ag", m, n, k, configs=[c])[2] == 1
-    # Padding to bands costs what it adds: 20 -> 24 N tiles, 10 -> 12 waves.
-    assert K.predict_s(c, "ag", 8192, 5120, 8192, 8) / K.predict_s(c, "ag", 8192, 5120, 8192, 1) == pytest.approx(1.2)
+    assert K.analytic_config("ag", 256, 4096, 4096, configs=[c])[2] == 1  # one wave
+    assert K.analytic_config("ag", 16384, 14336, 8192, configs=[c])[2] in (4, 8)  # a 235 MB weight, 128 M tiles
+    assert K.analytic_config("ag", 8192, 5120, 8192, configs=[c])[2] == 1  # saves under 2%: a near-tie
+    assert K.analytic_config("ag", 16384, 14336, 512, configs=[c])[2] == 1  # the weight (15 MB) fits in L2
+    # The weight's HBM reads: once per band, but once for all bands that run in one wave.
+    _, one = K._traffic(c, "ag", 16384, 14336, 8192, 2, 2, 132, 8)
+    _, many = K._traffic(c, "ag", 16384, 14336, 8192, 2, 2, 132, 1)
+    assert many - one == 14336 * 8192 * 2 * (64 - 8)
+    assert K._traffic(c, "ag", 1024, 4096, 8192, 2, 2, 132, 1)[1] == (1024 + 4096) * 8192 * 2 + 1024 * 4096 * 2
+    # Padding to bands costs what it adds (20 -> 24 N tiles, 10 -> 12 waves) where the weight fits in L2.
+    assert K.predict_s(c, "ag", 8192, 5120, 2048, 8) / K.predict_s(c, "ag", 8192, 5120, 2048, 1) == pytest.approx(
+        1.2, rel=0.02)
 
 
 def test_rule_stream_k_for_few_tiles_and_deep_k():
@@ -580,14 +589,15 @@ def test_fused_scoreboard(tmp_path):
         shipped = S.scoreboard(files, "shipped")
         assert shipped["shapes"] == 144 and not shipped["untimed"], shipped["untimed"][:5]
         # The analytic default over every recorded H200 shape (the grid file too), against the
-        # tuned choice: every shape timed, and the geometric mean within 3% (docs/tuning.md).
+        # tuned choice: the geometric mean within 2% (docs/tuning.md); four AG shapes get a band
+        # of 2 tiles that no file timed (docs/performance.md, "Not yet measured"), the rest timed.
         grid = os.path.join(REPO, "bench", "results", "fused_gemm-h200-grid-bf16.json")
         if os.path.exists(grid):
             analytic = S.scoreboard([grid] + files, "analytic")
-            assert analytic["shapes"] == 144 and not analytic["untimed"], analytic["untimed"][:5]
+            assert analytic["shapes"] == 144 and len(analytic["untimed"]) <= 4, analytic["untimed"][:5]
             for t in S.TIMINGS:
                 vt = analytic["timings"][t]["vs_tuned"]
-                assert vt["shapes"] == 144 and vt["geomean"] < 1.03, (t, vt)
+                assert vt["shapes"] == 144 - len(analytic["untimed"]) and vt["geomean"] < 1.02, (t, vt)
     # No tuned choice on the two-file set (its tiles name no built configuration): no ratio to it.
     assert s["timings"]["loop"]["vs_tuned"] == {"shapes": 0, "geomean": None, "over_5pct": 0, "max": None}
 

@@ -46,9 +46,19 @@ MARGIN = 0.01  # a tuned configuration must beat the analytic default by more th
 SM_FLOPS = 780e12 / 132
 HBM_BW = 3.3e12
 # The tuner's tile orders: bands of cluster_m * swizzle M tiles, N fastest inside a band (the
-# analytic default keeps AG at 1: no band rule paid over the grid; bench/results/fused_gemm-h200-ag-swizzle.json).
-# CUTLASS's scheduler bands at most 8 tiles (a larger max_swizzle_size runs as 8).
+# analytic default models each for AG, below). CUTLASS's scheduler bands at most 8 tiles (a larger
+# max_swizzle_size runs as 8).
 SWIZZLES = (1, 2, 4, 8)
+# A weight larger than this much of L2 is read from HBM once per band of M tiles (the tiles run N
+# fastest inside a band, so a band sweeps the whole weight before the next one starts): measured
+# at 1024 x 8192 x 14336, 128x176 tiles with a 2x1 cluster and no band read 4x the weight, 128x128
+# with bands of 4 once (bench/results/fused_ncu-h200-clock.json).
+L2_OPERAND_BYTES = 25e6
+# At its power cap an H200 clocks down as a kernel's HBM traffic grows (ours, with bands of 1 on the
+# wide layers, 8-17% below cuBLAS's clock at the same 700 W; bench/results/fused_power-h200-*.json):
+# modelled time grows by this fraction per TB/s of HBM traffic (fitted over the shipped bench files:
+# 0.02-0.045 all gave the analytic choice within 5% of the tuned one on 12-14 more shapes).
+POWER_SLOPE = 0.03
 SATURATING_SM_SHARE = 0.5  # the share of SMs whose loads in flight saturate HBM
 # Fitted to the H200 bench files (bench/results/fused_gemm-h200-*.json; docs/tuning.md): a tile
 # taller than the rows runs slower than the model's terms say, by this factor per halving of the
@@ -100,15 +110,28 @@ def _grid(c: KernelConfig, m: int, n: int, swizzle: int, sm: int) -> Tuple[int, 
 
 
 def _traffic(c: KernelConfig, op: str, m: int, n: int, k: int, in_bytes: int, out_bytes: int,
-             sm: int) -> Tuple[float, int]:
+             sm: int, swizzle: int = 1) -> Tuple[float, int]:
     """(seconds of one tile's epilogue at an SM's share of HBM, bytes the kernel moves through
     HBM). The epilogue stores (and for rs first loads the peer's partial of) the tile's real rows;
-    under split-K it stores each slice's fp32 partials (the reduction pass does the rest)."""
+    under split-K it stores each slice's fp32 partials (the reduction pass does the rest). A weight
+    over L2_OPERAND_BYTES is read once per band of cluster_m * swizzle M tiles, bands that run in
+    one wave of CTAs sharing a read."""
+    weight = n * k * in_bytes
+    reads = m * k * in_bytes + weight
+    if weight > L2_OPERAND_BYTES:
+        band = c.cluster_m * swizzle
+        per_wave = max(1, (sm // (c.cluster_m * c.cluster_n)) * c.cluster_m * c.cluster_n // (band * math.ceil(n / c.tile_n)))
+        reads += weight * (math.ceil(math.ceil(math.ceil(m / c.tile_m) / band) / per_wave) - 1)
     if c.splits > 1:
-        return min(c.tile_m, m) * c.tile_n * 4 / (HBM_BW / sm), (m * k + n * k) * in_bytes + c.splits * m * n * 4
+        return min(c.tile_m, m) * c.tile_n * 4 / (HBM_BW / sm), reads + c.splits * m * n * 4
     per_elem = out_bytes * (2 if op == "rs" else 1)
     epilogue = min(c.tile_m, m) * c.tile_n * per_elem / (HBM_BW / sm)
-    return epilogue, (m * k + n * k) * in_bytes + m * n * per_elem
+    return epilogue, reads + m * n * per_elem
+
+
+def _power(t: float, hbm: float) -> float:
+    """``t`` seconds moving ``hbm`` bytes, at the clock the power cap leaves (POWER_SLOPE)."""
+    return t * (1.0 + POWER_SLOPE * hbm / t / 1e12)
 
 
 def predict_s(c: KernelConfig, op: str, m: int, n: int, k: int, swizzle: int = 1, in_bytes: int = 2,
@@ -120,15 +143,17 @@ def predict_s(c: KernelConfig, op: str, m: int, n: int, k: int, swizzle: int = 1
     waves of the persistent grid, the epilogue's HBM traffic per tile (cooperative: after its
     mainloop; ping-pong: overlapped with the other warpgroup's mainloop), and the whole
     kernel's HBM traffic at a bandwidth that falls where few CTAs hold useful tiles; times
-    PADDED_TILE_PENALTY per halving of the rows below the tile's. Split-K (``c.splits`` slices):
-    the slices' tiles as more tiles of a K / splits deep loop, then the reduction pass (the partials
-    read, the output written, for rs the peer's partial read, at HBM bandwidth) and SPLIT_K_FIXED_S."""
+    PADDED_TILE_PENALTY per halving of the rows below the tile's, and slowed by the clock the HBM
+    traffic leaves under the power cap (``_power``; the weight re-read per band, ``_traffic``).
+    Split-K (``c.splits`` slices): the slices' tiles as more tiles of a K / splits deep loop, then the
+    reduction pass (the partials read, the output written, for rs the peer's partial read, at HBM
+    bandwidth) and SPLIT_K_FIXED_S."""
     tiles_m, tiles_n, padded, ctas = _grid(c, m, n, swizzle, sm)
     s = c.splits
     padded *= s
     waves = math.ceil(padded / ctas)
     mainloop = 2.0 * c.tile_m * c.tile_n * (k / s) / (SM_FLOPS * _tile_eff(c, tiles_m))
-    epilogue, hbm = _traffic(c, op, m, n, k, in_bytes, out_bytes, sm)
+    epilogue, hbm = _traffic(c, op, m, n, k, in_bytes, out_bytes, sm, swizzle)
     if c.schedule == "pingpong":
         t_compute = waves * max(mainloop, epilogue) + min(mainloop, epilogue)
     else:
@@ -136,7 +161,7 @@ def predict_s(c: KernelConfig, op: str, m: int, n: int, k: int, swizzle: int = 1
     real = tiles_m * tiles_n * s
     useful = min(real, ctas) if padded <= ctas else ctas * real / padded
     bw = HBM_BW * min(1.0, useful / (SATURATING_SM_SHARE * ctas))
-    t = max(t_compute, hbm / bw) * PADDED_TILE_PENALTY ** max(0.0, math.log2(c.tile_m / max(m, 1)))
+    t = _power(max(t_compute, hbm / bw), hbm) * PADDED_TILE_PENALTY ** max(0.0, math.log2(c.tile_m / max(m, 1)))
     if s > 1:
         t += (s * 4 + out_bytes * (2 if op == "rs" else 1)) * m * n / HBM_BW + SPLIT_K_FIXED_S
     return t
@@ -174,30 +199,31 @@ def predict_stream_k_s(c: KernelConfig, op: str, m: int, n: int, k: int, swizzle
     splits = math.ceil(ctas / tiles)  # units sharing a tile's K loop, at most
     compute = 2.0 * tiles * c.tile_m * c.tile_n * k / (ctas * SM_FLOPS * _tile_eff(c, tiles_m))
     reduction = (splits - 1) * c.tile_m * c.tile_n * 4 / (L2_BW / sm)
-    epilogue, hbm = _traffic(c, op, m, n, k, in_bytes, out_bytes, sm)
-    return max(compute + reduction + epilogue, hbm / HBM_BW) + STREAM_K_FIXED_S
+    epilogue, hbm = _traffic(c, op, m, n, k, in_bytes, out_bytes, sm, swizzle)
+    return _power(max(compute + reduction + epilogue, hbm / HBM_BW), hbm) + STREAM_K_FIXED_S
 
 
-def _swizzle(c: KernelConfig, m: int, n: int, big: bool, op: str = "rs") -> int:
-    """AG: 1 (bands of 8 measured slower than 1 on the AG grid shapes, geometric mean 1.08x where
-    the operands exceed L2); RS: the widest band (<= 8) that pads nothing, where they exceed L2."""
-    if big and op == "rs":
-        tiles_m, tiles_n = math.ceil(m / c.tile_m), math.ceil(n / c.tile_n)
-        for s in (8, 4, 2):
-            if tiles_m % (c.cluster_m * s) == 0 and tiles_n % (c.cluster_n * s) == 0:
-                return s
-    return 1
+def _swizzles(c: KernelConfig, m: int, n: int, big: bool, op: str = "rs") -> Tuple[int, ...]:
+    """The bands the model weighs, none of which pads a tile row or column. AG: 1 and each such
+    band, by modelled time (the weight's re-reads and the clock); RS: the widest such band (<= 8)
+    where the operands exceed L2, else 1 (modelling RS's bands too put the analytic choice over 5%
+    from the tuned one on more shapes)."""
+    tiles_m, tiles_n = math.ceil(m / c.tile_m), math.ceil(n / c.tile_n)
+    whole = [s for s in SWIZZLES[1:] if tiles_m % (c.cluster_m * s) == 0 and tiles_n % (c.cluster_n * s) == 0]
+    if op == "ag":
+        return (1, *whole)
+    return (whole[-1],) if big and whole else (1,)
 
 
 def _least(cfgs, predict, op, m, n, k, big, ib, ob, sm):
     """(modelled seconds, id, swizzle) of least modelled time; near-ties (within 2%) go to the
-    earlier configuration of the table."""
+    earlier configuration of the table, then to the narrower band."""
     best = None
     for c in cfgs:
-        swz = _swizzle(c, m, n, big, op)
-        t = predict(c, op, m, n, k, swz, ib, ob, sm)
-        if best is None or t < best[0] * 0.98:
-            best = (t, c.id, swz)
+        for swz in _swizzles(c, m, n, big, op):
+            t = predict(c, op, m, n, k, swz, ib, ob, sm)
+            if best is None or t < best[0] * 0.98:
+                best = (t, c.id, swz)
     return best
 
 
@@ -207,9 +233,9 @@ def analytic_config(op: str, m: int, n: int, k: int, dtype="bf16", out_dtype=Non
     time; where it leaves SMs idle on a deep K loop (``_should_use_stream_k``) and a stream-K or
     split-K configuration is built (split-K: one whose slices divide this K), the one of least
     modelled time among those instead, if that time is less. Near-ties (within 2%) go to the earlier configuration of the table. Swizzle
-    (``_swizzle``): AG 1; RS the widest band (<= 8) that pads no tile row or column, where the
-    operands exceed L2 (a band then reuses operand tiles in L2), else 1. Raster 1 (along N): the
-    order the fused strategies depend on."""
+    (``_swizzles``): AG the band of least modelled time; RS the widest band (<= 8) that pads no tile
+    row or column, where the operands exceed L2 (a band then reuses operand tiles in L2), else 1.
+    Raster 1 (along N): the order the fused strategies depend on."""
     op = _op(op)
     out_dtype = out_dtype if out_dtype is not None else dtype
     cfgs = list(configs) if configs is not None else kernel_configs(op, dtype, out_dtype)
