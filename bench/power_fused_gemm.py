@@ -30,6 +30,15 @@ sys.path.insert(0, os.path.dirname(HERE))  # flux, from this checkout
 sys.path.insert(0, HERE)
 
 
+def parse_line(line: str):
+    """(watts, MHz) from a line of nvidia-smi's CSV ("693.12, 1425"), or None ("[N/A]", a header)."""
+    try:
+        watts, mhz = (float(x) for x in line.split(","))
+    except ValueError:
+        return None
+    return watts, mhz
+
+
 class Sampler:
     """nvidia-smi's power draw and SM clock every 50 ms, with this host's clock."""
 
@@ -43,11 +52,9 @@ class Sampler:
 
     def _read(self):
         for line in self.proc.stdout:
-            try:
-                watts, mhz = (float(x) for x in line.split(","))
-            except ValueError:
-                continue
-            self.samples.append((time.time(), watts, mhz))
+            got = parse_line(line)
+            if got is not None:
+                self.samples.append((time.time(), *got))
 
     def between(self, t0: float, t1: float):
         return [s for s in self.samples if t0 <= s[0] <= t1]

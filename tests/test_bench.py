@@ -1,6 +1,7 @@
 """The benchmarks keep running: bench/bench_layers.py on the CPU (gloo, two processes, tiny sizes),
 where it checks that the flux block's output and gradients match the NCCL-style block's, and draws
-its plot from the JSON; bench/profile_fused_ncu.py's reading of Nsight Compute's report."""
+its plot from the JSON; bench/profile_fused_ncu.py's reading of Nsight Compute's report;
+bench/power_fused_gemm.py's reading of nvidia-smi."""
 import os
 import subprocess
 import sys
@@ -88,3 +89,18 @@ def test_profile_fused_ncu_without_a_gpu_says_so():
     r = subprocess.run([sys.executable, os.path.join(REPO, "bench", "profile_fused_ncu.py"), "--cases",
                         "ag:256x512x256:c0/r1/s1"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "nothing profiled" in r.stdout
+
+
+def test_power_fused_gemm_reads_nvidia_smi_and_needs_a_gpu():
+    """nvidia-smi's CSV lines -> (watts, MHz), others skipped; without a GPU: one line, exit 1."""
+    import pytest
+    import torch
+
+    power = _load_bench("power_fused_gemm")
+    assert power.parse_line("693.12, 1425\n") == (693.12, 1425.0)
+    assert power.parse_line("[N/A], 1425") is None and power.parse_line("power.draw [W], clocks.sm [MHz]") is None
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the script would measure")
+    r = subprocess.run([sys.executable, os.path.join(REPO, "bench", "power_fused_gemm.py"), "--op", "ag", "--shapes",
+                        "256x512x256"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "nothing measured" in r.stdout
