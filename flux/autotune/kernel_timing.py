@@ -172,7 +172,7 @@ def warm_calls(t_ms: float) -> int:
     """Untimed calls of a variant before its samples in each round, where one call runs 0.5 ms or
     more: WARM_MS of GPU time. The card's clock follows the power that the running kernel draws with
     a lag of tens of milliseconds, so without them a variant's first samples run at the clock that
-    the variant before it left (on an H200 at 16384 rows, up to 10% either way)."""
+    the variant before it left (on an H200 at 16384 rows, up to 14% either way)."""
     return 0 if t_ms < 0.5 else math.ceil(WARM_MS / t_ms)
 
 

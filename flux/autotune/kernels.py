@@ -55,7 +55,7 @@ SWIZZLES = (1, 2, 4, 8)
 # with bands of 4 once (bench/results/fused_ncu-h200-clock.json).
 L2_OPERAND_BYTES = 25e6
 # At its power cap an H200 clocks down as a kernel's HBM traffic grows (ours, with bands of 1 on the
-# wide layers, 8-17% below cuBLAS's clock at the same 700 W; bench/results/fused_power-h200-*.json):
+# wide layers, 7-17% below cuBLAS's clock at the same 700 W; bench/results/fused_power-h200-*.json):
 # modelled time grows by this fraction per TB/s of HBM traffic (fitted over the shipped bench files:
 # 0.02-0.045 all gave the analytic choice within 5% of the tuned one on 12-14 more shapes).
 POWER_SLOPE = 0.03
@@ -119,9 +119,10 @@ def _traffic(c: KernelConfig, op: str, m: int, n: int, k: int, in_bytes: int, ou
     weight = n * k * in_bytes
     reads = m * k * in_bytes + weight
     if weight > L2_OPERAND_BYTES:
+        tiles_m, tiles_n, _, ctas = _grid(c, m, n, swizzle, sm)
         band = c.cluster_m * swizzle
-        per_wave = max(1, (sm // (c.cluster_m * c.cluster_n)) * c.cluster_m * c.cluster_n // (band * math.ceil(n / c.tile_n)))
-        reads += weight * (math.ceil(math.ceil(math.ceil(m / c.tile_m) / band) / per_wave) - 1)
+        bands_per_wave = max(1, ctas // (band * tiles_n))
+        reads += weight * (math.ceil(math.ceil(tiles_m / band) / bands_per_wave) - 1)
     if c.splits > 1:
         return min(c.tile_m, m) * c.tile_n * 4 / (HBM_BW / sm), reads + c.splits * m * n * 4
     per_elem = out_bytes * (2 if op == "rs" else 1)
@@ -130,8 +131,9 @@ def _traffic(c: KernelConfig, op: str, m: int, n: int, k: int, in_bytes: int, ou
 
 
 def _power(t: float, hbm: float) -> float:
-    """``t`` seconds moving ``hbm`` bytes, at the clock the power cap leaves (POWER_SLOPE)."""
-    return t * (1.0 + POWER_SLOPE * hbm / t / 1e12)
+    """``t`` seconds moving ``hbm`` bytes, at the clock the power cap leaves: t * (1 + POWER_SLOPE *
+    TB/s), i.e. POWER_SLOPE seconds more per TB moved."""
+    return t + POWER_SLOPE * hbm / 1e12
 
 
 def predict_s(c: KernelConfig, op: str, m: int, n: int, k: int, swizzle: int = 1, in_bytes: int = 2,
