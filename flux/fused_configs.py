@@ -65,7 +65,7 @@ class FusedConfig(NamedTuple):
 C = FusedConfig
 F = ("bf16", "fp16", "bf16_fp32")  # the dtypes of each op's general-purpose configuration (ag 0, rs 3)
 # Ids keep their meaning across releases; new shapes get new ids.
-# The default set (24 fused units, about a CPU-minute of nvcc each; the split-K configurations of
+# The default set (25 fused units, about a CPU-minute of nvcc each; the split-K configurations of
 # one tile share a unit) is the greedy choice over an H200 measurement of every bf16 persistent
 # configuration on the model grid (bench/results/fused_gemm-h200-grid-bf16.json): each
 # configuration added where it most lowered the geometric mean over the shapes of the best built
@@ -89,7 +89,7 @@ F = ("bf16", "fp16", "bf16_fp32")  # the dtypes of each op's general-purpose con
 # Then RS 27 and 28 (64x64 ping-pong): see their entries. Then AG 72-75 (ping-pong, 80-192 wide; see
 # their entries) in place of AG 9 (128x64 ping-pong), AG 25 (128x160 cooperative) and RS 4, which the
 # shipped H200 choices then no longer named (re-made without them: the same choice on every shape).
-# Then RS 37 (64x128 ping-pong, 2x1): see its entry.
+# Then RS 37 (64x128 ping-pong, 2x1) and RS 0 (128x256 cooperative, 2x1): see their entries.
 # The others are built with FLUX_KERNELS=all or by name ("streamk" / "splitk": every one, bf16).
 CONFIGS = {
     "ag": (
@@ -207,7 +207,12 @@ CONFIGS = {
         # (bench/results/fused_gemm-h200-ag-91.json); removed.
     ),
     "rs": (
-        C(0, (128, 256, 64), (2, 1), "cooperative", ()),
+        # cuBLAS's tile from 512 rows per rank. Under warmed-up timing, with bands of up to 8 M tiles
+        # (bench/results/fused_gemm-h200-rs-wide.json, 512-8192 rows per rank): where K >= 7168 and the
+        # rows per rank >= 2048, its best band took 0.97-1.03x cuBLAS against RS 6's 1.01-1.10x (the
+        # epilogue is a small share there); 1.1-1.4x where K <= 2048 (the cooperative epilogue, adding
+        # the peer's partial, does not overlap the MMAs). Built by default since then.
+        C(0, (128, 256, 64), (2, 1), "cooperative", BF16),
         C(1, (256, 128, 64), (2, 1), "cooperative", ()),
         C(2, (256, 128, 64), (1, 2), "cooperative", ()),  # cuBLAS's shape on big GEMMs
         C(3, (128, 128, 64), (1, 1), "cooperative", F),  # the general-purpose one

@@ -44,8 +44,8 @@ def test_table_is_consistent():
 
 def test_select_and_parse():
     default = fc.select("default")
-    assert ("ag", 0, "bf16") in default and ("rs", 3, "bf16_fp32") in default and len(default) == 29
-    assert not any(op == "rs" and i == 0 for op, i, _ in default)
+    assert ("ag", 0, "bf16") in default and ("rs", 3, "bf16_fp32") in default and len(default) == 30
+    assert ("rs", 0, "bf16") in default and ("rs", 0, "fp16") not in default
     # One stream-K configuration, AG's, bf16, in the default build.
     sk = [(op, i, d) for op, i, d in default if fc.config(op, i).scheduler == "streamk"]
     assert sk == [("ag", 14, "bf16")]

@@ -293,19 +293,19 @@ def test_entries_from_bench_and_cli(tmp_path, monkeypatch):
         {"op": "rs", "m": 2048, "n": 8192, "k": 4096, "cublas": cub,
          "variants": {"c3/r1/s1": var(3, 1, 1.00, 1.00), "c6/r1/s1": var(6, 1, 0.995, 0.995),
                       "c5/r1/s1": var(5, 1, 0.5, 0.25, ok=False),  # wrong: never chosen
-                      "c0/r1/s1": var(0, 1, 0.5, 0.25)}},           # not in the default build
+                      "c31/r1/s1": var(31, 1, 0.5, 0.25)}},         # not in the default build
         {"op": "rs", "m": 4096, "n": 8192, "k": 4096, "cublas": cub,
          # c6 is faster in the loop, c3 at its worse ratio (graph): the worse ratio decides
          "variants": {"c3/r1/s1": var(3, 1, 1.0, 0.6), "c6/r1/s8": var(6, 8, 0.8, 0.7)}}]}
     key, entries = K.entries_from_bench(doc)
     assert key == "kernels|NVIDIA H200|sm132"
     e = entries["rs|bf16|bf16|m2048|n8192|k4096"]
-    assert e["choice"] in ("c3/r1/s1", "c6/r1/s1") and "c0/r1/s1" not in e["loop_ms"]
+    assert e["choice"] in ("c3/r1/s1", "c6/r1/s1") and "c31/r1/s1" not in e["loop_ms"]
     if e["default"] in ("c3/r1/s1", "c6/r1/s1"):
         assert e["choice"] == e["default"]  # within the margin of the analytic default
     assert entries["rs|bf16|bf16|m4096|n8192|k4096"]["choice"] == "c3/r1/s1"
-    _, wider = K.entries_from_bench(doc, "default,rs:0:bf16")  # a build that holds config 0
-    assert wider["rs|bf16|bf16|m2048|n8192|k4096"]["choice"] == "c0/r1/s1"
+    _, wider = K.entries_from_bench(doc, "default,rs:31:bf16")  # a build that holds config 31
+    assert wider["rs|bf16|bf16|m2048|n8192|k4096"]["choice"] == "c31/r1/s1"
     src = tmp_path / "bench.json"
     src.write_text(json.dumps(doc))
     assert K.main(["--from-bench", str(src), "--ship"]) == 0
@@ -345,7 +345,8 @@ SHIPPED_FROM = ("fused_gemm-h200-models.json", "fused_gemm-h200-ag.json",
                 "fused_gemm-h200-ag-tiles.json", "fused_gemm-h200-ag-swizzle.json", "fused_gemm-h200-rs-swizzle.json",
                 "fused_gemm-h200-rs-64x64.json", "fused_gemm-h200-ag-pingpong.json", "fused_gemm-h200-rs-pingpong.json",
                 "fused_gemm-h200-ag-bands16k.json", "fused_gemm-h200-rs-64x128.json",
-                "fused_gemm-h200-ag-warm.json", "fused_gemm-h200-rs-warm.json")
+                "fused_gemm-h200-ag-warm.json", "fused_gemm-h200-rs-warm.json",
+                "fused_gemm-h200-ag-band2-ca8892f.json", "fused_gemm-h200-rs-wide.json")
 
 
 def test_shipped_h200_choices_are_served_and_built(monkeypatch):

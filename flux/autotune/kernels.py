@@ -65,6 +65,11 @@ SATURATING_SM_SHARE = 0.5  # the share of SMs whose loads in flight saturate HBM
 # rows (RS blocks of 32-64 rows: 128-row tiles 1.02-1.59x the time of 64-row ones the model had equal);
 # a stream-K launch costs a fixed few microseconds more (its workspace memset, no PDL overlap).
 PADDED_TILE_PENALTY = 1.3
+# The RS cooperative epilogue loads each subtile of the peer's partial, then adds and stores it,
+# after the tile's mainloop: it runs at about half the rate of the bytes it moves (fitted with RS 0,
+# 128x256 cooperative, in bench/results/fused_gemm-h200-rs-wide.json: 1.5-2 gave the analytic choice
+# within 5% of the tuned one on 3 more shapes than 1, none more at 2).
+RS_COOP_EPILOGUE = 2.0
 STREAM_K_FIXED_S = 5e-6
 # Split-K's reduction pass, beyond its HBM traffic: a second launch, mostly hidden behind the
 # GEMM's tail under programmatic dependent launch.
@@ -112,7 +117,8 @@ def _grid(c: KernelConfig, m: int, n: int, swizzle: int, sm: int) -> Tuple[int, 
 def _traffic(c: KernelConfig, op: str, m: int, n: int, k: int, in_bytes: int, out_bytes: int,
              sm: int, swizzle: int = 1) -> Tuple[float, int]:
     """(seconds of one tile's epilogue at an SM's share of HBM, bytes the kernel moves through
-    HBM). The epilogue stores (and for rs first loads the peer's partial of) the tile's real rows;
+    HBM). The epilogue stores (and for rs first loads the peer's partial of) the tile's real rows
+    (rs cooperative: at 1 / RS_COOP_EPILOGUE of that rate);
     under split-K it stores each slice's fp32 partials (the reduction pass does the rest). A weight
     over L2_OPERAND_BYTES is read once per band of cluster_m * swizzle M tiles, bands that run in
     one wave of CTAs sharing a read."""
@@ -127,6 +133,8 @@ def _traffic(c: KernelConfig, op: str, m: int, n: int, k: int, in_bytes: int, ou
         return min(c.tile_m, m) * c.tile_n * 4 / (HBM_BW / sm), reads + c.splits * m * n * 4
     per_elem = out_bytes * (2 if op == "rs" else 1)
     epilogue = min(c.tile_m, m) * c.tile_n * per_elem / (HBM_BW / sm)
+    if op == "rs" and c.schedule == "cooperative":
+        epilogue *= RS_COOP_EPILOGUE
     return epilogue, reads + m * n * per_elem
 
 
