@@ -208,10 +208,11 @@ CONFIGS = {
     ),
     "rs": (
         # cuBLAS's tile from 512 rows per rank. Under warmed-up timing, with bands of up to 8 M tiles
-        # (bench/results/fused_gemm-h200-rs-wide.json, 512-8192 rows per rank): where K >= 7168 and the
-        # rows per rank >= 2048, its best band took 0.97-1.03x cuBLAS against RS 6's 1.01-1.10x (the
-        # epilogue is a small share there); 1.1-1.4x where K <= 2048 (the cooperative epilogue, adding
-        # the peer's partial, does not overlap the MMAs). Built by default since then.
+        # (bench/results/fused_gemm-h200-rs-wide.json, 512-8192 rows per rank; the worse of loop and
+        # graph against cuBLAS, each configuration's best band): where K >= 7168 and the rows per rank
+        # >= 2048, 1.00-1.04x against RS 6's 0.99-1.10x, faster on 9 of those 10 shapes (the epilogue
+        # is a small share there); 1.09-1.62x RS 6's time where K <= 2048 (the cooperative epilogue,
+        # adding the peer's partial, does not overlap the MMAs). Built by default since then.
         C(0, (128, 256, 64), (2, 1), "cooperative", BF16),
         C(1, (256, 128, 64), (2, 1), "cooperative", ()),
         C(2, (256, 128, 64), (1, 2), "cooperative", ()),  # cuBLAS's shape on big GEMMs
