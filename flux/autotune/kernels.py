@@ -90,11 +90,13 @@ def _tile_eff(c: KernelConfig, tiles_m: int = 0) -> float:
     the tuned choice's time where K is 4096 or less: the tuner picks it, the model does not); 64-row
     tiles narrower than 256 by their cluster, 64x64 ones the least (below)."""
     area = c.tile_m * c.tile_n
+    # The weight multicast along a 2x1 (or taller) cluster whose CTAs all have rows.
+    weight_multicast = 1 < c.cluster_m <= max(tiles_m, 1)
     if area <= 64 * 64:
         # RS 27 / 28 (bench/results/fused_gemm-h200-rs-64x64.json): where a problem has two or more
         # tile rows (``tiles_m``), multicasting B along a 2x1 cluster ran 1.3-1.7x faster than A along
         # 1x2; over one tile row (32, 64 rows) the 2x1 cluster's second CTA has no rows, and 1x2 won.
-        return 0.65 if 1 < c.cluster_m <= max(tiles_m, 1) else 0.45
+        return 0.65 if weight_multicast else 0.45
     if area >= 128 * 256 or (c.schedule == "cooperative" and area >= 128 * 192) or (
             c.schedule == "pingpong" and c.tile_m == 128 and c.tile_n > 128):
         return 1.0
@@ -102,7 +104,7 @@ def _tile_eff(c: KernelConfig, tiles_m: int = 0) -> float:
         return 0.88
     if area >= 128 * 128:
         return 0.93 if c.schedule == "pingpong" else 0.88
-    if c.tile_m == 64 and 1 < c.cluster_m <= max(tiles_m, 1):
+    if c.tile_m == 64 and weight_multicast:
         # 64x96 and 64x128 tiles with the weight multicast along a 2x1 cluster, over two or more tile
         # rows (AG 60, RS 37; fitted over the shipped bench files: 0.8-0.85 put the analytic choice
         # within 5% of the tuned one on 1-3 more shapes than 0.75, 0.9 on fewer).
