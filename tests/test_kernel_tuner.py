@@ -211,9 +211,10 @@ def test_rule_stream_k_for_few_tiles_and_deep_k():
     assert K._should_use_stream_k(pp, 1024, 1280, 8192, 1, 132)
     assert not K._should_use_stream_k(pp, 1024, 1280, 1984, 1, 132)  # 31 K tiles
     # The model: split K beats one wave of whole tiles on few tiles, equals predict_s on many.
-    # (the split's own cost: STREAM_K_FIXED_S per launch)
+    # (the split's own cost: STREAM_K_FIXED_S per launch; both bounded by the L2 reads of the 1x1
+    # cluster's tiles, K.L2_SM_BW, which the split does not reduce)
     split = lambda m, n, k: K.predict_stream_k_s(sk, "ag", m, n, k) - K.STREAM_K_FIXED_S  # noqa: E731
-    assert split(1024, 1280, 8192) < 0.75 * K.predict_s(sk, "ag", 1024, 1280, 8192)
+    assert split(1024, 1280, 8192) < 0.8 * K.predict_s(sk, "ag", 1024, 1280, 8192)
     assert split(256, 1280, 8192) < 0.4 * K.predict_s(sk, "ag", 256, 1280, 8192)
     assert K.predict_stream_k_s(sk, "ag", 8192, 8192, 8192) == K.predict_s(sk, "ag", 8192, 8192, 8192)
 
@@ -590,16 +591,17 @@ def test_fused_scoreboard(tmp_path):
         shipped = S.scoreboard(files, "shipped")
         assert shipped["shapes"] == 144 and not shipped["untimed"], shipped["untimed"][:5]
         # The analytic default over every recorded H200 shape (the grid file too), against the
-        # tuned choice: the geometric mean within 2% (docs/tuning.md); two RS shapes of 512 rows per
-        # rank get RS 37, which no file timed there (docs/performance.md, "Not yet measured"), the
-        # rest timed.
+        # tuned choice: the geometric mean within 1%, 8 or fewer shapes over 5% (docs/tuning.md); one RS
+        # shape of 512 rows per rank gets RS 37, which no file timed there (docs/performance.md, "Not
+        # yet measured"), the rest timed.
         grid = os.path.join(REPO, "bench", "results", "fused_gemm-h200-grid-bf16.json")
         if os.path.exists(grid):
             analytic = S.scoreboard([grid] + files, "analytic")
-            assert analytic["shapes"] == 144 and len(analytic["untimed"]) <= 2, analytic["untimed"][:5]
+            assert analytic["shapes"] == 144 and len(analytic["untimed"]) <= 1, analytic["untimed"][:5]
             for t in S.TIMINGS:
                 vt = analytic["timings"][t]["vs_tuned"]
-                assert vt["shapes"] == 144 - len(analytic["untimed"]) and vt["geomean"] < 1.02, (t, vt)
+                assert vt["shapes"] == 144 - len(analytic["untimed"]) and vt["geomean"] < 1.01, (t, vt)
+                assert vt["over_5pct"] <= 8, (t, vt)
     # No tuned choice on the two-file set (its tiles name no built configuration): no ratio to it.
     assert s["timings"]["loop"]["vs_tuned"] == {"shapes": 0, "geomean": None, "over_5pct": 0, "max": None}
 

@@ -71,6 +71,17 @@ PADDED_TILE_PENALTY = 1.3
 # within 5% of the tuned one on 3 more shapes than 1, none more at 2).
 RS_COOP_EPILOGUE = 2.0
 STREAM_K_FIXED_S = 5e-6
+# The L2 reads of the operands (``_l2_reads``, which credits no reuse between CTAs but the cluster's
+# multicast) at most at this rate: an effective bound, fitted over the shipped bench files (8-8.5
+# TB/s put the analytic choice within 5% of the tuned one on 3-5 more shapes than no bound, 7.5 and
+# 9 on fewer). It ranks the tiles that re-read an operand many times: at 128 rows on 8192 columns,
+# RS with 64x128 tiles read the weight at the HBM bound where a 2x1 cluster multicast it and
+# 1.2-1.3x slower without (bench/results/fused_gemm-h200-rs-64x128.json), and AG at 1024 x 4096 x
+# 1536 with 64x96 tiles (A read 16 times) took 1.25x the 128x96 ones' time. Not a hardware figure:
+# neighbouring CTAs reading the same tile share much of it (RS 64x128 tiles in bands of 8 run at
+# 15 TB/s by this count); the bound does not depend on the band, whose choice the weight's re-reads
+# from HBM and the clock decide (``_traffic``, ``_power``).
+L2_SM_BW = 8.5e12
 # Split-K's reduction pass, beyond its HBM traffic: a second launch, mostly hidden behind the
 # GEMM's tail under programmatic dependent launch.
 SPLIT_K_FIXED_S = 2e-6
@@ -88,7 +99,8 @@ def _tile_eff(c: KernelConfig, tiles_m: int = 0) -> float:
     ping-pong 64x256 as a cooperative 128x128 (RS 4 is the best configuration only on some shapes
     of 1024+ rows per rank and deep K, bench/results/fused_gemm-h200-rs-swizzle.json, and 1.2-1.5x
     the tuned choice's time where K is 4096 or less: the tuner picks it, the model does not); 64-row
-    tiles narrower than 256 by their cluster, 64x64 ones the least (below)."""
+    tiles narrower than 256 0.75 (a 2x1 cluster's weight multicast counts in the L2 reads,
+    ``_l2_reads``), 64x64 ones the least and by their cluster (below)."""
     area = c.tile_m * c.tile_n
     # The weight multicast along a 2x1 (or taller) cluster whose CTAs all have rows.
     weight_multicast = 1 < c.cluster_m <= max(tiles_m, 1)
@@ -104,11 +116,6 @@ def _tile_eff(c: KernelConfig, tiles_m: int = 0) -> float:
         return 0.88
     if area >= 128 * 128:
         return 0.93 if c.schedule == "pingpong" else 0.88
-    if c.tile_m == 64 and weight_multicast:
-        # 64x96 and 64x128 tiles with the weight multicast along a 2x1 cluster, over two or more tile
-        # rows (AG 60, RS 37; fitted over the shipped bench files: 0.8-0.85 put the analytic choice
-        # within 5% of the tuned one on 1-3 more shapes than 0.75, 0.9 on fewer).
-        return 0.85
     return 0.75
 
 
@@ -145,6 +152,16 @@ def _traffic(c: KernelConfig, op: str, m: int, n: int, k: int, in_bytes: int, ou
     return epilogue, reads + m * n * per_elem
 
 
+def _l2_reads(c: KernelConfig, m: int, n: int, k: int, in_bytes: int) -> float:
+    """Bytes the CTAs read from L2 into shared memory, counting no reuse between CTAs but the
+    cluster's multicast: each tile its rows of A and its columns of the weight, the whole K deep;
+    the weight once per cluster along M, A once per cluster along N (where the cluster has that
+    many tiles along it)."""
+    tiles_m, tiles_n = math.ceil(m / c.tile_m), math.ceil(n / c.tile_n)
+    per_w, per_a = min(c.cluster_m, tiles_m), min(c.cluster_n, tiles_n)
+    return k * in_bytes * (n * tiles_m / per_w + m * tiles_n / per_a)
+
+
 def _power(t: float, hbm: float) -> float:
     """``t`` seconds moving ``hbm`` bytes, at the clock the power cap leaves: t * (1 + POWER_SLOPE *
     TB/s), i.e. POWER_SLOPE seconds more per TB moved."""
@@ -159,7 +176,8 @@ def predict_s(c: KernelConfig, op: str, m: int, n: int, k: int, swizzle: int = 1
     padded to 24, ran 1.31x slower with swizzle 8 than with 1 on an H200), whole
     waves of the persistent grid, the epilogue's HBM traffic per tile (cooperative: after its
     mainloop; ping-pong: overlapped with the other warpgroup's mainloop), and the whole
-    kernel's HBM traffic at a bandwidth that falls where few CTAs hold useful tiles; times
+    kernel's HBM traffic at a bandwidth that falls where few CTAs hold useful tiles, no faster
+    than the operands' reads from L2 at L2_SM_BW (``_l2_reads``); times
     PADDED_TILE_PENALTY per halving of the rows below the tile's, and slowed by the clock the HBM
     traffic leaves under the power cap (``_power``; the weight re-read per band, ``_traffic``).
     Split-K (``c.splits`` slices): the slices' tiles as more tiles of a K / splits deep loop, then the
@@ -178,7 +196,7 @@ def predict_s(c: KernelConfig, op: str, m: int, n: int, k: int, swizzle: int = 1
     real = tiles_m * tiles_n * s
     useful = min(real, ctas) if padded <= ctas else ctas * real / padded
     bw = HBM_BW * min(1.0, useful / (SATURATING_SM_SHARE * ctas))
-    t = _power(max(t_compute, hbm / bw), hbm) * PADDED_TILE_PENALTY ** max(0.0, math.log2(c.tile_m / max(m, 1)))
+    t = _power(max(t_compute, hbm / bw, _l2_reads(c, m, n, k, in_bytes) / L2_SM_BW), hbm) * PADDED_TILE_PENALTY ** max(0.0, math.log2(c.tile_m / max(m, 1)))
     if s > 1:
         t += (s * 4 + out_bytes * (2 if op == "rs" else 1)) * m * n / HBM_BW + SPLIT_K_FIXED_S
     return t
@@ -217,7 +235,7 @@ def predict_stream_k_s(c: KernelConfig, op: str, m: int, n: int, k: int, swizzle
     compute = 2.0 * tiles * c.tile_m * c.tile_n * k / (ctas * SM_FLOPS * _tile_eff(c, tiles_m))
     reduction = (splits - 1) * c.tile_m * c.tile_n * 4 / (L2_BW / sm)
     epilogue, hbm = _traffic(c, op, m, n, k, in_bytes, out_bytes, sm, swizzle)
-    return _power(max(compute + reduction + epilogue, hbm / HBM_BW), hbm) + STREAM_K_FIXED_S
+    return _power(max(compute + reduction + epilogue, hbm / HBM_BW, _l2_reads(c, m, n, k, in_bytes) / L2_SM_BW), hbm) + STREAM_K_FIXED_S
 
 
 def _swizzles(c: KernelConfig, m: int, n: int, big: bool, op: str = "rs") -> Tuple[int, ...]:
