@@ -15,8 +15,9 @@ a GPU spin: a kernel-time diagnostic, never the headline); inputs rotate among 2
 fits in L2. --pdl 0,1: each fused variant also without programmatic dependent launch ("<label>/pdl0";
 own, best and summary are the PDL-on ones, "by_pdl" and "*_pdl0" the others). --ag-world 2,1,8: each AG
 variant also with its rows as 1 and 8 ranks' shards ("<label>/w1", "/w8": 1 reads no flag), the first
-world the primary. --rounds N: at least N rounds (samples of more than 5 ms get 3 by default). No GPU:
-one line, exit 1.
+world the primary. --rounds N: at least N rounds (samples of more than 5 ms get 3 by default).
+--sample-ms MS: samples of about MS of GPU time instead of 2 (the loop's calls back to back, and the
+graph of that loop). No GPU: one line, exit 1.
 JSON (--out, stable): {"format": 1, "command", "commit", "device", "sm_count", "torch", "cuda",
  "dtype", "ag_world", "out_dtype", "timings": ["loop", "graph", "spin"], "configs": {op: {"source", "list": [{"id",
  "tile" (".../sk": stream-K, ".../k4": split-K into 4), "scheduler", "describe", "dtypes"}]}}, "results": [{"op", "m", "n", "k",
@@ -69,6 +70,8 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=0,
                    help="at least this many rounds per shape (default: 5, 3 where a sample is long or --quick); "
                    "more rounds narrow the median where calls run for milliseconds")
+    p.add_argument("--sample-ms", type=float, default=0.0, metavar="MS",
+                   help="GPU time per sample (default 2, 1 with --quick): longer samples, more calls back to back")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.shapes and not args.op:
@@ -198,7 +201,7 @@ def bench_shape(rec, args, dtype, out_dtype, sm, device=None):
                 fns[lab] = f
             var[lab] = v
     t_est = estimate_ms(base["cublas"])
-    calls, rounds = plan_sampling(t_est, args.quick, args.rounds)
+    calls, rounds = plan_sampling(t_est, args.quick, args.rounds, args.sample_ms)
     out.update(calls_per_sample=calls, rounds=rounds)
     t = time_calls({**base, **fns}, calls, rounds, TIMINGS, settle=t_est < 1.0, warm=warm_calls(t_est))
 

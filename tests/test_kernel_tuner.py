@@ -522,6 +522,17 @@ def test_bench_rounds_on_fakes(fake_gpu):
         assert r["rounds"] == want
 
 
+def test_plan_sampling_sample_ms():
+    """Samples of ~2 ms (at most 64 calls) by default; --sample-ms asks for longer ones, uncapped."""
+    from flux.autotune.kernel_timing import plan_sampling
+
+    assert plan_sampling(0.7) == (3, 5)
+    assert plan_sampling(0.01) == (64, 5)
+    assert plan_sampling(0.7, sample_ms=20.0) == (29, 3)
+    assert plan_sampling(0.01, sample_ms=20.0) == (2000, 3)
+    assert plan_sampling(0.7, sample_ms=20.0, min_rounds=5) == (29, 5)
+
+
 # ---- on a GPU: the real kernels -------------------------------------------------------------
 def _fused_on_gpu() -> bool:
     from flux.runtime.extension import cuda_kernels_available

@@ -158,12 +158,15 @@ def estimate_ms(fns: Sequence[Callable[[], None]]) -> float:
     return _events_ms(loop_of(fns, 3)) / 3
 
 
-def plan_sampling(t_ms: float, quick: bool = False, min_rounds: int = 0):
-    """(calls per sample, rounds): samples of ~2 ms (1 ms quick), at least 2 calls; fewer
-    rounds where a sample is long, so that the largest problems stay within the time budget;
-    at least ``min_rounds`` rounds (the callers' --rounds)."""
-    target = 1.0 if quick else 2.0
-    calls = max(2, min(64, round(target / max(t_ms, 1e-4))))
+def plan_sampling(t_ms: float, quick: bool = False, min_rounds: int = 0, sample_ms: float = 0.0):
+    """(calls per sample, rounds): samples of ~2 ms (1 ms quick; ``sample_ms`` where given), at least
+    2 calls, at most 64 unless ``sample_ms`` asks for more; fewer rounds where a sample is long, so
+    that the largest problems stay within the time budget; at least ``min_rounds`` rounds (the
+    callers' --rounds)."""
+    target = sample_ms if sample_ms > 0 else (1.0 if quick else 2.0)
+    calls = max(2, round(target / max(t_ms, 1e-4)))
+    if sample_ms <= 0:
+        calls = min(64, calls)
     rounds = 3 if quick or calls * t_ms > 5.0 else 5
     return calls, max(rounds, min_rounds)
 
