@@ -17,7 +17,9 @@ own, best and summary are the PDL-on ones, "by_pdl" and "*_pdl0" the others). --
 variant also with its rows as 1 and 8 ranks' shards ("<label>/w1", "/w8": 1 reads no flag), the first
 world the primary. --rounds N: at least N rounds (samples of more than 5 ms get 3 by default).
 --sample-ms MS: samples of about MS of GPU time instead of 2 (the loop's calls back to back, and the
-graph of that loop). No GPU: one line, exit 1.
+graph of that loop). --lead: loop and graph samples start behind a ~50 us GPU spin, so that the host's
+launch of the first call (a start gap that short loops of long calls otherwise include) is not timed.
+No GPU: one line, exit 1.
 JSON (--out, stable): {"format": 1, "command", "commit", "device", "sm_count", "torch", "cuda",
  "dtype", "ag_world", "out_dtype", "timings": ["loop", "graph", "spin"], "configs": {op: {"source", "list": [{"id",
  "tile" (".../sk": stream-K, ".../k4": split-K into 4), "scheduler", "describe", "dtypes"}]}}, "results": [{"op", "m", "n", "k",
@@ -26,7 +28,7 @@ JSON (--out, stable): {"format": 1, "command", "commit", "device", "sm_count", "
  "vs_cublas": {timing: ratio}}, "served" (choose_config's label: tuned cache, else analytic), "best":
  {timing: {"label", "ms", "vs_cublas"}}, "variants": {"c<id>/r<raster>/s<swizzle>": {"config",
  "raster", "swizzle", "tile", "pdl", "ag_world"?, "ms", "tflops", "rel_err", "ok", "error"?}}, "by_pdl"?: {"0": {"own",
- "best"}}}], "pdl": [settings], "summary": {op: {timing: {"shapes", "own_within_2pct", "own_within_5pct",
+ "best"}}}], "pdl": [settings], "lead": bool, "summary": {op: {timing: {"shapes", "own_within_2pct", "own_within_5pct",
  "best_within_2pct", "best_within_5pct", "own_wrong", "geomean_own_over_cublas", "geomean_best_over_cublas",
  "geomean_own_over_best", "geomean_served_over_cublas", "geomean_{own,best}_over_cublas_pdl0"?}}}}; untimed: null.
 """
@@ -72,6 +74,8 @@ def parse_args(argv=None):
                    "more rounds narrow the median where calls run for milliseconds")
     p.add_argument("--sample-ms", type=float, default=0.0, metavar="MS",
                    help="GPU time per sample (default 2, 1 with --quick): longer samples, more calls back to back")
+    p.add_argument("--lead", action="store_true",
+                   help="loop and graph samples start behind a ~50 us GPU spin: the first call's launch is not timed")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.shapes and not args.op:
@@ -203,7 +207,8 @@ def bench_shape(rec, args, dtype, out_dtype, sm, device=None):
     t_est = estimate_ms(base["cublas"])
     calls, rounds = plan_sampling(t_est, args.quick, args.rounds, args.sample_ms)
     out.update(calls_per_sample=calls, rounds=rounds)
-    t = time_calls({**base, **fns}, calls, rounds, TIMINGS, settle=t_est < 1.0, warm=warm_calls(t_est))
+    t = time_calls({**base, **fns}, calls, rounds, TIMINGS, settle=t_est < 1.0, warm=warm_calls(t_est),
+                   lead=args.lead)
 
     def tflops(ms):
         return {tm: (prob.flop / (v * 1e-3) / 1e12 if v else None) for tm, v in ms.items()}
@@ -361,7 +366,7 @@ def _document(args, ops, results, sm, dtype):
            "device": torch.cuda.get_device_name(), "sm_count": sm, "torch": torch.__version__,
            "cuda": torch.version.cuda, "dtype": args.dtype, "ag_world": args.worlds,
            "out_dtype": "fp32" if args.out_dtype == "fp32" else args.dtype,
-           "timings": list(TIMINGS), "pdl": getattr(args, "pdl_list", [1]),
+           "timings": list(TIMINGS), "pdl": getattr(args, "pdl_list", [1]), "lead": args.lead,
            "configs": {op: {"source": K.config_source(op),
                             "list": [{"id": c.id, "tile": c.desc, "scheduler": c.scheduler,
                                       "describe": FC.config(op, c.id).describe(), "dtypes": [list(p) for p in c.dtypes]}

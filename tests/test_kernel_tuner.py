@@ -409,7 +409,7 @@ def fake_gpu(monkeypatch):
         if config != WRONG["rs"]:  # writes nothing
             out.copy_(a.float() @ w.float().t() + src.float())
 
-    def events_ms(run, spin=False):
+    def events_ms(run, spin=False, cycles=0):
         t0 = time.perf_counter()
         run()
         return (time.perf_counter() - t0) * 1e3
@@ -623,7 +623,7 @@ def test_time_calls_rotates_and_warms(monkeypatch):
     from flux.autotune import kernel_timing as KT
 
     log = []
-    monkeypatch.setattr(KT, "_events_ms", lambda run, spin=False: (log.append("sample"), run(), 1.0)[2])
+    monkeypatch.setattr(KT, "_events_ms", lambda run, spin=False, cycles=0: (log.append("sample"), run(), 1.0)[2])
     monkeypatch.setattr(KT, "capture", lambda loop, calls=1: types.SimpleNamespace(replay=loop))
     variants = {lab: [lambda lab=lab: log.append(lab)] for lab in "abc"}
     t = KT.time_calls(variants, calls=2, rounds=3, timings=("loop",), settle=False, warm=4)
@@ -636,3 +636,20 @@ def test_time_calls_rotates_and_warms(monkeypatch):
         i += 7
     assert firsts == list("abc" "bca" "cab")
     assert KT.warm_calls(0.2) == 0 and KT.warm_calls(10.0) == 6 and KT.warm_calls(0.5) == 120
+
+
+def test_time_calls_lead_spin(monkeypatch):
+    """lead=True: the loop and graph samples start behind a GPU spin of LEAD_CYCLES (the first call's
+    launch untimed); the spin sample keeps its own; without lead, loop and graph have none."""
+    from flux.autotune import kernel_timing as KT
+
+    seen = []
+    monkeypatch.setattr(KT, "_events_ms", lambda run, spin=False, cycles=KT.SPIN_CYCLES: (
+        seen.append((spin, cycles if spin else None)), run(), 1.0)[2])
+    monkeypatch.setattr(KT, "capture", lambda loop, calls=1: types.SimpleNamespace(replay=loop))
+    fns = {"a": [lambda: None]}
+    KT.time_calls(fns, calls=1, rounds=1, timings=("loop", "graph", "spin"), lead=True)
+    assert seen == [(True, KT.LEAD_CYCLES), (True, KT.LEAD_CYCLES), (True, KT.SPIN_CYCLES)]
+    seen.clear()
+    KT.time_calls(fns, calls=1, rounds=1, timings=("loop", "graph", "spin"))
+    assert seen == [(False, None), (False, None), (True, KT.SPIN_CYCLES)]

@@ -27,6 +27,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 L2_BYTES = 60 << 20  # H100/H200 L2 is 50/60 MB: rotate sets while one set is below this
 SPIN_CYCLES = 1_000_000
+LEAD_CYCLES = 100_000  # time_calls(lead=True): ~50 us at 2 GHz, more than one call's enqueue
 WARM_MS = 60.0  # warm_calls: GPU time per variant and round before its samples
 TIMEOUT_MS = 10000
 RS_SEGMENTS = 8  # segments of the peer's partial, as the fused RS strategy signals them
@@ -140,11 +141,14 @@ def loop_of(fns: Sequence[Callable[[], None]], calls: int) -> Callable[[], None]
     return loop
 
 
-def _events_ms(run: Callable[[], None], spin: bool = False) -> float:
+def _events_ms(run: Callable[[], None], spin: bool = False, cycles: int = SPIN_CYCLES) -> float:
+    """GPU ms between events around ``run``; ``spin``: behind a GPU spin of ``cycles`` enqueued
+    before the start event, which then fires once the spin ends and the host has enqueued the
+    first call (no start gap while the host launches it)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     if spin:
-        torch.cuda._sleep(SPIN_CYCLES)
+        torch.cuda._sleep(cycles)
     start.record()
     run()
     end.record()
@@ -181,11 +185,13 @@ def warm_calls(t_ms: float) -> int:
 
 def time_calls(variants: Dict[str, Sequence[Callable[[], None]]], calls: int, rounds: int,
                timings: Sequence[str] = ("loop", "graph", "spin"), settle: bool = True,
-               warm: int = 0) -> Dict[str, Dict]:
+               warm: int = 0, lead: bool = False) -> Dict[str, Dict]:
     """{label: {timing: median ms per call or None}} for every variant, rounds interleaved, each
     round starting one variant further (no variant always follows the same one).
     ``settle``: one untimed call of a variant before its samples of each round (its operands
-    after the previous variant's); ``warm``: that many more (``warm_calls``: the clock)."""
+    after the previous variant's); ``warm``: that many more (``warm_calls``: the clock);
+    ``lead``: loop and graph samples start behind a GPU spin of LEAD_CYCLES (``_events_ms``), so
+    that the host's launch of the first call is not in the sample (later calls' host cost is)."""
     loops = {lab: loop_of(fns, calls) for lab, fns in variants.items()}
     for lab, fns in variants.items():
         fns[0]()
@@ -199,10 +205,11 @@ def time_calls(variants: Dict[str, Sequence[Callable[[], None]]], calls: int, ro
                 loop_of(fns, warm)()
             if settle:
                 fns[-1]()
+            lead_kw = {"spin": True, "cycles": LEAD_CYCLES} if lead else {}
             if "loop" in timings:
-                samples[lab]["loop"].append(_events_ms(loops[lab]) / calls)
+                samples[lab]["loop"].append(_events_ms(loops[lab], **lead_kw) / calls)
             if "graph" in timings and graphs[lab] is not None:
-                samples[lab]["graph"].append(_events_ms(graphs[lab].replay) / calls)
+                samples[lab]["graph"].append(_events_ms(graphs[lab].replay, **lead_kw) / calls)
             if "spin" in timings:
                 samples[lab]["spin"].append(_events_ms(fns[0], spin=True))
     del graphs
