@@ -197,6 +197,7 @@ def time_calls(variants: Dict[str, Sequence[Callable[[], None]]], calls: int, ro
         fns[0]()
     graphs = {lab: capture(loops[lab], calls=1) if "graph" in timings else None for lab in variants}
     samples = {lab: {t: [] for t in timings} for lab in variants}
+    lead_kw = {"spin": True, "cycles": LEAD_CYCLES} if lead else {}
     order = list(variants)
     for r in range(rounds):
         for lab in order[r % len(order):] + order[:r % len(order)]:
@@ -205,7 +206,6 @@ def time_calls(variants: Dict[str, Sequence[Callable[[], None]]], calls: int, ro
                 loop_of(fns, warm)()
             if settle:
                 fns[-1]()
-            lead_kw = {"spin": True, "cycles": LEAD_CYCLES} if lead else {}
             if "loop" in timings:
                 samples[lab]["loop"].append(_events_ms(loops[lab], **lead_kw) / calls)
             if "graph" in timings and graphs[lab] is not None:
