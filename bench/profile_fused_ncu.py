@@ -15,6 +15,11 @@ more bytes through HBM and L2: the SM frequency is part of the reading), caches 
 launches leaves them. Each kernel is replayed once per metric pass, so durations are those of a
 kernel run alone; compare kernels within one report. No GPU or no ncu: one line, exit 1.
 
+--sass FILE: also the SASS of every profiled kernel with its per-instruction counters (ncu's source
+page, CSV, as ncu prints it; gzip-compressed where FILE ends in .gz), the SourceCounters section added:
+where cuBLAS's and the library's kernels differ instruction by instruction (the order and form of the
+TMA loads, the tile-index arithmetic, the barrier waits).
+
 JSON (--out): {"format": 1, "command", "commit", "device", "ncu", "sections", "cases": [{"op", "m",
 "k", "n", "label" ("cublas" or the fused label; "served" resolved), "kernels": [{"name", "grid",
 "block", "metrics": {"<section>/<metric> [unit]": value}}]}]}.
@@ -117,6 +122,23 @@ def parse_details(csv_text: str, plan):
     return out
 
 
+def write_sass(ncu: str, report: str, path: str) -> None:
+    """ncu's source page of every kernel in `report` (SASS and its counters, CSV) into `path`."""
+    run = subprocess.run([ncu, "-i", report, "--page", "source", "--print-source", "sass", "--csv"],
+                         capture_output=True, text=True)
+    text = run.stdout if run.returncode == 0 else ""
+    if not text.strip():
+        print(f"profile_fused_ncu: ncu printed no source page (rc {run.returncode}): {run.stderr[-400:]}")
+    if path.endswith(".gz"):
+        import gzip
+
+        with gzip.open(path, "wt") as f:
+            f.write(text)
+    else:
+        with open(path, "w") as f:
+            f.write(text)
+
+
 def find_ncu():
     return shutil.which("ncu") or next(iter(sorted(glob.glob("/opt/nvidia/nsight-compute/*/ncu")) +
                                         sorted(glob.glob("/usr/local/cuda*/bin/ncu"))), None)
@@ -131,6 +153,8 @@ def main(argv=None) -> int:
                    help="further ncu metrics, comma-separated (ncu's --metrics: names or regex:...); they come "
                    "back under the section \"Command line profiler metrics\"")
     p.add_argument("--out", default=None)
+    p.add_argument("--sass", default=None, metavar="FILE",
+                   help="write every kernel's SASS with per-instruction counters (ncu's source page) to FILE")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     cases = parse_cases(args.cases)
@@ -150,6 +174,8 @@ def main(argv=None) -> int:
         rep = os.path.join(tmp, "prof")
         cmd = [ncu, "--profile-from-start", "off", "--clock-control", "none", "--cache-control", "none"]
         sections = [x for x in args.sections.split(",") if x]
+        if args.sass and "SourceCounters" not in sections:
+            sections.append("SourceCounters")
         for s in sections:
             cmd += ["--section", s]
         if args.metrics:
@@ -163,6 +189,8 @@ def main(argv=None) -> int:
             return 1
         details = subprocess.run([ncu, "-i", rep + ".ncu-rep", "--page", "details", "--csv"],
                                  capture_output=True, text=True, check=True).stdout
+        if args.sass:
+            write_sass(ncu, rep + ".ncu-rep", args.sass)
         version = subprocess.run([ncu, "--version"], capture_output=True, text=True).stdout.strip().splitlines()
     got = parse_details(details, plan[0])
     doc = {"format": 1, "command": "python " + " ".join(shlex.quote(a) for a in ["bench/profile_fused_ncu.py"] +

@@ -80,6 +80,23 @@ def test_profile_fused_ncu_splits_the_report_at_its_marks():
         ncu.parse_details(head + "".join(rows[:4]), plan + plan)
 
 
+def test_profile_fused_ncu_writes_the_source_page(tmp_path):
+    """--sass: ncu's source page of the report, as ncu prints it, plain or gzip-compressed."""
+    import gzip
+
+    ncu = _load_bench("profile_fused_ncu")
+    fake = tmp_path / "ncu"
+    fake.write_text('#!/bin/sh\necho "$@"\necho \'"Address","Source","Instructions Executed"\'\n'
+                    'echo \'"00007f00","UTMALDG.3D [UR8], [UR4], desc[UR6]","4096"\'\n')
+    fake.chmod(0o755)
+    ncu.write_sass(str(fake), "prof.ncu-rep", str(tmp_path / "s.csv"))
+    lines = (tmp_path / "s.csv").read_text().splitlines()
+    assert lines[0] == "-i prof.ncu-rep --page source --print-source sass --csv" and "UTMALDG" in lines[2]
+    ncu.write_sass(str(fake), "prof.ncu-rep", str(tmp_path / "s.csv.gz"))
+    with gzip.open(tmp_path / "s.csv.gz", "rt") as f:
+        assert f.read().splitlines() == lines
+
+
 def test_profile_fused_ncu_without_a_gpu_says_so():
     import pytest
     import torch
