@@ -98,10 +98,13 @@ def scoreboard(paths, how="shipped"):
             "ag_geomean": math.exp(sum(map(math.log, ag)) / len(ag)) if ag else None,
             "rs_faster_than_mm_add_from_128": over("rs", 128, 1 << 40, 1.0 - 1e-12, "vs_cublas_add"),
             "rs_within_2pct_of_mm_from_1024": over("rs", 1024, 1 << 40, 1.02)}
-        vt = [x["vs_tuned"][t] for x in rows if x["vs_tuned"] and x["vs_tuned"][t]]
+        sel = [x for x in rows if x["vs_tuned"] and x["vs_tuned"][t]]
+        vt = [x["vs_tuned"][t] for x in sel]
         out["timings"][t]["vs_tuned"] = {
             "shapes": len(vt), "geomean": math.exp(sum(map(math.log, vt)) / len(vt)) if vt else None,
-            "over_5pct": sum(v > 1.05 for v in vt), "max": max(vt) if vt else None}
+            "over_5pct": sum(v > 1.05 for v in vt), "max": max(vt) if vt else None,
+            "which": [f"{x['op']} {x['m']}x{x['n']}x{x['k']} {x['choice']} {x['vs_tuned'][t]:.3f}"
+                      for x in sel if x["vs_tuned"][t] > 1.05]}
     return out
 
 
