@@ -108,6 +108,45 @@ def test_profile_fused_ncu_without_a_gpu_says_so():
     assert r.returncode == 1 and "nothing profiled" in r.stdout
 
 
+def test_probe_l2_coalescing_reads_its_lines_and_ncu():
+    """The probe's JSON lines, one per variant; ncu's details page -> each variant's last launch
+    (the first is its warm-up); a report with a launch missing is an error."""
+    import pytest
+
+    probe = _load_bench("probe_l2_coalescing")
+    out = ('{"group": 8, "stagger": 0, "delay": 256, "policy": "0x0", "promotion": 128, "ctas": 128, "rows": 1024, '
+           '"k": 4096, "ms": 0.0123}\nnoise\n')
+    assert probe.parse_lines(out) == [{"group": 8, "stagger": 0, "delay": 256, "policy": "0x0", "promotion": 128,
+                                       "ctas": 128, "rows": 1024, "k": 4096, "ms": 0.0123}]
+    head = '"ID","Kernel Name","Section Name","Metric Name","Metric Unit","Metric Value"\n'
+    rows = "".join(f'"{i}","probe_kernel","Command line profiler metrics","lts__t_sectors_op_read.sum","sector",'
+                   f'"{1000 * (i + 1):,}"\n' for i in range(4))
+    assert probe.parse_ncu(head + rows) == [{"lts__t_sectors_op_read.sum [sector]": 2000.0},
+                                            {"lts__t_sectors_op_read.sum [sector]": 4000.0}]
+    with pytest.raises(SystemExit):
+        probe.parse_ncu(head + rows.split("\n", 1)[1])
+
+
+def test_probe_l2_coalescing_compiles_and_needs_a_gpu(tmp_path):
+    """The probe's CUDA source compiles for sm_90a where nvcc is installed, both load forms in its
+    SASS-bound PTX; without a GPU the script says so and exits 1."""
+    import pytest
+    import torch
+
+    probe = _load_bench("probe_l2_coalescing")
+    nvcc = probe.find_nvcc()
+    if nvcc:
+        subprocess.run([nvcc, "-std=c++17", "-arch=sm_90a", "-ptx", "-o", str(tmp_path / "p.ptx"), probe.SOURCE],
+                       check=True, timeout=300)
+        ptx = (tmp_path / "p.ptx").read_text()
+        assert "complete_tx::bytes.L2::cache_hint" in ptx and "complete_tx::bytes [" in ptx
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the script would probe")
+    r = subprocess.run([sys.executable, os.path.join(REPO, "bench", "probe_l2_coalescing.py")], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 1 and "nothing probed" in r.stdout
+
+
 def test_power_fused_gemm_reads_nvidia_smi_and_needs_a_gpu():
     """nvidia-smi's CSV lines -> (watts, MHz), others skipped; without a GPU: one line, exit 1."""
     import pytest

@@ -1,0 +1,135 @@
+"""What lets Hopper's L2 request coalescer merge the TMA loads of CTAs reading the same rows?
+
+With cuBLAS's own tile, cluster, bytes and requests, the fused kernels read 1.4-1.5x cuBLAS's sectors
+from the L2 slices, the coalescer merging 27-35% of cuBLAS's coalescable sectors and under 3% of
+theirs (docs/performance.md §9, "Same tile, more L2 reads"). This probe isolates the A side of a
+GEMM mainloop (bench/probe_l2_coalescing.cu: one wave of CTAs, each loading 64 x 64 bf16 boxes along
+K through a ring of 10 stages, as a 64-row tile's A loads) and varies what might decide the merging:
+
+- group: consecutive CTAs that read the same rows (a tile row of A shared by its N tiles; 1 = none);
+- stagger: CTA j of a group runs its K loop rotated by j * stagger boxes (0 = in step);
+- delay: cycles the consumer holds each stage (the MMA time it stands for);
+- policy: the L2 cache-policy operand of each load (0 = none; 1000000000000000 = CUTLASS's
+  evict-normal, which every TMA load of the fused kernels carries; 12f0... evict-first, 14f0... evict-last);
+- promotion: the tensor map's L2 promotion in bytes (CUTLASS's is 128).
+
+    python bench/probe_l2_coalescing.py [--variants g:s:d:policy:promo,...] [--ctas 128] [--k 4096] [--out FILE]
+
+Compiles the probe with nvcc (sm_90a), times each variant (median of CUDA-event-timed launches),
+then, where Nsight Compute is installed, profiles one launch per variant for the L2 metrics
+(--metrics; clocks and caches left as the card sets them). No GPU, no nvcc: one line, exit 1.
+
+JSON (--out): {"format": 1, "command", "commit", "device", "ncu", "variants": [{"group", "stagger",
+"delay", "policy", "promotion", "ctas", "rows", "k", "ms", "metrics": {"<metric> [unit]": value}}]}.
+"""
+import argparse
+import csv
+import io
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCE = os.path.join(HERE, "probe_l2_coalescing.cu")
+NORMAL, FIRST, LAST = "1000000000000000", "12f0000000000000", "14f0000000000000"
+VARIANTS = (f"8:0:0:0:128,8:0:0:{NORMAL}:128,8:0:256:0:128,8:0:256:{NORMAL}:128,8:0:256:{FIRST}:128,"
+            f"8:0:256:{LAST}:128,8:1:256:0:128,8:4:256:0:128,8:0:256:0:256,8:0:256:0:0,1:0:256:0:128")
+METRICS = ("lts__t_sectors_op_read.sum,lrc__lts2lrc_sectors_op_read.sum,lrc__request_sectors_op_read_coalescable.sum,"
+           "lrc__xbar2lrc_requests_op_read.sum,gpu__time_duration.sum")
+
+
+def find_nvcc():
+    home = os.environ.get("CUDA_HOME") or "/usr/local/cuda"
+    cand = os.path.join(home, "bin", "nvcc")
+    return cand if os.path.exists(cand) else shutil.which("nvcc")
+
+
+def parse_lines(text: str):
+    """The probe's JSON lines (one per variant), other lines ignored."""
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def parse_ncu(csv_text: str, launches_per_variant: int = 2):
+    """ncu's details page (CSV) -> per variant the metrics of its last launch (the first is its warm-up)."""
+    kernels = {}
+    for row in csv.DictReader(io.StringIO(csv_text)):
+        if not row.get("ID"):
+            continue
+        unit = f" [{row['Metric Unit']}]" if row.get("Metric Unit") else ""
+        value = row["Metric Value"].replace(",", "")
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+        kernels.setdefault(int(row["ID"]), {})[f"{row['Metric Name']}{unit}"] = value
+    ids = sorted(kernels)
+    if len(ids) % launches_per_variant:
+        raise SystemExit(f"probe_l2_coalescing: {len(ids)} profiled launches, not a multiple of {launches_per_variant}")
+    return [kernels[ids[i + launches_per_variant - 1]] for i in range(0, len(ids), launches_per_variant)]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variants", default=VARIANTS, help="group:stagger:delay:policy_hex:promotion, comma-separated")
+    p.add_argument("--ctas", type=int, default=128)
+    p.add_argument("--k", type=int, default=4096)
+    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--metrics", default=METRICS)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    variants = [v for v in args.variants.split(",") if v]
+    import torch
+
+    nvcc = find_nvcc()
+    if not torch.cuda.is_available() or nvcc is None:
+        print("probe_l2_coalescing: needs a CUDA GPU and nvcc; nothing probed")
+        return 1
+    sys.path.insert(0, HERE)
+    from bench_fused_gemm import commit
+    from profile_fused_ncu import find_ncu
+
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = os.path.join(tmp, "probe")
+        subprocess.run([nvcc, "-O3", "-std=c++17", "-arch=sm_90a", "-o", exe, SOURCE], check=True)
+        common = ["--ctas", str(args.ctas), "--k", str(args.k)]
+        run = subprocess.run([exe, "--reps", str(args.reps), *common, *variants], capture_output=True, text=True)
+        if run.returncode != 0:
+            print(run.stdout, run.stderr, sep="\n")
+            return 1
+        rows = parse_lines(run.stdout)
+        ncu, version = find_ncu(), None
+        if ncu:
+            rep = os.path.join(tmp, "prof")
+            prof = subprocess.run([ncu, "--clock-control", "none", "--cache-control", "none", "--metrics", args.metrics,
+                                   "-o", rep, exe, "--once", *common, *variants], capture_output=True, text=True)
+            if prof.returncode == 0:
+                details = subprocess.run([ncu, "-i", rep + ".ncu-rep", "--page", "details", "--csv"],
+                                         capture_output=True, text=True, check=True).stdout
+                for row, metrics in zip(rows, parse_ncu(details)):
+                    row["metrics"] = metrics
+                version = subprocess.run([ncu, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
+            else:
+                print(prof.stdout[-2000:], prof.stderr[-2000:], "probe_l2_coalescing: ncu run failed", sep="\n")
+    print(f"{'group':>5} {'stagger':>7} {'delay':>5} {'policy':>18} {'promo':>5} {'ms':>8} {'L2 sectors':>11} "
+          f"{'coalescable':>11}")
+    for r in rows:
+        m = r.get("metrics", {})
+        get = lambda name: next((v for k, v in m.items() if k.startswith(name)), "-")  # noqa: E731
+        print(f"{r['group']:>5} {r['stagger']:>7} {r['delay']:>5} {r['policy']:>18} {r['promotion']:>5} "
+              f"{r['ms'] if r['ms'] is not None else '-':>8} {get('lts__t_sectors_op_read.sum'):>11} "
+              f"{get('lrc__request_sectors_op_read_coalescable.sum'):>11}")
+    if args.out:
+        doc = {"format": 1, "command": "python " + " ".join(shlex.quote(a) for a in ["bench/probe_l2_coalescing.py"] +
+                                                            list(argv if argv is not None else sys.argv[1:])),
+               "commit": commit(), "device": torch.cuda.get_device_name(), "ncu": version, "variants": rows}
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
