@@ -23,8 +23,6 @@ JSON (--out): {"format": 1, "command", "commit", "device", "ncu", "variants": [{
 "delay", "policy", "promotion", "ctas", "rows", "k", "ms", "metrics": {"<metric> [unit]": value}}]}.
 """
 import argparse
-import csv
-import io
 import json
 import os
 import shlex
@@ -55,21 +53,14 @@ def parse_lines(text: str):
 
 def parse_ncu(csv_text: str, launches_per_variant: int = 2):
     """ncu's details page (CSV) -> per variant the metrics of its last launch (the first is its warm-up)."""
-    kernels = {}
-    for row in csv.DictReader(io.StringIO(csv_text)):
-        if not row.get("ID"):
-            continue
-        unit = f" [{row['Metric Unit']}]" if row.get("Metric Unit") else ""
-        value = row["Metric Value"].replace(",", "")
-        try:
-            value = float(value)
-        except ValueError:
-            pass
-        kernels.setdefault(int(row["ID"]), {})[f"{row['Metric Name']}{unit}"] = value
+    sys.path.insert(0, HERE)
+    from profile_fused_ncu import kernels_of
+
+    kernels = kernels_of(csv_text, sections=False)
     ids = sorted(kernels)
     if len(ids) % launches_per_variant:
         raise SystemExit(f"probe_l2_coalescing: {len(ids)} profiled launches, not a multiple of {launches_per_variant}")
-    return [kernels[ids[i + launches_per_variant - 1]] for i in range(0, len(ids), launches_per_variant)]
+    return [kernels[ids[i + launches_per_variant - 1]]["metrics"] for i in range(0, len(ids), launches_per_variant)]
 
 
 def main(argv=None) -> int:

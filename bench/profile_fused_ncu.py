@@ -96,8 +96,9 @@ def _number(text: str):
         return text
 
 
-def parse_details(csv_text: str, plan):
-    """ncu's details page (CSV) -> the plan's entries with their kernels, split at the marks."""
+def kernels_of(csv_text: str, sections: bool = True):
+    """ncu's details page (CSV) -> {kernel ID: {"name", "grid", "block", "metrics": {"<section>/<metric>
+    [unit]": value}}} (without the section where ``sections`` is false)."""
     kernels = {}
     for row in csv.DictReader(io.StringIO(csv_text)):
         if not row.get("ID"):
@@ -106,7 +107,14 @@ def parse_details(csv_text: str, plan):
         k = kernels.setdefault(kid, {"name": row["Kernel Name"], "grid": row.get("Grid Size"),
                                      "block": row.get("Block Size"), "metrics": {}})
         unit = f" [{row['Metric Unit']}]" if row.get("Metric Unit") else ""
-        k["metrics"][f"{row['Section Name']}/{row['Metric Name']}{unit}"] = _number(row["Metric Value"])
+        name = f"{row['Section Name']}/{row['Metric Name']}" if sections else row["Metric Name"]
+        k["metrics"][name + unit] = _number(row["Metric Value"])
+    return kernels
+
+
+def parse_details(csv_text: str, plan):
+    """ncu's details page (CSV) -> the plan's entries with their kernels, split at the marks."""
+    kernels = kernels_of(csv_text)
     out, cur = [], None
     for kid in sorted(kernels):
         k = kernels[kid]
