@@ -63,6 +63,33 @@ def parse_ncu(csv_text: str, launches_per_variant: int = 2):
     return [kernels[ids[i + launches_per_variant - 1]]["metrics"] for i in range(0, len(ids), launches_per_variant)]
 
 
+def probe(nvcc: str, ncu, args, variants):
+    """(one row per variant, ncu's version): built, timed, and where `ncu` is given profiled; (None, None)
+    where the probe failed."""
+    from profile_fused_ncu import details_page, ncu_version
+
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = os.path.join(tmp, "probe")
+        subprocess.run([nvcc, "-O3", "-std=c++17", "-arch=sm_90a", "-o", exe, SOURCE], check=True)
+        common = ["--ctas", str(args.ctas), "--k", str(args.k)]
+        run = subprocess.run([exe, "--reps", str(args.reps), *common, *variants], capture_output=True, text=True)
+        if run.returncode != 0:
+            print(run.stdout, run.stderr, sep="\n")
+            return None, None
+        rows = parse_lines(run.stdout)
+        if not ncu:
+            return rows, None
+        rep = os.path.join(tmp, "prof")
+        prof = subprocess.run([ncu, "--clock-control", "none", "--cache-control", "none", "--metrics", args.metrics,
+                               "-o", rep, exe, "--once", *common, *variants], capture_output=True, text=True)
+        if prof.returncode != 0:
+            print(prof.stdout[-2000:], prof.stderr[-2000:], "probe_l2_coalescing: ncu run failed", sep="\n")
+            return rows, None
+        for row, metrics in zip(rows, parse_ncu(details_page(ncu, rep + ".ncu-rep"))):
+            row["metrics"] = metrics
+        return rows, ncu_version(ncu)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variants", default=VARIANTS, help="group:stagger:delay:policy_hex:promotion, comma-separated")
@@ -75,36 +102,17 @@ def main(argv=None) -> int:
     variants = [v for v in args.variants.split(",") if v]
     import torch
 
-    nvcc = find_nvcc()
-    if not torch.cuda.is_available() or nvcc is None:
-        print("probe_l2_coalescing: needs a CUDA GPU and nvcc; nothing probed")
-        return 1
     sys.path.insert(0, HERE)
     from bench_fused_gemm import commit
     from profile_fused_ncu import find_ncu
 
-    with tempfile.TemporaryDirectory() as tmp:
-        exe = os.path.join(tmp, "probe")
-        subprocess.run([nvcc, "-O3", "-std=c++17", "-arch=sm_90a", "-o", exe, SOURCE], check=True)
-        common = ["--ctas", str(args.ctas), "--k", str(args.k)]
-        run = subprocess.run([exe, "--reps", str(args.reps), *common, *variants], capture_output=True, text=True)
-        if run.returncode != 0:
-            print(run.stdout, run.stderr, sep="\n")
-            return 1
-        rows = parse_lines(run.stdout)
-        ncu, version = find_ncu(), None
-        if ncu:
-            rep = os.path.join(tmp, "prof")
-            prof = subprocess.run([ncu, "--clock-control", "none", "--cache-control", "none", "--metrics", args.metrics,
-                                   "-o", rep, exe, "--once", *common, *variants], capture_output=True, text=True)
-            if prof.returncode == 0:
-                details = subprocess.run([ncu, "-i", rep + ".ncu-rep", "--page", "details", "--csv"],
-                                         capture_output=True, text=True, check=True).stdout
-                for row, metrics in zip(rows, parse_ncu(details)):
-                    row["metrics"] = metrics
-                version = subprocess.run([ncu, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
-            else:
-                print(prof.stdout[-2000:], prof.stderr[-2000:], "probe_l2_coalescing: ncu run failed", sep="\n")
+    nvcc = find_nvcc()
+    if not torch.cuda.is_available() or nvcc is None:
+        print("probe_l2_coalescing: needs a CUDA GPU and nvcc; nothing probed")
+        return 1
+    rows, version = probe(nvcc, find_ncu(), args, variants)
+    if rows is None:
+        return 1
     print(f"{'group':>5} {'stagger':>7} {'delay':>5} {'policy':>18} {'promo':>5} {'ms':>8} {'L2 sectors':>11} "
           f"{'coalescable':>11}")
     for r in rows:

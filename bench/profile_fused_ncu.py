@@ -147,6 +147,17 @@ def write_sass(ncu: str, report: str, path: str) -> None:
             f.write(text)
 
 
+def details_page(ncu: str, report: str) -> str:
+    """ncu's details page of `report` (CSV; kernels_of reads it)."""
+    return subprocess.run([ncu, "-i", report, "--page", "details", "--csv"], capture_output=True, text=True,
+                          check=True).stdout
+
+
+def ncu_version(ncu: str):
+    lines = subprocess.run([ncu, "--version"], capture_output=True, text=True).stdout.strip().splitlines()
+    return lines[-1] if lines else None
+
+
 def find_ncu():
     return shutil.which("ncu") or next(iter(sorted(glob.glob("/opt/nvidia/nsight-compute/*/ncu")) +
                                         sorted(glob.glob("/usr/local/cuda*/bin/ncu"))), None)
@@ -195,15 +206,14 @@ def main(argv=None) -> int:
             print(run.stdout[-4000:], run.stderr[-4000:], sep="\n")
             print(f"profile_fused_ncu: ncu run failed (rc {run.returncode})")
             return 1
-        details = subprocess.run([ncu, "-i", rep + ".ncu-rep", "--page", "details", "--csv"],
-                                 capture_output=True, text=True, check=True).stdout
+        details = details_page(ncu, rep + ".ncu-rep")
         if args.sass:
             write_sass(ncu, rep + ".ncu-rep", args.sass)
-        version = subprocess.run([ncu, "--version"], capture_output=True, text=True).stdout.strip().splitlines()
+        version = ncu_version(ncu)
     got = parse_details(details, plan[0])
     doc = {"format": 1, "command": "python " + " ".join(shlex.quote(a) for a in ["bench/profile_fused_ncu.py"] +
                                                         list(argv if argv is not None else sys.argv[1:])),
-           "commit": commit(), "device": torch.cuda.get_device_name(), "ncu": version[-1] if version else None,
+           "commit": commit(), "device": torch.cuda.get_device_name(), "ncu": version,
            "sections": sections, "cases": got}
     keys = ("GPU Speed Of Light Throughput/SM Frequency", "GPU Speed Of Light Throughput/Elapsed Cycles",
             "GPU Speed Of Light Throughput/Duration", "GPU Speed Of Light Throughput/DRAM Throughput",
