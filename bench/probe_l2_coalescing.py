@@ -52,12 +52,13 @@ def parse_lines(text: str):
 
 
 def parse_ncu(csv_text: str, launches_per_variant: int = 2):
-    """ncu's details page (CSV) -> per variant the metrics of its last launch (the first is its warm-up)."""
+    """ncu's details page (CSV) -> per variant the metrics of its probe kernel's last launch (the first is
+    its warm-up)."""
     sys.path.insert(0, HERE)
     from profile_fused_ncu import kernels_of
 
     kernels = kernels_of(csv_text, sections=False)
-    ids = sorted(kernels)
+    ids = sorted(i for i, k in kernels.items() if "probe_kernel" in k["name"])  # not a memset, say
     if len(ids) % launches_per_variant:
         raise SystemExit(f"probe_l2_coalescing: {len(ids)} profiled launches, not a multiple of {launches_per_variant}")
     return [kernels[ids[i + launches_per_variant - 1]]["metrics"] for i in range(0, len(ids), launches_per_variant)]

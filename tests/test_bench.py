@@ -109,8 +109,8 @@ def test_profile_fused_ncu_without_a_gpu_says_so():
 
 
 def test_probe_l2_coalescing_reads_its_lines_and_ncu():
-    """The probe's JSON lines, one per variant; ncu's details page -> each variant's last launch
-    (the first is its warm-up); a report with a launch missing is an error."""
+    """The probe's JSON lines, one per variant; ncu's details page -> each variant's last launch of
+    the probe kernel (the first is its warm-up; other kernels skipped); a launch missing is an error."""
     import pytest
 
     probe = _load_bench("probe_l2_coalescing")
@@ -119,10 +119,12 @@ def test_probe_l2_coalescing_reads_its_lines_and_ncu():
     assert probe.parse_lines(out) == [{"group": 8, "stagger": 0, "delay": 256, "policy": "0x0", "promotion": 128,
                                        "ctas": 128, "rows": 1024, "k": 4096, "ms": 0.0123}]
     head = '"ID","Kernel Name","Section Name","Metric Name","Metric Unit","Metric Value"\n'
-    rows = "".join(f'"{i}","probe_kernel","Command line profiler metrics","lts__t_sectors_op_read.sum","sector",'
-                   f'"{1000 * (i + 1):,}"\n' for i in range(4))
+    rows = "".join(f'"{i}","{name}","Command line profiler metrics","lts__t_sectors_op_read.sum","sector",'
+                   f'"{1000 * (i + 1):,}"\n'
+                   for i, name in enumerate(["probe_kernel(a)", "probe_kernel(a)", "memset", "probe_kernel(a)",
+                                             "probe_kernel(a)"]))
     assert probe.parse_ncu(head + rows) == [{"lts__t_sectors_op_read.sum [sector]": 2000.0},
-                                            {"lts__t_sectors_op_read.sum [sector]": 4000.0}]
+                                            {"lts__t_sectors_op_read.sum [sector]": 5000.0}]
     with pytest.raises(SystemExit):
         probe.parse_ncu(head + rows.split("\n", 1)[1])
 
