@@ -19,6 +19,9 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#define PROBE_NAME "probe_l2_coalescing"
+#include "probe_check.cuh"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -124,15 +127,6 @@ __global__ void __launch_bounds__(64) probe_kernel(const __grid_constant__ CUten
   }
 }
 
-#define CHECK(x)                                                                        \
-  do {                                                                                  \
-    cudaError_t e_ = (x);                                                               \
-    if (e_ != cudaSuccess) {                                                            \
-      std::fprintf(stderr, "probe_l2_coalescing: %s: %s\n", #x, cudaGetErrorString(e_)); \
-      std::exit(2);                                                                     \
-    }                                                                                   \
-  } while (0)
-
 using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
                                  const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
                                  CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
@@ -185,13 +179,11 @@ int main(int argc, char** argv) {
   bool once = false;
   std::vector<Variant> vs;
   for (int i = 1; i < argc; ++i) {
-    if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) {
-      reps = std::atoi(argv[++i]);
-    } else if (!std::strcmp(argv[i], "--ctas") && i + 1 < argc) {
-      ctas = std::atoi(argv[++i]);
-    } else if (!std::strcmp(argv[i], "--k") && i + 1 < argc) {
-      k = std::atoi(argv[++i]);
-    } else if (!std::strcmp(argv[i], "--once")) {
+    if (int_flag(argc, argv, i, "--reps", &reps) || int_flag(argc, argv, i, "--ctas", &ctas) ||
+        int_flag(argc, argv, i, "--k", &k)) {
+      continue;
+    }
+    if (!std::strcmp(argv[i], "--once")) {
       once = true;
     } else {
       Variant v;

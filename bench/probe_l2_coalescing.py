@@ -23,33 +23,20 @@ then, where Nsight Compute is installed, profiles one launch per variant for the
 JSON (--out): {"format": 1, "command", "commit", "device", "ncu", "variants": [{"group", "stagger",
 "delay", "policy", "promotion", "ctas", "rows", "k", "ms", "metrics": {"<metric> [unit]": value}}]}.
 """
-import argparse
-import json
 import os
-import shlex
-import shutil
 import subprocess
 import sys
-import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from probe_cuda import build_and_run, parser, usable, write  # noqa: E402
+
 SOURCE = os.path.join(HERE, "probe_l2_coalescing.cu")
 NORMAL, FIRST, LAST = "1000000000000000", "12f0000000000000", "14f0000000000000"
 VARIANTS = (f"8:0:0:0:128,8:0:0:{NORMAL}:128,8:0:256:0:128,8:0:256:{NORMAL}:128,8:0:256:{FIRST}:128,"
             f"8:0:256:{LAST}:128,8:1:256:0:128,8:4:256:0:128,1:0:256:0:128")
 METRICS = ("lts__t_sectors_op_read.sum,lrc__lts2lrc_sectors_op_read.sum,lrc__request_sectors_op_read_coalescable.sum,"
            "lrc__xbar2lrc_requests_op_read.sum,gpu__time_duration.sum")
-
-
-def find_nvcc():
-    home = os.environ.get("CUDA_HOME") or "/usr/local/cuda"
-    cand = os.path.join(home, "bin", "nvcc")
-    return cand if os.path.exists(cand) else shutil.which("nvcc")
-
-
-def parse_lines(text: str):
-    """The probe's JSON lines (one per variant), other lines ignored."""
-    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
 
 
 def parse_ncu(csv_text: str, launches_per_variant: int = 2):
@@ -70,47 +57,34 @@ def probe(nvcc: str, ncu, args, variants):
     where the probe failed."""
     from profile_fused_ncu import details_page, ncu_version
 
-    with tempfile.TemporaryDirectory() as tmp:
-        exe = os.path.join(tmp, "probe")
-        subprocess.run([nvcc, "-O3", "-std=c++17", "-arch=sm_90a", "-o", exe, SOURCE], check=True)
-        common = ["--ctas", str(args.ctas), "--k", str(args.k)]
-        run = subprocess.run([exe, "--reps", str(args.reps), *common, *variants], capture_output=True, text=True)
-        if run.returncode != 0:
-            print(run.stdout, run.stderr, sep="\n")
-            return None, None
-        rows = parse_lines(run.stdout)
+    common = ["--ctas", str(args.ctas), "--k", str(args.k)]
+
+    def profile(exe, rows):
         if not ncu:
-            return rows, None
-        rep = os.path.join(tmp, "prof")
+            return None
+        rep = exe + "-prof"
         prof = subprocess.run([ncu, "--clock-control", "none", "--cache-control", "none", "--metrics", args.metrics,
                                "-o", rep, exe, "--once", *common, *variants], capture_output=True, text=True)
         if prof.returncode != 0:
             print(prof.stdout[-2000:], prof.stderr[-2000:], "probe_l2_coalescing: ncu run failed", sep="\n")
-            return rows, None
+            return None
         for row, metrics in zip(rows, parse_ncu(details_page(ncu, rep + ".ncu-rep"))):
             row["metrics"] = metrics
-        return rows, ncu_version(ncu)
+        return ncu_version(ncu)
+
+    return build_and_run(nvcc, SOURCE, ["--reps", str(args.reps), *common, *variants], profile)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--variants", default=VARIANTS, help="group:stagger:delay:policy_hex:promotion, comma-separated")
-    p.add_argument("--ctas", type=int, default=128)
+    p = parser(__doc__, VARIANTS, "group:stagger:delay:policy_hex:promotion", ctas=128, reps=50)
     p.add_argument("--k", type=int, default=4096)
-    p.add_argument("--reps", type=int, default=50)
     p.add_argument("--metrics", default=METRICS)
-    p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
-    import torch
-
-    sys.path.insert(0, HERE)
-    from bench_fused_gemm import commit
     from profile_fused_ncu import find_ncu
 
-    nvcc = find_nvcc()
-    if not torch.cuda.is_available() or nvcc is None:
-        print("probe_l2_coalescing: needs a CUDA GPU and nvcc; nothing probed")
+    nvcc = usable("probe_l2_coalescing")
+    if nvcc is None:
         return 1
     rows, version = probe(nvcc, find_ncu(), args, variants)
     if rows is None:
@@ -124,11 +98,7 @@ def main(argv=None) -> int:
               f"{r['ms'] if r['ms'] is not None else '-':>8} {get('lts__t_sectors_op_read.sum'):>11} "
               f"{get('lrc__request_sectors_op_read_coalescable.sum'):>11}")
     if args.out:
-        doc = {"format": 1, "command": "python " + " ".join(shlex.quote(a) for a in ["bench/probe_l2_coalescing.py"] +
-                                                            list(argv if argv is not None else sys.argv[1:])),
-               "commit": commit(), "device": torch.cuda.get_device_name(), "ncu": version, "variants": rows}
-        with open(args.out, "w") as f:
-            json.dump(doc, f, indent=1)
+        write(args.out, "bench/probe_l2_coalescing.py", argv, rows, ncu=version)
     return 0
 
 

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS_DIR)
 sys.path.insert(0, TESTS_DIR)
@@ -114,9 +116,10 @@ def test_probe_l2_coalescing_reads_its_lines_and_ncu():
     import pytest
 
     probe = _load_bench("probe_l2_coalescing")
+    tools = _load_bench("probe_cuda")
     out = ('{"group": 8, "stagger": 0, "delay": 256, "policy": "0x0", "promotion": 128, "ctas": 128, "rows": 1024, '
            '"k": 4096, "ms": 0.0123}\nnoise\n')
-    assert probe.parse_lines(out) == [{"group": 8, "stagger": 0, "delay": 256, "policy": "0x0", "promotion": 128,
+    assert tools.parse_lines(out) == [{"group": 8, "stagger": 0, "delay": 256, "policy": "0x0", "promotion": 128,
                                        "ctas": 128, "rows": 1024, "k": 4096, "ms": 0.0123}]
     head = '"ID","Kernel Name","Section Name","Metric Name","Metric Unit","Metric Value"\n'
     rows = "".join(f'"{i}","{name}","Command line profiler metrics","lts__t_sectors_op_read.sum","sector",'
@@ -129,23 +132,25 @@ def test_probe_l2_coalescing_reads_its_lines_and_ncu():
         probe.parse_ncu(head + rows.split("\n", 1)[1])
 
 
-def test_probe_l2_coalescing_compiles_and_needs_a_gpu(tmp_path):
-    """The probe's CUDA source compiles for sm_90a where nvcc is installed, both load forms in its
-    SASS-bound PTX; without a GPU the script says so and exits 1."""
-    import pytest
+@pytest.mark.parametrize("name,marks", [
+    ("probe_l2_coalescing", ("complete_tx::bytes.L2::cache_hint", "complete_tx::bytes [")),
+    ("probe_launch", ("griddepcontrol.wait",))])
+def test_probes_compile_and_need_a_gpu(tmp_path, name, marks):
+    """Each probe's CUDA source compiles for sm_90a where nvcc is installed (with the instructions it is
+    about in its PTX); without a GPU the script says so and exits 1."""
     import torch
 
-    probe = _load_bench("probe_l2_coalescing")
-    nvcc = probe.find_nvcc()
+    probe = _load_bench(name)
+    nvcc = _load_bench("probe_cuda").find_nvcc()
     if nvcc:
         subprocess.run([nvcc, "-std=c++17", "-arch=sm_90a", "-ptx", "-o", str(tmp_path / "p.ptx"), probe.SOURCE],
                        check=True, timeout=300)
         ptx = (tmp_path / "p.ptx").read_text()
-        assert "complete_tx::bytes.L2::cache_hint" in ptx and "complete_tx::bytes [" in ptx
+        assert all(m in ptx for m in marks)
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible: the script would probe")
-    r = subprocess.run([sys.executable, os.path.join(REPO, "bench", "probe_l2_coalescing.py")], capture_output=True,
-                       text=True, timeout=120)
+    r = subprocess.run([sys.executable, os.path.join(REPO, "bench", name + ".py")], capture_output=True, text=True,
+                       timeout=120)
     assert r.returncode == 1 and "nothing probed" in r.stdout
 
 
