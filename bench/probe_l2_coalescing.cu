@@ -5,8 +5,9 @@
 // bf16 boxes of A (one stage of a 64-row tile, 128-byte swizzle, as the fused kernels' A loads) along
 // K into a ring of STAGES shared-memory stages; a consumer thread takes each stage, holds it `delay`
 // cycles (the MMA time it stands for) and frees it. `group` consecutive CTAs read the same rows (the
-// N tiles of one tile row of A); CTA j of a group runs its K loop rotated by j * `stagger` boxes, so
-// that its loads of a box come that much later than CTA 0's. Each load carries the L2 cache-policy
+// N tiles of one tile row of A); all CTAs start together (a grid-wide barrier, every CTA resident in
+// one wave), and CTA j of a group runs its K loop rotated by j * `stagger` boxes, so that it reaches
+// each box that many steps before CTA 0 (0: the group's CTAs load each box together). Each load carries the L2 cache-policy
 // operand `policy` (0: none; CUTLASS's evict-normal 0x1000000000000000), and the tensor map the L2
 // promotion `promotion` (0, 64, 128 or 256 bytes).
 //
@@ -15,7 +16,8 @@
 // Prints one JSON line per variant: its fields, CTAs, rows, K, and the median ms of `reps` timed
 // launches (CUDA events, after warm-up). --once: one warm-up and one launch per variant, no timing
 // (the launches an Nsight Compute run profiles). Every wait is bounded: past ~2 s of cycles the
-// waiting thread records its CTA and stage and traps.
+// waiting thread records its CTA and what it waited for (a stage's barrier, or the start barrier
+// where the CTAs do not fit in one wave) and traps.
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -43,12 +45,23 @@ struct Params {
   int stagger;
   int delay;
   unsigned long long policy;
-  unsigned int* error;  // [3]: 1 + CTA, stage, which barrier (0 full, 1 empty)
+  unsigned int* error;  // [3]: 1 + CTA, stage, which barrier (0 full, 1 empty, 2 the start)
+  unsigned int* arrived;  // the start barrier's count, never reset: this launch waits for `target`
+  unsigned int target;
   float* sink;
 };
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void timed_out(const Params& p, int stage, int which) {
+  if (atomicCAS(p.error, 0u, 1u + blockIdx.x) == 0u) {
+    p.error[1] = stage;
+    p.error[2] = which;
+    __threadfence_system();
+  }
+  __trap();
 }
 
 __device__ __forceinline__ void bounded_wait(uint64_t* bar, uint32_t parity, const Params& p, int stage, int which) {
@@ -62,14 +75,7 @@ __device__ __forceinline__ void bounded_wait(uint64_t* bar, uint32_t parity, con
         : "r"(a), "r"(parity)
         : "memory");
     if (done) return;
-    if (clock64() - t0 > kTimeoutCycles) {
-      if (atomicCAS(p.error, 0u, 1u + blockIdx.x) == 0u) {
-        p.error[1] = stage;
-        p.error[2] = which;
-        __threadfence_system();
-      }
-      __trap();
-    }
+    if (clock64() - t0 > kTimeoutCycles) timed_out(p, stage, which);
   }
 }
 
@@ -85,6 +91,12 @@ __global__ void __launch_bounds__(64) probe_kernel(const __grid_constant__ CUten
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    // The start barrier: every CTA of the launch arrives, then all begin their K loops together.
+    atomicAdd(p.arrived, 1u);
+    const unsigned long long t0 = clock64();
+    while (atomicAdd(p.arrived, 0u) < p.target) {
+      if (clock64() - t0 > kTimeoutCycles) timed_out(p, 0, 2);
+    }
   }
   __syncthreads();
   const int row0 = (blockIdx.x / p.group) * kBoxRows;
@@ -204,9 +216,22 @@ int main(int argc, char** argv) {
   CHECK(cudaHostAlloc(&error, 3 * sizeof(unsigned int), cudaHostAllocMapped));
   float* sink;
   CHECK(cudaMalloc(&sink, ctas * sizeof(float)));
+  unsigned int* arrived;
+  CHECK(cudaMalloc(&arrived, sizeof(unsigned int)));
+  CHECK(cudaMemset(arrived, 0, sizeof(unsigned int)));
+  unsigned int launches = 0;
   cudaEvent_t e0, e1;
   CHECK(cudaEventCreate(&e0));
   CHECK(cudaEventCreate(&e1));
+  // A failed wait traps: the sticky error then surfaces at the next synchronisation, reported here
+  // with what the CTA waited for.
+  auto synced = [&](cudaError_t err) {
+    if (err == cudaSuccess) return;
+    const char* what[] = {"its full barrier", "its empty barrier", "the start barrier (not one wave?)"};
+    std::fprintf(stderr, "probe_l2_coalescing: %s; CTA %d timed out at stage %u waiting on %s\n",
+                 cudaGetErrorString(err), int(error[0]) - 1, error[1], error[0] ? what[error[2] % 3] : "nothing");
+    std::exit(3);
+  };
   for (const Variant& v : vs) {
     const int rows = (ctas + v.group - 1) / v.group * kBoxRows;
     void* a;
@@ -216,10 +241,15 @@ int main(int argc, char** argv) {
     std::memset(error, 0, 3 * sizeof(unsigned int));
     unsigned int* error_dev;
     CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&error_dev), error, 0));
-    Params p{k / kBoxK, v.group, v.stagger, v.delay, v.policy, error_dev, sink};
-    auto launch = [&] { probe_kernel<<<ctas, 64, smem>>>(map, p); };
+    Params p{k / kBoxK, v.group, v.stagger, v.delay, v.policy, error_dev, arrived, 0u, sink};
+    auto launch = [&] {
+      p.target = ++launches * unsigned(ctas);
+      probe_kernel<<<ctas, 64, smem>>>(map, p);
+      CHECK(cudaGetLastError());
+    };
     std::vector<float> ms;
     for (int w = 0; w < (once ? 1 : 5); ++w) launch();
+    synced(cudaDeviceSynchronize());
     if (once) {
       launch();
     } else {
@@ -227,18 +257,13 @@ int main(int argc, char** argv) {
         CHECK(cudaEventRecord(e0));
         launch();
         CHECK(cudaEventRecord(e1));
-        CHECK(cudaEventSynchronize(e1));
+        synced(cudaEventSynchronize(e1));
         float t;
         CHECK(cudaEventElapsedTime(&t, e0, e1));
         ms.push_back(t);
       }
     }
-    cudaError_t err = cudaDeviceSynchronize();
-    if (err != cudaSuccess) {
-      std::fprintf(stderr, "probe_l2_coalescing: %s; CTA %d timed out at stage %u waiting on its %s barrier\n",
-                   cudaGetErrorString(err), int(error[0]) - 1, error[1], error[2] ? "empty" : "full");
-      return 3;
-    }
+    synced(cudaDeviceSynchronize());
     std::sort(ms.begin(), ms.end());
     std::printf(
         "{\"group\": %d, \"stagger\": %d, \"delay\": %d, \"policy\": \"0x%llx\", \"promotion\": %d, \"ctas\": %d, "
