@@ -2,18 +2,21 @@
 
 Public API:
     flux.ag_gemm(input, weight, bias=None, *, group=None, weight_layout="nk", out_dtype=None,
-                 return_gathered=False)      all_gather(input, dim=0) @ W (+ bias)
-    flux.gemm_rs(input, weight, bias=None, *, group=None, weight_layout="nk", out_dtype=None)
+                 return_gathered=False, out=None)    all_gather(input, dim=0) @ W (+ bias)
+    flux.gemm_rs(input, weight, bias=None, *, group=None, weight_layout="nk", out_dtype=None, out=None)
                                              reduce_scatter(input @ W, dim=0) (+ bias)
     flux.ag_gemm_ref, flux.gemm_rs_ref       their unfused references
-    flux.moe_dispatch(x, topk_idx, topk_weights, num_experts, *, group=None, max_tokens_per_rank=None)
+    flux.moe_dispatch(x, topk_idx, topk_weights, num_experts, *, group=None, max_tokens_per_rank=None,
+                      fp8=False, zero_pad=False, read_counts=True)
                                              -> (recv_x, counts, handle): expert-parallel MoE dispatch
     flux.moe_combine(y, handle) -> out       its inverse, summing with the routing weights
     flux.moe_dispatch_ref, flux.moe_combine_ref, flux.MoeHandle
     flux.FluxInputError                      bad arguments, raised alike on every rank
     flux.cuda_kernels_available()            whether flux's CUDA kernels can run here (flux._C
                                              loaded and a GPU visible)
-    flux.nn.ColumnParallelLinear, flux.nn.RowParallelLinear    tensor-parallel layers
+    flux.ag_scatter_grouped_mm, flux.grouped_mm_gather_rs, flux.TpMoeRouting (and the _refs)
+                                             the tensor-parallel MoE MLP's two halves (imported on first use)
+    flux.nn.ColumnParallelLinear, flux.nn.RowParallelLinear, flux.nn.MoE    tensor-parallel and MoE layers
                                              (flux.nn is imported on first use)
     flux.integrations.megatron / .compile / .vllm    framework adapters (imported on first use)
 """
