@@ -11,7 +11,11 @@
 // operand `policy` (0: none; CUTLASS's evict-normal 0x1000000000000000), and the tensor map the L2
 // promotion `promotion` (0, 64, 128 or 256 bytes).
 //
-//   probe_l2_coalescing [--reps N] [--once] group:stagger:delay:policy:promotion [...]
+// Optional fields: `spread` 1 puts the CTAs sharing rows C/group apart in launch order (other SMs and
+// GPCs) instead of consecutive; `barrier` 0 starts each CTA's K loop when it is dispatched instead of at
+// the grid-wide barrier. Each CTA records its SM and when it began its K loop.
+//
+//   probe_l2_coalescing [--reps N] [--once] group:stagger:delay:policy:promotion[:spread:barrier] [...]
 //
 // Prints one JSON line per variant: its fields, CTAs, rows, K, and the median ms of `reps` timed
 // launches (CUDA events, after warm-up). --once: one warm-up and one launch per variant, no timing
@@ -48,7 +52,11 @@ struct Params {
   unsigned int* error;  // [3]: 1 + CTA, stage, which barrier (0 full, 1 empty, 2 the start)
   unsigned int* arrived;  // the start barrier's count, never reset: this launch waits for `target`
   unsigned int target;
+  int spread;   // 1: CTAs i, i + C/group, ... share rows (row tile i mod C/group) instead of consecutive ones
+  int barrier;  // 1: all CTAs start their K loops together; 0: each as it is dispatched
   float* sink;
+  unsigned int* smid;            // [C]: the SM each CTA ran on
+  unsigned long long* start_ns;  // [C]: %globaltimer when each CTA began its K loop
 };
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -94,13 +102,20 @@ __global__ void __launch_bounds__(64) probe_kernel(const __grid_constant__ CUten
     // The start barrier: every CTA of the launch arrives, then all begin their K loops together.
     atomicAdd(p.arrived, 1u);
     const unsigned long long t0 = clock64();
-    while (atomicAdd(p.arrived, 0u) < p.target) {
+    while (p.barrier && atomicAdd(p.arrived, 0u) < p.target) {
       if (clock64() - t0 > kTimeoutCycles) timed_out(p, 0, 2);
     }
+    unsigned int sm;
+    unsigned long long ns;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+    p.smid[blockIdx.x] = sm;
+    p.start_ns[blockIdx.x] = ns;
   }
   __syncthreads();
-  const int row0 = (blockIdx.x / p.group) * kBoxRows;
-  const int shift = (blockIdx.x % p.group) * p.stagger;
+  const int row_groups = (gridDim.x + p.group - 1) / p.group;
+  const int row0 = (p.spread ? blockIdx.x % row_groups : blockIdx.x / p.group) * kBoxRows;
+  const int shift = (p.spread ? blockIdx.x / row_groups : blockIdx.x % p.group) * p.stagger;
   if (threadIdx.x == 0) {  // producer
     for (int i = 0; i < p.k_blocks; ++i) {
       const int s = i % kStages;
@@ -174,13 +189,15 @@ CUtensorMap make_map(void* a, int rows, int k, int promotion) {
 }
 
 struct Variant {
-  int group = 8, stagger = 0, delay = 0, promotion = 128;
+  int group = 8, stagger = 0, delay = 0, promotion = 128, spread = 0, barrier = 1;
   unsigned long long policy = 0;
 };
 
 bool parse(const char* s, Variant& v) {
-  return std::sscanf(s, "%d:%d:%d:%llx:%d", &v.group, &v.stagger, &v.delay, &v.policy, &v.promotion) == 5 &&
-         v.group >= 1 && v.stagger >= 0 && v.delay >= 0 &&
+  const int n = std::sscanf(s, "%d:%d:%d:%llx:%d:%d:%d", &v.group, &v.stagger, &v.delay, &v.policy, &v.promotion,
+                            &v.spread, &v.barrier);
+  return (n == 5 || n == 7) && v.group >= 1 && v.stagger >= 0 && v.delay >= 0 && (v.spread | v.barrier) <= 1 &&
+         v.spread >= 0 && v.barrier >= 0 &&
          (v.promotion == 0 || v.promotion == 64 || v.promotion == 128 || v.promotion == 256);
 }
 
@@ -200,14 +217,14 @@ int main(int argc, char** argv) {
     } else {
       Variant v;
       if (!parse(argv[i], v)) {
-        std::fprintf(stderr, "probe_l2_coalescing: bad variant %s (group:stagger:delay:policy_hex:promotion)\n", argv[i]);
+        std::fprintf(stderr, "probe_l2_coalescing: bad variant %s (group:stagger:delay:policy_hex:promotion[:spread:barrier])\n", argv[i]);
         return 2;
       }
       vs.push_back(v);
     }
   }
   if (vs.empty() || k % kBoxK || reps < 1 || ctas < 1) {
-    std::fprintf(stderr, "usage: probe_l2_coalescing [--reps N] [--ctas C] [--k K] [--once] g:s:d:policy:promo ...\n");
+    std::fprintf(stderr, "usage: probe_l2_coalescing [--reps N] [--ctas C] [--k K] [--once] g:s:d:policy:promo[:spread:barrier] ...\n");
     return 2;
   }
   const int smem = kStages * kStageBytes + 1024;
@@ -216,6 +233,12 @@ int main(int argc, char** argv) {
   CHECK(cudaHostAlloc(&error, 3 * sizeof(unsigned int), cudaHostAllocMapped));
   float* sink;
   CHECK(cudaMalloc(&sink, ctas * sizeof(float)));
+  unsigned int* smid;
+  CHECK(cudaMalloc(&smid, ctas * sizeof(unsigned int)));
+  unsigned long long* start_ns;
+  CHECK(cudaMalloc(&start_ns, ctas * sizeof(unsigned long long)));
+  std::vector<unsigned int> smid_h(ctas);
+  std::vector<unsigned long long> start_h(ctas);
   unsigned int* arrived;
   CHECK(cudaMalloc(&arrived, sizeof(unsigned int)));
   CHECK(cudaMemset(arrived, 0, sizeof(unsigned int)));
@@ -241,7 +264,8 @@ int main(int argc, char** argv) {
     std::memset(error, 0, 3 * sizeof(unsigned int));
     unsigned int* error_dev;
     CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&error_dev), error, 0));
-    Params p{k / kBoxK, v.group, v.stagger, v.delay, v.policy, error_dev, arrived, 0u, sink};
+    Params p{k / kBoxK, v.group, v.stagger, v.delay, v.policy, error_dev, arrived, 0u, v.spread, v.barrier,
+             sink, smid, start_ns};
     auto launch = [&] {
       p.target = ++launches * unsigned(ctas);
       probe_kernel<<<ctas, 64, smem>>>(map, p);
@@ -264,12 +288,21 @@ int main(int argc, char** argv) {
       }
     }
     synced(cudaDeviceSynchronize());
+    CHECK(cudaMemcpy(smid_h.data(), smid, ctas * sizeof(unsigned int), cudaMemcpyDeviceToHost));
+    CHECK(cudaMemcpy(start_h.data(), start_ns, ctas * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
+    const unsigned long long t_first = *std::min_element(start_h.begin(), start_h.end());
+    std::string sms, starts;
+    for (int c = 0; c < ctas; ++c) {
+      sms += (c ? ", " : "") + std::to_string(smid_h[c]);
+      starts += (c ? ", " : "") + std::to_string(start_h[c] - t_first);
+    }
     std::sort(ms.begin(), ms.end());
+    // smid / start_ns: the last launch's SM and K-loop start (ns after the first CTA's) per CTA.
     std::printf(
-        "{\"group\": %d, \"stagger\": %d, \"delay\": %d, \"policy\": \"0x%llx\", \"promotion\": %d, \"ctas\": %d, "
-        "\"rows\": %d, \"k\": %d, \"ms\": %s}\n",
-        v.group, v.stagger, v.delay, v.policy, v.promotion, ctas, rows, k,
-        ms.empty() ? "null" : std::to_string(ms[ms.size() / 2]).c_str());
+        "{\"group\": %d, \"stagger\": %d, \"delay\": %d, \"policy\": \"0x%llx\", \"promotion\": %d, \"spread\": %d, "
+        "\"barrier\": %d, \"ctas\": %d, \"rows\": %d, \"k\": %d, \"ms\": %s, \"smid\": [%s], \"start_ns\": [%s]}\n",
+        v.group, v.stagger, v.delay, v.policy, v.promotion, v.spread, v.barrier, ctas, rows, k,
+        ms.empty() ? "null" : std::to_string(ms[ms.size() / 2]).c_str(), sms.c_str(), starts.c_str());
     std::fflush(stdout);
     CHECK(cudaFree(a));
   }

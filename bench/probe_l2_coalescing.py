@@ -10,22 +10,28 @@ K through a ring of 10 stages, as a 64-row tile's A loads) and varies what might
   though 128 CTAs of distinct rows then read 64 MiB at K 4096, more than L2 holds: the staggered
   variants are the default's control instead);
 - stagger: CTA j of a group runs its K loop rotated by j * stagger boxes, reaching each box that many
-  steps before CTA 0 (0 = in step; every CTA starts at a grid-wide barrier, so the CTAs must fit in one
-  wave);
+  steps before CTA 0 (0 = in step; by default every CTA starts at a grid-wide barrier, so the CTAs must
+  fit in one wave);
 - delay: cycles the consumer holds each stage (the MMA time it stands for);
 - policy: the L2 cache-policy operand of each load (0 = none; 1000000000000000 = CUTLASS's
   evict-normal, which every TMA load of the fused kernels carries; 12f0... evict-first, 14f0... evict-last);
+- spread (optional, with barrier): 1 = the CTAs sharing rows are C/group apart in launch order instead of
+  consecutive (C CTAs), so that they land on other SMs and GPCs;
+- barrier (optional): 0 = each CTA starts its K loop when it is dispatched, as a GEMM's CTAs do, instead
+  of at the grid-wide barrier;
 - promotion: the tensor map's L2 promotion in bytes (CUTLASS's is 128; in the fused kernels 0-256 left
   the L2-slice reads unchanged, docs/performance.md §9, so the default variants keep 128).
 
-    python bench/probe_l2_coalescing.py [--variants g:s:d:policy:promo,...] [--ctas 128] [--k 4096] [--out FILE]
+    python bench/probe_l2_coalescing.py [--variants g:s:d:policy:promo[:spread:barrier],...] [--ctas 128] [--k 4096] [--out FILE]
 
 Compiles the probe with nvcc (sm_90a), times each variant (median of CUDA-event-timed launches),
 then, where Nsight Compute is installed, profiles one launch per variant for the L2 metrics
 (--metrics; clocks and caches left as the card sets them). No GPU, no nvcc: one line, exit 1.
 
 JSON (--out): {"format": 1, "command", "commit", "device", "ncu", "variants": [{"group", "stagger",
-"delay", "policy", "promotion", "ctas", "rows", "k", "ms", "metrics": {"<metric> [unit]": value}}]}.
+"delay", "policy", "promotion", "spread", "barrier", "ctas", "rows", "k", "ms", "smid" (the SM of each CTA
+in the last launch), "start_ns" (when each began its K loop, after the first), "metrics": {"<metric> [unit]":
+value}}]}.
 """
 import os
 import subprocess
@@ -38,7 +44,8 @@ from probe_cuda import build_and_run, parser, usable, write  # noqa: E402
 SOURCE = os.path.join(HERE, "probe_l2_coalescing.cu")
 NORMAL, FIRST, LAST = "1000000000000000", "12f0000000000000", "14f0000000000000"
 VARIANTS = (f"8:0:0:0:128,8:0:0:{NORMAL}:128,8:0:256:0:128,8:0:256:{NORMAL}:128,8:0:256:{FIRST}:128,"
-            f"8:0:256:{LAST}:128,8:1:256:0:128,8:4:256:0:128")
+            f"8:0:256:{LAST}:128,8:1:256:0:128,8:4:256:0:128,8:0:256:0:128:1:1,8:0:256:0:128:0:0,8:0:256:0:128:1:0,"
+            "8:0:0:0:128:0:0")
 METRICS = ("lts__t_sectors_op_read.sum,lrc__lts2lrc_sectors_op_read.sum,lrc__request_sectors_op_read_coalescable.sum,"
            "lrc__xbar2lrc_requests_op_read.sum,gpu__time_duration.sum")
 
@@ -80,7 +87,7 @@ def probe(nvcc: str, ncu, args, variants):
 
 
 def main(argv=None) -> int:
-    p = parser(__doc__, VARIANTS, "group:stagger:delay:policy_hex:promotion", ctas=128, reps=50)
+    p = parser(__doc__, VARIANTS, "group:stagger:delay:policy_hex:promotion[:spread:barrier]", ctas=128, reps=50)
     p.add_argument("--k", type=int, default=4096)
     p.add_argument("--metrics", default=METRICS)
     args = p.parse_args(argv)
@@ -93,13 +100,14 @@ def main(argv=None) -> int:
     rows, version = probe(nvcc, find_ncu(), args, variants)
     if rows is None:
         return 1
-    print(f"{'group':>5} {'stagger':>7} {'delay':>5} {'policy':>18} {'promo':>5} {'ms':>8} {'L2 sectors':>11} "
-          f"{'coalescable':>11}")
+    print(f"{'group':>5} {'stagger':>7} {'delay':>5} {'policy':>18} {'promo':>5} {'spread':>6} {'barrier':>7} "
+          f"{'ms':>8} {'start us':>8} {'L2 sectors':>11} {'coalescable':>11}")
     for r in rows:
         m = r.get("metrics", {})
         get = lambda name: next((v for k, v in m.items() if k.startswith(name)), "-")  # noqa: E731
         print(f"{r['group']:>5} {r['stagger']:>7} {r['delay']:>5} {r['policy']:>18} {r['promotion']:>5} "
-              f"{r['ms'] if r['ms'] is not None else '-':>8} {get('lts__t_sectors_op_read.sum'):>11} "
+              f"{r['spread']:>6} {r['barrier']:>7} {r['ms'] if r['ms'] is not None else '-':>8} "
+              f"{max(r['start_ns']) / 1e3:>8.2f} {get('lts__t_sectors_op_read.sum'):>11} "
               f"{get('lrc__request_sectors_op_read_coalescable.sum'):>11}")
     if args.out:
         write(args.out, "bench/probe_l2_coalescing.py", argv, rows, ncu=version)
