@@ -15,7 +15,7 @@ INDEX = RESULTS / "README.md"
 DOCS = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
 
 _FULL = re.compile(r"bench/results/([A-Za-z0-9_.{},\-]*[A-Za-z0-9}])")
-_BARE = re.compile(r"(?<![\w/.\-])([a-z][a-z0-9_]*(?:-[a-z0-9_]+)*-h200[A-Za-z0-9_\-]*\.(?:\{[a-z,]+\}|[a-z]+))")
+_BARE = re.compile(r"(?<![\w/.\-])([a-z][a-z0-9_]*(?:-[a-z0-9_]+)*-h200[A-Za-z0-9_\-]*\.(?:\{[a-z,]+\}|[a-z]+(?:\.gz)?))")
 _RUN = re.compile(r"\bruns?[\s_\-]*\d+", re.IGNORECASE)
 
 
@@ -75,6 +75,7 @@ def test_design_is_a_record_not_a_log():
 def test_citation_patterns():
     assert _cited("see `bench/results/a-h200x2.json`, and b-h200.{log,json}.") == {
         "a-h200x2.json", "b-h200.log", "b-h200.json"}
+    assert _cited("the SASS, `c-h200-sass.csv.gz`.") == {"c-h200-sass.csv.gz"}
     assert _cited("flux/autotune/shipped/tune-01a.json") == set()
     assert _RUN.search("in run 36") and _RUN.search("runs 26-31") and _RUN.search("x-run36.json")
     assert not _RUN.search("a rerun passed") and not _RUN.search("it runs the GEMM")

@@ -523,10 +523,14 @@ def test_bench_rounds_on_fakes(fake_gpu):
 
 
 def test_plan_sampling_sample_ms():
-    """Samples of ~2 ms (at most 64 calls) by default; --sample-ms asks for longer ones, uncapped."""
+    """Samples of ~2 ms (at most 64 calls) by default, of ~20 ms where a call takes 0.5 ms or more (but
+    quick); --sample-ms asks for longer ones, uncapped."""
     from flux.autotune.kernel_timing import plan_sampling
 
-    assert plan_sampling(0.7) == (3, 5)
+    assert plan_sampling(0.4) == (5, 5)
+    assert plan_sampling(0.7) == (29, 3)
+    assert plan_sampling(0.7, quick=True) == (2, 3)
+    assert plan_sampling(12.0) == (2, 3)
     assert plan_sampling(0.01) == (64, 5)
     assert plan_sampling(0.7, sample_ms=20.0) == (29, 3)
     assert plan_sampling(0.01, sample_ms=20.0) == (2000, 3)

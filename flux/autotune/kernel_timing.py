@@ -29,6 +29,13 @@ L2_BYTES = 60 << 20  # H100/H200 L2 is 50/60 MB: rotate sets while one set is be
 SPIN_CYCLES = 1_000_000
 LEAD_CYCLES = 100_000  # time_calls(lead=True): ~50 us at 2 GHz, more than one call's enqueue
 WARM_MS = 60.0  # warm_calls: GPU time per variant and round before its samples
+# plan_sampling: a call of LONG_CALL_MS or more is sampled in loops of about LONG_SAMPLE_MS. Each loop
+# sample pays a start cost that grows with the call (21 us a sample at 0.2-0.5 ms a call, 450 us at
+# 5-20 ms: the clock after the synchronisation before the sample, docs/performance.md §9); with 2 or 3
+# calls a sample it read torch.mm's loop time 3-15% above its graph time at 0.5-3 ms a call, with
+# samples of 20 ms 0-1.5%.
+LONG_CALL_MS = 0.5
+LONG_SAMPLE_MS = 20.0
 TIMEOUT_MS = 10000
 RS_SEGMENTS = 8  # segments of the peer's partial, as the fused RS strategy signals them
 MAX_REF_ROWS = 2048
@@ -163,11 +170,11 @@ def estimate_ms(fns: Sequence[Callable[[], None]]) -> float:
 
 
 def plan_sampling(t_ms: float, quick: bool = False, min_rounds: int = 0, sample_ms: float = 0.0):
-    """(calls per sample, rounds): samples of ~2 ms (1 ms quick; ``sample_ms`` where given), at least
-    2 calls, at most 64 unless ``sample_ms`` asks for more; fewer rounds where a sample is long, so
-    that the largest problems stay within the time budget; at least ``min_rounds`` rounds (the
-    callers' --rounds)."""
-    target = sample_ms if sample_ms > 0 else (1.0 if quick else 2.0)
+    """(calls per sample, rounds): samples of ~2 ms (1 ms quick; LONG_SAMPLE_MS where a call takes
+    LONG_CALL_MS or more, unless quick; ``sample_ms`` where given), at least 2 calls, at most 64
+    unless ``sample_ms`` asks for more; fewer rounds where a sample is long, so that the largest
+    problems stay within the time budget; at least ``min_rounds`` rounds (the callers' --rounds)."""
+    target = sample_ms if sample_ms > 0 else (1.0 if quick else LONG_SAMPLE_MS if t_ms >= LONG_CALL_MS else 2.0)
     calls = max(2, round(target / max(t_ms, 1e-4)))
     if sample_ms <= 0:
         calls = min(64, calls)
