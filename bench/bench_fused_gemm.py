@@ -17,8 +17,9 @@ own, best and summary are the PDL-on ones, "by_pdl" and "*_pdl0" the others). --
 variant also with its rows as 1 and 8 ranks' shards ("<label>/w1", "/w8": 1 reads no flag), the first
 world the primary. --rounds N: at least N rounds (samples of more than 5 ms get 3 by default).
 --sample-ms MS: samples of about MS of GPU time instead of 2 (20 where a call takes 0.5 ms or more; the
-loop's calls back to back, and the graph of that loop). --lead: loop and graph samples start behind a ~50 us GPU spin, so that the host's
-launch of the first call (a start gap that short loops of long calls otherwise include) is not timed.
+loop's calls back to back, and the graph of that loop). --lead: loop and graph samples start behind a
+~50 us GPU spin, so that the host's launch of the first call (a start gap that short loops of long calls
+otherwise include) is not timed.
 No GPU: one line, exit 1.
 JSON (--out, stable): {"format": 1, "command", "commit", "device", "sm_count", "torch", "cuda",
  "dtype", "ag_world", "out_dtype", "timings": ["loop", "graph", "spin"], "configs": {op: {"source", "list": [{"id",

@@ -22,7 +22,8 @@ K through a ring of 10 stages, as a 64-row tile's A loads) and varies what might
 - promotion: the tensor map's L2 promotion in bytes (CUTLASS's is 128; in the fused kernels 0-256 left
   the L2-slice reads unchanged, docs/performance.md §9, so the default variants keep 128).
 
-    python bench/probe_l2_coalescing.py [--variants g:s:d:policy:promo[:spread:barrier],...] [--ctas 128] [--k 4096] [--out FILE]
+    python bench/probe_l2_coalescing.py [--variants g:s:d:policy:promo[:spread:barrier],...] [--ctas 128]
+        [--k 4096] [--out FILE]
 
 Compiles the probe with nvcc (sm_90a), times each variant (median of CUDA-event-timed launches),
 then, where Nsight Compute is installed, profiles one launch per variant for the L2 metrics

@@ -31,9 +31,9 @@ LEAD_CYCLES = 100_000  # time_calls(lead=True): ~50 us at 2 GHz, more than one c
 WARM_MS = 60.0  # warm_calls: GPU time per variant and round before its samples
 # plan_sampling: a call of LONG_CALL_MS or more is sampled in loops of about LONG_SAMPLE_MS. Each loop
 # sample pays a start cost that grows with the call (21 us a sample at 0.2-0.5 ms a call, 450 us at
-# 5-20 ms: the clock after the synchronisation before the sample, docs/performance.md §9); with 2 or 3
-# calls a sample it read torch.mm's loop time 3-15% above its graph time at 0.5-3 ms a call, with
-# samples of 20 ms 0-1.5%.
+# 5-20 ms; most likely the clock after the synchronisation before the sample, docs/performance.md §9):
+# with 2-4 calls a sample torch.mm's loop time read 1.00-1.15x its graph time from 0.5 ms a call
+# (median 1.07), with samples of 20 ms 0.99-1.02x (median 1.006).
 LONG_CALL_MS = 0.5
 LONG_SAMPLE_MS = 20.0
 TIMEOUT_MS = 10000
