@@ -13,9 +13,13 @@
 //
 // Optional fields: `spread` 1 puts the CTAs sharing rows C/group apart in launch order (other SMs and
 // GPCs) instead of consecutive; `barrier` 0 starts each CTA's K loop when it is dispatched instead of at
-// the grid-wide barrier. Each CTA records its SM and when it began its K loop.
+// the grid-wide barrier; `cluster` 2 launches clusters of 2 CTAs, the two reading different rows (as the
+// two M tiles of a 2x1 cluster) and `group` then counting clusters: the CTA of rank r in cluster q reads
+// row tile (q / group) * 2 + r (spread: (q mod Q/group) * 2 + r), so that the CTAs sharing rows are in
+// different clusters, as in the fused kernels with a 2x1 cluster. Each CTA records its SM and when it
+// began its K loop.
 //
-//   probe_l2_coalescing [--reps N] [--once] group:stagger:delay:policy:promotion[:spread:barrier] [...]
+//   probe_l2_coalescing [--reps N] [--once] group:stagger:delay:policy:promotion[:spread:barrier[:cluster]] [...]
 //
 // Prints one JSON line per variant: its fields, CTAs, rows, K, and the median ms of `reps` timed
 // launches (CUDA events, after warm-up). --once: one warm-up and one launch per variant, no timing
@@ -54,6 +58,7 @@ struct Params {
   unsigned int target;
   int spread;   // 1: CTAs i, i + C/group, ... share rows (row tile i mod C/group) instead of consecutive ones
   int barrier;  // 1: all CTAs start their K loops together; 0: each as it is dispatched
+  int cluster;  // CTAs per cluster (1 or 2): `group` and `spread` then apply to clusters
   float* sink;
   unsigned int* smid;            // [C]: the SM each CTA ran on
   unsigned long long* start_ns;  // [C]: %globaltimer when each CTA began its K loop
@@ -113,9 +118,12 @@ __global__ void __launch_bounds__(64) probe_kernel(const __grid_constant__ CUten
     p.start_ns[blockIdx.x] = ns;
   }
   __syncthreads();
-  const int row_groups = (gridDim.x + p.group - 1) / p.group;
-  const int row0 = (p.spread ? blockIdx.x % row_groups : blockIdx.x / p.group) * kBoxRows;
-  const int shift = (p.spread ? blockIdx.x / row_groups : blockIdx.x % p.group) * p.stagger;
+  // Unit u (a CTA, or a cluster of p.cluster CTAs whose rank r reads its own rows) shares its rows with
+  // the units of its group.
+  const int units = gridDim.x / p.cluster, u = blockIdx.x / p.cluster, r = blockIdx.x % p.cluster;
+  const int row_groups = (units + p.group - 1) / p.group;
+  const int row0 = ((p.spread ? u % row_groups : u / p.group) * p.cluster + r) * kBoxRows;
+  const int shift = (p.spread ? u / row_groups : u % p.group) * p.stagger;
   if (threadIdx.x == 0) {  // producer
     for (int i = 0; i < p.k_blocks; ++i) {
       const int s = i % kStages;
@@ -189,14 +197,15 @@ CUtensorMap make_map(void* a, int rows, int k, int promotion) {
 }
 
 struct Variant {
-  int group = 8, stagger = 0, delay = 0, promotion = 128, spread = 0, barrier = 1;
+  int group = 8, stagger = 0, delay = 0, promotion = 128, spread = 0, barrier = 1, cluster = 1;
   unsigned long long policy = 0;
 };
 
 bool parse(const char* s, Variant& v) {
-  const int n = std::sscanf(s, "%d:%d:%d:%llx:%d:%d:%d", &v.group, &v.stagger, &v.delay, &v.policy, &v.promotion,
-                            &v.spread, &v.barrier);
-  return (n == 5 || n == 7) && v.group >= 1 && v.stagger >= 0 && v.delay >= 0 && (v.spread | v.barrier) <= 1 &&
+  const int n = std::sscanf(s, "%d:%d:%d:%llx:%d:%d:%d:%d", &v.group, &v.stagger, &v.delay, &v.policy,
+                            &v.promotion, &v.spread, &v.barrier, &v.cluster);
+  return (n == 5 || n == 7 || n == 8) && v.group >= 1 && (v.cluster == 1 || v.cluster == 2) && v.stagger >= 0 &&
+         v.delay >= 0 && (v.spread | v.barrier) <= 1 &&
          v.spread >= 0 && v.barrier >= 0 &&
          (v.promotion == 0 || v.promotion == 64 || v.promotion == 128 || v.promotion == 256);
 }
@@ -217,14 +226,14 @@ int main(int argc, char** argv) {
     } else {
       Variant v;
       if (!parse(argv[i], v)) {
-        std::fprintf(stderr, "probe_l2_coalescing: bad variant %s (group:stagger:delay:policy_hex:promotion[:spread:barrier])\n", argv[i]);
+        std::fprintf(stderr, "probe_l2_coalescing: bad variant %s (group:stagger:delay:policy_hex:promotion[:spread:barrier[:cluster]])\n", argv[i]);
         return 2;
       }
       vs.push_back(v);
     }
   }
   if (vs.empty() || k % kBoxK || reps < 1 || ctas < 1) {
-    std::fprintf(stderr, "usage: probe_l2_coalescing [--reps N] [--ctas C] [--k K] [--once] g:s:d:policy:promo[:spread:barrier] ...\n");
+    std::fprintf(stderr, "usage: probe_l2_coalescing [--reps N] [--ctas C] [--k K] [--once] g:s:d:policy:promo[:spread:barrier[:cluster]] ...\n");
     return 2;
   }
   const int smem = kStages * kStageBytes + 1024;
@@ -256,7 +265,11 @@ int main(int argc, char** argv) {
     std::exit(3);
   };
   for (const Variant& v : vs) {
-    const int rows = (ctas + v.group - 1) / v.group * kBoxRows;
+    if (ctas % v.cluster) {
+      std::fprintf(stderr, "probe_l2_coalescing: --ctas %d is not whole clusters of %d\n", ctas, v.cluster);
+      return 2;
+    }
+    const int rows = (ctas / v.cluster + v.group - 1) / v.group * v.cluster * kBoxRows;
     void* a;
     CHECK(cudaMalloc(&a, size_t(rows) * k * 2));
     CHECK(cudaMemset(a, 0x3c, size_t(rows) * k * 2));
@@ -265,11 +278,21 @@ int main(int argc, char** argv) {
     unsigned int* error_dev;
     CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&error_dev), error, 0));
     Params p{k / kBoxK, v.group, v.stagger, v.delay, v.policy, error_dev, arrived, 0u, v.spread, v.barrier,
-             sink, smid, start_ns};
+             v.cluster, sink, smid, start_ns};
     auto launch = [&] {
       p.target = ++launches * unsigned(ctas);
-      probe_kernel<<<ctas, 64, smem>>>(map, p);
-      CHECK(cudaGetLastError());
+      cudaLaunchConfig_t cfg = {};
+      cfg.gridDim = dim3(ctas);
+      cfg.blockDim = dim3(64);
+      cfg.dynamicSmemBytes = smem;
+      cudaLaunchAttribute attr;
+      attr.id = cudaLaunchAttributeClusterDimension;
+      attr.val.clusterDim.x = v.cluster;
+      attr.val.clusterDim.y = 1;
+      attr.val.clusterDim.z = 1;
+      cfg.attrs = &attr;
+      cfg.numAttrs = 1;
+      CHECK(cudaLaunchKernelEx(&cfg, probe_kernel, map, p));
     };
     std::vector<float> ms;
     for (int w = 0; w < (once ? 1 : 5); ++w) launch();
@@ -300,8 +323,9 @@ int main(int argc, char** argv) {
     // smid / start_ns: the last launch's SM and K-loop start (ns after the first CTA's) per CTA.
     std::printf(
         "{\"group\": %d, \"stagger\": %d, \"delay\": %d, \"policy\": \"0x%llx\", \"promotion\": %d, \"spread\": %d, "
-        "\"barrier\": %d, \"ctas\": %d, \"rows\": %d, \"k\": %d, \"ms\": %s, \"smid\": [%s], \"start_ns\": [%s]}\n",
-        v.group, v.stagger, v.delay, v.policy, v.promotion, v.spread, v.barrier, ctas, rows, k,
+        "\"barrier\": %d, \"cluster\": %d, \"ctas\": %d, \"rows\": %d, \"k\": %d, \"ms\": %s, \"smid\": [%s], "
+        "\"start_ns\": [%s]}\n",
+        v.group, v.stagger, v.delay, v.policy, v.promotion, v.spread, v.barrier, v.cluster, ctas, rows, k,
         ms.empty() ? "null" : std::to_string(ms[ms.size() / 2]).c_str(), sms.c_str(), starts.c_str());
     std::fflush(stdout);
     CHECK(cudaFree(a));
