@@ -11,11 +11,11 @@
 //     timeout_ns the kernel records the missing rank in host-mapped memory and traps
 //     (common/flag_wait.cuh). Under programmatic dependent launch the first flag read waits for
 //     the preceding grids first (AgRowWait::wait_flag).
-//  3. Cluster interleave (experimental, raster argument >> 2, 1 = none): within each wave of W launched
-//     clusters, launch index c takes the work of index (c mod G) * ceil-or-floor(W/G) + c / G (a transpose
-//     of the wave into G rows): clusters G apart in launch order take consecutive work, so that a raster
-//     along N gives them the same tile rows. For placing the clusters that share rows of A where the L2
-//     request coalescer can merge their loads (docs/performance.md §9).
+//  3. Cluster interleave G (the op's raster argument is the order + 4 * (G - 1); G = 1: none): within
+//     each wave of launched clusters, the work is dealt as the transpose of the wave into G rows
+//     (common/cluster_order.h), so that clusters G apart in launch order take consecutive work: along N,
+//     the same tile rows. For placing the clusters that share rows of A where the L2 request coalescer
+//     can merge their loads (docs/performance.md §9); not yet measured, not chosen by the tuner.
 // AgStreamKTileScheduler (stream-K, cooperative kernel only): CUTLASS's stream-K scheduler
 // (common/stream_k_scheduler.hpp), which splits the K loops of few tiles among more CTAs, with
 // the readiness wait of 2. on every work unit it hands out (a unit covering several output tiles
@@ -27,6 +27,7 @@
 // else is CUTLASS's.
 #pragma once
 
+#include "common/cluster_order.h"
 #include "common/flag_wait.cuh"
 #include "common/stream_k_scheduler.hpp"
 #include "cutlass/arch/grid_dependency_control.h"
@@ -204,36 +205,23 @@ class AgTileScheduler
     return w;
   }
 
-  // 3. above: the tile of cluster work index u (the base's order: u advances by W per wave) becomes the
-  // tile of index perm(u) (forward) or perm^-1(u). The base's decode, inverted: u -> (cluster index
-  // along the raster's minor and major dimensions), swizzle bands of 2^log_swizzle_size_ minor clusters.
+  // 3. above: the tile of cluster work index u (the base's numbering, common/cluster_order.h) becomes
+  // the tile of index interleave_work(u) (forward) or its inverse; a CTA keeps its place in the cluster.
   CUTLASS_DEVICE void interleaved(WorkTileInfo& w, bool forward) const {
     const bool along_n = ag_.raster_order_ == Base::RasterOrder::AlongN;
     const int cm = static_cast<int>(ag_.divmod_cluster_shape_minor_.divisor);  // along N: the cluster's M
     const int cj = static_cast<int>(ag_.divmod_cluster_shape_major_.divisor);
     const int minor_idx = along_n ? w.M_idx : w.N_idx, major_idx = along_n ? w.N_idx : w.M_idx;
     const uint64_t blocks_major = ag_.divmod_cluster_blk_major_.divisor;
-    const int ls = ag_.log_swizzle_size_;
-    const uint64_t minor = minor_idx / cm, major = major_idx / cj;
-    uint64_t u = ((((minor >> ls) * blocks_major) + major) << ls) | (minor & ((1u << ls) - 1));
-    const uint64_t units = ag_.blocks_per_problem_ / (uint64_t(cm) * cj);
-    const uint64_t wave = uint64_t(gridDim.x) * gridDim.y * gridDim.z / (uint64_t(cm) * cj);
-    const uint64_t base = u / wave * wave;
-    const uint64_t n = min(wave, units - base), g = min(uint64_t(ag_.interleave), n);
-    const uint64_t q = n / g, rem = n % g, c = u - base;
-    if (forward) {  // launch index c -> row c mod g, column c / g of the transpose
-      const uint64_t row = c % g;
-      u = base + row * q + min(row, rem) + c / g;
-    } else {
-      const uint64_t head = rem * (q + 1);
-      const uint64_t row = c < head ? c / (q + 1) : rem + (c - head) / q;
-      const uint64_t col = c < head ? c % (q + 1) : (c - head) % q;
-      u = base + col * g + row;
-    }
-    const uint64_t off = u & ((1u << ls) - 1), extra = u >> ls;
-    const uint64_t new_minor = (extra / blocks_major << ls) + off, new_major = extra % blocks_major;
-    const int m_in = minor_idx % cm, j_in = major_idx % cj;
-    const int out_minor = static_cast<int>(new_minor) * cm + m_in, out_major = static_cast<int>(new_major) * cj + j_in;
+    const uint64_t cluster = uint64_t(cm) * cj;
+    const uint64_t units = ag_.blocks_per_problem_ / cluster;
+    const uint64_t wave = uint64_t(gridDim.x) * gridDim.y * gridDim.z / cluster;
+    const uint64_t u = raster_encode({uint64_t(minor_idx / cm), uint64_t(major_idx / cj)}, ag_.log_swizzle_size_,
+                                     blocks_major);
+    const RasterPos p = raster_decode(interleave_work(u, units, wave, ag_.interleave, forward),
+                                      ag_.log_swizzle_size_, blocks_major);
+    const int out_minor = static_cast<int>(p.minor) * cm + minor_idx % cm;
+    const int out_major = static_cast<int>(p.major) * cj + major_idx % cj;
     w.M_idx = along_n ? out_minor : out_major;
     w.N_idx = along_n ? out_major : out_minor;
   }
