@@ -62,8 +62,7 @@ def parse_args(argv=None):
                    help="fp32: fp32 output (the kernels' fp32-out variants); default: the input dtype")
     p.add_argument("--configs", default=None, help="configuration ids to time, e.g. 0,2 (default: all built)")
     p.add_argument("--swizzles", default="1,2,4,8", help="bands of cluster_m * swizzle M tiles to time")
-    p.add_argument("--rasters", default="1", help="1 along N (as the strategies launch), 2 along M, 0 CUTLASS's; AG: + 4 (G - 1) "
-                   "deals each wave's work to clusters G apart in launch order (csrc/common/cluster_order.h)")
+    p.add_argument("--rasters", default="1", help="1 along N (as the strategies launch), 2 along M, 0 CUTLASS's")
     p.add_argument("--pdl", default="1", help="programmatic dependent launch of the fused kernels: 1 (default), 0, "
                    "or 0,1 (both, interleaved)")
     p.add_argument("--ag-world", default="2",

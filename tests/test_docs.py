@@ -4,7 +4,7 @@ Every result file that README.md or docs/*.md cites exists; every file in bench/
 but its index is cited by them and listed in the index (bench/results/README.md), which
 lists nothing else; docs/design.md is a design record: at most 500 lines and no run numbers.
 A citation is a path written as ``bench/results/<name>``, or a bare name of the results'
-form (``<what>-h200...``); ``name.{log,json}`` stands for both files.
+form (``<what>-h200...``, ``<what>-h100...``); ``name.{log,json}`` stands for both files.
 """
 import pathlib
 import re
@@ -15,7 +15,7 @@ INDEX = RESULTS / "README.md"
 DOCS = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
 
 _FULL = re.compile(r"bench/results/([A-Za-z0-9_.{},\-]*[A-Za-z0-9}])")
-_BARE = re.compile(r"(?<![\w/.\-])([a-z][a-z0-9_]*(?:-[a-z0-9_]+)*-h200[A-Za-z0-9_\-]*\.(?:\{[a-z,]+\}|[a-z]+(?:\.gz)?))")
+_BARE = re.compile(r"(?<![\w/.\-])([a-z][a-z0-9_]*(?:-[a-z0-9_]+)*-h[12]00[A-Za-z0-9_\-]*\.(?:\{[a-z,]+\}|[a-z]+(?:\.gz)?))")
 _RUN = re.compile(r"\bruns?[\s_\-]*\d+", re.IGNORECASE)
 
 

@@ -44,9 +44,7 @@ void ag_gemm_fused_(at::Tensor& out, const at::Tensor& a_full, const at::Tensor&
   FLUX_CHECK(K % 8 == 0 && N % 8 == 0, op, "K and N must be multiples of 8");
   FLUX_CHECK(world >= 1 && rank >= 0 && rank < world && rows_per_rank * world == M, op, "bad rank/world/rows");
   FLUX_CHECK(flags.numel() >= world && flags.element_size() == 4, op, "flags must hold world 4-byte slots");
-  // raster: the tile order (0..2) + 4 * (G - 1), G the cluster interleave (ag_tile_scheduler.hpp 3.).
-  FLUX_CHECK(swizzle >= 1 && raster >= 0 && (raster & 3) <= 2 && raster < 4 * 64, op, "bad raster ", raster,
-             " / swizzle ", swizzle);
+  FLUX_CHECK(swizzle >= 1 && raster >= 0 && raster <= 2, op, "bad raster ", raster, " / swizzle ", swizzle);
   if (bias.has_value()) {
     FLUX_CHECK(bias->is_cuda() && bias->scalar_type() == out.scalar_type() && bias->numel() == N &&
                    bias->is_contiguous(),
@@ -55,8 +53,7 @@ void ag_gemm_fused_(at::Tensor& out, const at::Tensor& a_full, const at::Tensor&
   const c10::cuda::CUDAGuard guard(a_full.device());
   AgFusedArgs a;
   static_cast<FusedGemmLaunch&>(a) =
-      fused_gemm_launch(out, a_full, weight, bias, flags, error_record, raster & 3, swizzle, timeout_ms);
-  a.interleave = (int)(raster >> 2) + 1;
+      fused_gemm_launch(out, a_full, weight, bias, flags, error_record, raster, swizzle, timeout_ms);
   a.rank = (int)rank;
   a.world = (int)world;
   a.rows_per_rank = (int)rows_per_rank;

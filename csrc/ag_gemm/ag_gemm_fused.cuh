@@ -23,7 +23,6 @@ namespace flux {
 // Everything a launch needs, checked once by the dispatcher (ag_gemm_fused.cpp); `a` is a_full.
 struct AgFusedArgs : FusedGemmLaunch {
   int rank = 0, world = 1, rows_per_rank = 1;  // flags[src]: rows [src * rows_per_rank, ...) are in place
-  int interleave = 1;  // the persistent scheduler's cluster interleave (ag_tile_scheduler.hpp 3.)
 };
 
 // Launches the instantiation (config, dtype variant) where it was built (false otherwise); the
@@ -62,7 +61,6 @@ void set_ag_wait(typename G::Gemm::Arguments& args, const AgFusedArgs& a) {
   args.scheduler.tile_m = G::kTileM;
   args.scheduler.timeout_ns = a.timeout_ns;
   args.scheduler.error = a.error_record;
-  if constexpr (requires { args.scheduler.interleave; }) args.scheduler.interleave = a.interleave;
 }
 
 template <class G>

@@ -11,11 +11,6 @@
 //     timeout_ns the kernel records the missing rank in host-mapped memory and traps
 //     (common/flag_wait.cuh). Under programmatic dependent launch the first flag read waits for
 //     the preceding grids first (AgRowWait::wait_flag).
-//  3. Cluster interleave G (the op's raster argument is the order + 4 * (G - 1); G = 1: none): within
-//     each wave of launched clusters, the work is dealt as the transpose of the wave into G rows
-//     (common/cluster_order.h), so that clusters G apart in launch order take consecutive work: along N,
-//     the same tile rows. For placing the clusters that share rows of A where the L2 request coalescer
-//     can merge their loads (docs/performance.md §9); not yet measured, not chosen by the tuner.
 // AgStreamKTileScheduler (stream-K, cooperative kernel only): CUTLASS's stream-K scheduler
 // (common/stream_k_scheduler.hpp), which splits the K loops of few tiles among more CTAs, with
 // the readiness wait of 2. on every work unit it hands out (a unit covering several output tiles
@@ -27,7 +22,6 @@
 // else is CUTLASS's.
 #pragma once
 
-#include "common/cluster_order.h"
 #include "common/flag_wait.cuh"
 #include "common/stream_k_scheduler.hpp"
 #include "cutlass/arch/grid_dependency_control.h"
@@ -138,14 +132,11 @@ class AgTileScheduler
   using BaseArguments = Base::Arguments;
 
  public:
-  struct Arguments : BaseArguments, AgWaitArguments {
-    int interleave = 1;
-  };
+  struct Arguments : BaseArguments, AgWaitArguments {};
 
   struct Params : BaseParams, AgRowWait {
     int tiles_m = 1;  // tile rows, padded to whole bands of the raster (cluster_m << log_swizzle)
     int offset_tiles = 0;
-    int interleave = 1;  // 3. above: G
   };
 
   template <class ProblemShapeMNKL, class TileShape, class ClusterShape>
@@ -172,7 +163,6 @@ class AgTileScheduler
     int first = args.rank * args.rows_per_rank / args.tile_m;
     first = first / band * band;
     p.offset_tiles = first % p.tiles_m;
-    p.interleave = args.interleave > 1 ? args.interleave : 1;
     static_cast<AgRowWait&>(p) = AgRowWait::of(args, rows_total);
     return p;
   }
@@ -191,39 +181,15 @@ class AgTileScheduler
 
   // The static scheduler never continues a tile (no split-K): a tile handed back only advances.
   CUTLASS_DEVICE WorkTileInfo taken_back(WorkTileInfo w) const {
-    if (!w.is_valid()) return w;
-    w.M_idx = (w.M_idx - ag_.offset_tiles + ag_.tiles_m) % ag_.tiles_m;
-    if (ag_.interleave > 1) interleaved(w, false);
+    if (w.is_valid()) w.M_idx = (w.M_idx - ag_.offset_tiles + ag_.tiles_m) % ag_.tiles_m;
     return w;
   }
 
   CUTLASS_DEVICE WorkTileInfo handed_out(WorkTileInfo w) const {
     if (!w.is_valid()) return w;
-    if (ag_.interleave > 1) interleaved(w, true);
     w.M_idx = (w.M_idx + ag_.offset_tiles) % ag_.tiles_m;
     ag_.wait_for_tile_rows(w.M_idx, seen_);
     return w;
-  }
-
-  // 3. above: the tile of cluster work index u (the base's numbering, common/cluster_order.h) becomes
-  // the tile of index interleave_work(u) (forward) or its inverse; a CTA keeps its place in the cluster.
-  CUTLASS_DEVICE void interleaved(WorkTileInfo& w, bool forward) const {
-    const bool along_n = ag_.raster_order_ == Base::RasterOrder::AlongN;
-    const int cm = static_cast<int>(ag_.divmod_cluster_shape_minor_.divisor);  // along N: the cluster's M
-    const int cj = static_cast<int>(ag_.divmod_cluster_shape_major_.divisor);
-    const int minor_idx = along_n ? w.M_idx : w.N_idx, major_idx = along_n ? w.N_idx : w.M_idx;
-    const uint64_t blocks_major = ag_.divmod_cluster_blk_major_.divisor;
-    const uint64_t cluster = uint64_t(cm) * cj;
-    const uint64_t units = ag_.blocks_per_problem_ / cluster;
-    const uint64_t wave = uint64_t(gridDim.x) * gridDim.y * gridDim.z / cluster;
-    const uint64_t u = raster_encode({uint64_t(minor_idx / cm), uint64_t(major_idx / cj)}, ag_.log_swizzle_size_,
-                                     blocks_major);
-    const RasterPos p = raster_decode(interleave_work(u, units, wave, ag_.interleave, forward),
-                                      ag_.log_swizzle_size_, blocks_major);
-    const int out_minor = static_cast<int>(p.minor) * cm + minor_idx % cm;
-    const int out_major = static_cast<int>(p.major) * cj + major_idx % cj;
-    w.M_idx = along_n ? out_minor : out_major;
-    w.N_idx = along_n ? out_major : out_minor;
   }
 };
 
