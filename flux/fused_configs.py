@@ -205,11 +205,10 @@ CONFIGS = {
         # (bench/results/fused_ncu-h200-misses.json): 1.06 / 1.25x cuBLAS there (loop / graph) against AG 29's
         # 0.97 / 1.12, and slower than the served tile on all seven narrow layers timed
         # (bench/results/fused_gemm-h200-ag-91.json); removed.
-        # The narrow layers' tiles with a 2x2 cluster: A multicast along N as well as the weight along M,
-        # which issues 0.71x AG 60's (0.62x AG 75's) L2 -> SM bytes, where our 2x1 clusters' loads of A
-        # are hardly merged in L2 (docs/performance.md §9). Built by name.
-        C(92, (64, 96, 64), (2, 2), "pingpong", ()),
-        C(93, (128, 80, 64), (2, 2), "pingpong", ()),
+        # Ids 92, 93 named AG 60's and AG 75's tiles with a 2x2 cluster (A multicast along N as well as the
+        # weight along M: 0.71x and 0.62x their L2 -> SM bytes): correct, 1.1-1.6x the 2x1 tiles' time on
+        # the narrow 1024-row layers, ties at 256 rows of N = 768 and 3584 (bench/results/fused_gemm-h100-ag-2x2.json);
+        # removed.
     ),
     "rs": (
         # cuBLAS's tile from 512 rows per rank. Under warmed-up timing, with bands of up to 8 M tiles
