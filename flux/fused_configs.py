@@ -39,6 +39,7 @@ class FusedConfig(NamedTuple):
     default: tuple  # dtype variants built by default
     scheduler: str = "persistent"  # "persistent" | "streamk" | "streamk-all" (cooperative only) | "splitk"
     splits: int = 1  # slices of K ("splitk" only)
+    loads: str = "cutlass"  # "cutlass": A then B each stage; "multicast-first": the multicast one first
 
     @property
     def tile_m(self):
@@ -52,7 +53,8 @@ class FusedConfig(NamedTuple):
         m, n, k = self.tile
         sk = {"persistent": "", "streamk": ", stream-K", "streamk-all": ", stream-K always",
               "splitk": f", split-K into {self.splits}"}[self.scheduler]
-        return f"{m}x{n}x{k} tile, cluster {self.cluster[0]}x{self.cluster[1]}, {self.schedule}{sk}"
+        lo = "" if self.loads == "cutlass" else ", multicast load first"
+        return f"{m}x{n}x{k} tile, cluster {self.cluster[0]}x{self.cluster[1]}, {self.schedule}{sk}{lo}"
 
     def applies(self, m, n, k):
         """Whether this configuration runs an m x n x k problem: split-K cuts K into equal slices
@@ -209,6 +211,10 @@ CONFIGS = {
         # weight along M: 0.71x and 0.62x their L2 -> SM bytes): correct, 1.1-1.6x the 2x1 tiles' time on
         # the narrow 1024-row layers, ties at 256 rows of N = 768 and 3584 (bench/results/fused_gemm-h100-ag-2x2.json);
         # removed.
+        # AG 94, 95: AG 60's and AG 75's tiles with each stage's multicast load (the weight, shared by the
+        # cluster along M) issued before A's, the order of cuBLAS's kernels there; built by name, to measure.
+        C(94, (64, 96, 64), (2, 1), "pingpong", (), loads="multicast-first"),
+        C(95, (128, 80, 64), (2, 1), "pingpong", (), loads="multicast-first"),
     ),
     "rs": (
         # cuBLAS's tile from 512 rows per rank. Under warmed-up timing, with bands of up to 8 M tiles

@@ -115,6 +115,74 @@ namespace flux {
 template <class Epilogue>
 using PlainEpilogue = Epilogue;
 
+// A kernel schedule tag: CUTLASS's `Schedule` with the mainloop below, whose producer issues each
+// stage's multicast load before the other operand's (CUTLASS issues A, then B). cuBLAS's kernels on
+// the narrow layers issue theirs in that order (docs/performance.md §9); built by name, to measure.
+template <class Schedule>
+struct MulticastFirst {};
+template <class S>
+struct ScheduleOf {
+  using type = S;
+  static constexpr bool kMulticastFirst = false;
+};
+template <class S>
+struct ScheduleOf<MulticastFirst<S>> {
+  using type = S;
+  static constexpr bool kMulticastFirst = true;
+};
+
+// CUTLASS's sm90 TMA warp-specialized mainloop `Base` with its producer's two loads per stage in
+// the other order where only B is multicast; all else is Base's.
+template <class Base>
+struct MulticastFirstMainloop : Base {
+  template <class TensorA, class TensorB, class KTileIterator, class BlockCoord>
+  CUTLASS_DEVICE void load(typename Base::Params const& mainloop_params, typename Base::MainloopPipeline pipeline,
+                           typename Base::PipelineState smem_pipe_write,
+                           cute::tuple<TensorA, TensorB> const& load_inputs, BlockCoord const& blk_coord,
+                           KTileIterator k_tile_iter, int k_tile_count, int thread_idx, uint32_t block_rank_in_cluster,
+                           typename Base::TensorStorage& shared_tensors) {
+    using namespace cute;
+    using Policy = typename Base::DispatchPolicy;
+    constexpr bool kBFirst = is_same_v<typename Base::GmemTiledCopyB, SM90_TMA_LOAD_MULTICAST> &&
+                             !is_same_v<typename Base::GmemTiledCopyA, SM90_TMA_LOAD_MULTICAST>;
+    if (!cute::elect_one_sync()) return;
+    Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), typename Base::SmemLayoutA{});
+    Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), typename Base::SmemLayoutB{});
+    constexpr uint32_t cluster_x = get<0>(typename Policy::ClusterShape());
+    uint2 local = {block_rank_in_cluster % cluster_x, block_rank_in_cluster / cluster_x};
+    auto block_tma_a = mainloop_params.tma_load_a.get_slice(local.y);
+    auto block_tma_b = mainloop_params.tma_load_b.get_slice(local.x);
+    auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
+    Tensor tAgA = block_tma_a.partition_S(get<0>(load_inputs)(_, _, m_coord, _, l_coord));
+    Tensor tAsA = block_tma_a.partition_D(sA);
+    Tensor tBgB = block_tma_b.partition_S(get<1>(load_inputs)(_, _, n_coord, _, l_coord));
+    Tensor tBsB = block_tma_b.partition_D(sB);
+    uint16_t mcast_a = 0, mcast_b = 0;
+    auto block_layout = Layout<typename Policy::ClusterShape>{};
+    if constexpr (is_same_v<typename Base::GmemTiledCopyA, SM90_TMA_LOAD_MULTICAST>) {
+      for (int n = 0; n < size<1>(block_layout); ++n) mcast_a |= uint16_t(1) << block_layout(local.x, n, Int<0>{});
+    }
+    if constexpr (is_same_v<typename Base::GmemTiledCopyB, SM90_TMA_LOAD_MULTICAST>) {
+      for (int m = 0; m < size<0>(block_layout); ++m) mcast_b |= uint16_t(1) << block_layout(m, local.y, Int<0>{});
+    }
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (; k_tile_count > 0; --k_tile_count) {
+      pipeline.producer_acquire(smem_pipe_write);
+      auto* bar = pipeline.producer_get_barrier(smem_pipe_write);
+      const int stage = smem_pipe_write.index();
+      if constexpr (kBFirst) {
+        copy(mainloop_params.tma_load_b.with(*bar, mcast_b), tBgB(_, _, _, *k_tile_iter), tBsB(_, _, _, stage));
+        copy(mainloop_params.tma_load_a.with(*bar, mcast_a), tAgA(_, _, _, *k_tile_iter), tAsA(_, _, _, stage));
+      } else {
+        copy(mainloop_params.tma_load_a.with(*bar, mcast_a), tAgA(_, _, _, *k_tile_iter), tAsA(_, _, _, stage));
+        copy(mainloop_params.tma_load_b.with(*bar, mcast_b), tBgB(_, _, _, *k_tile_iter), tBsB(_, _, _, stage));
+      }
+      ++k_tile_iter;
+      ++smem_pipe_write;
+    }
+  }
+};
+
 // The CUTLASS element types of the dtype variants.
 template <int Dtype>
 struct FusedTypes;
@@ -159,7 +227,7 @@ struct Sm90FusedGemm {
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, LayoutA, kAlign, ElementB, LayoutB, kAlign,
       ElementAcc, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename EpilogueWrap<Epi>::SharedStorage))>,
-      KernelSchedule>::CollectiveOp;
+      typename ScheduleOf<KernelSchedule>::type>::CollectiveOp;
 
   // The TMA epilogue stores a tile as subtiles (EpilogueTileAuto: 128 x 32 columns, or gcd(32, N), for the
   // cooperative schedule; 64 x 32 for ping-pong) through StagesD shared-memory buffers, and before refilling
@@ -198,7 +266,9 @@ struct Sm90FusedGemm {
   };
   using BaseEpilogue = typename EpiPick::type;
   using CollectiveEpilogue = EpilogueWrap<BaseEpilogue>;
-  using CollectiveMainloop = MainloopFor<BaseEpilogue>;
+  using CollectiveMainloop = std::conditional_t<ScheduleOf<KernelSchedule>::kMulticastFirst,
+                                                MulticastFirstMainloop<MainloopFor<BaseEpilogue>>,
+                                                MainloopFor<BaseEpilogue>>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, CollectiveMainloop,
                                                       CollectiveEpilogue, Scheduler>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
