@@ -215,6 +215,13 @@ CONFIGS = {
         # cluster along M) issued before A's, the order of cuBLAS's kernels there; built by name, to measure.
         C(94, (64, 96, 64), (2, 1), "pingpong", (), loads="multicast-first"),
         C(95, (128, 80, 64), (2, 1), "pingpong", (), loads="multicast-first"),
+        # The same for AG 73, 28, 72, 0, 2 and 74 (96-101).
+        C(96, (128, 192, 64), (2, 1), "pingpong", (), loads="multicast-first"),
+        C(97, (128, 224, 64), (2, 1), "cooperative", (), loads="multicast-first"),
+        C(98, (128, 160, 64), (2, 1), "pingpong", (), loads="multicast-first"),
+        C(99, (128, 256, 64), (2, 1), "cooperative", (), loads="multicast-first"),
+        C(100, (128, 128, 64), (2, 1), "pingpong", (), loads="multicast-first"),
+        C(101, (128, 144, 64), (2, 1), "pingpong", (), loads="multicast-first"),
     ),
     "rs": (
         # cuBLAS's tile from 512 rows per rank. Under warmed-up timing, with bands of up to 8 M tiles
