@@ -56,7 +56,7 @@ def test_select_and_parse():
     assert fc.kernel_name("ag", 32, "bf16") == fc.kernel_name("ag", 34, "bf16_fp32") == "ag_split_128x64x64_1x1_pp_bf16"
     assert fc.kernel_name("ag", 33, "fp16") == "ag_split_128x64x64_1x1_pp_fp16"
     with pytest.raises(ValueError, match="splits"):
-        fc.CONFIGS["ag"] += (fc.FusedConfig(99, (128, 64, 64), (1, 1), "pingpong", (), "persistent", 2),)
+        fc.CONFIGS["ag"] += (fc.FusedConfig(999, (128, 64, 64), (1, 1), "pingpong", (), "persistent", 2),)
         try:
             fc._check_schedulers()
         finally:
@@ -66,7 +66,7 @@ def test_select_and_parse():
     assert fc.select("ag:2") == [("ag", 2, d) for d in fc.DTYPES]
     assert set(fc.select("minimal,rs:*:fp16")) == {("ag", 0, "bf16"), ("rs", 0, "bf16")} | {
         ("rs", c.id, "fp16") for c in fc.CONFIGS["rs"]}
-    for bad in ("ag:99", "xx:0", "ag:0:fp8", "ag:0:bf16:1"):
+    for bad in ("ag:999", "xx:0", "ag:0:fp8", "ag:0:bf16:1"):
         with pytest.raises(ValueError, match="FLUX_KERNELS"):
             fc.select(bad)
     text = " ".join(f"{op}:{i}:{d}" for op, i, d in default)
