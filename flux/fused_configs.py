@@ -180,7 +180,7 @@ CONFIGS = {
         # and 16 x 8 tiles: 128). Not its 128x168 (1024 x 26624): an 8-column epilogue subtile
         # does not compile.
         C(59, (128, 176, 64), (2, 1), "cooperative", ()),
-        C(60, (64, 96, 64), (2, 1), "pingpong", BF16),
+        C(60, (64, 96, 64), (2, 1), "pingpong", BF16, loads="multicast-first"),  # (ids 94-101 below)
         C(61, (64, 96, 64), (1, 1), "pingpong", ()),
         C(62, (64, 128, 64), (2, 1), "pingpong", ()),
         # Ping-pong tiles wider than 128 columns: each consumer warp group holds a whole 128 x N tile
@@ -193,7 +193,7 @@ CONFIGS = {
         C(72, (128, 160, 64), (2, 1), "pingpong", BF16),
         C(73, (128, 192, 64), (2, 1), "pingpong", BF16),
         C(74, (128, 144, 64), (2, 1), "pingpong", BF16),
-        C(75, (128, 80, 64), (2, 1), "pingpong", BF16),
+        C(75, (128, 80, 64), (2, 1), "pingpong", BF16, loads="multicast-first"),
         C(76, (128, 80, 64), (1, 2), "pingpong", ()),
         # Ids 77-82 (and RS 32, 33) named AG 0, 2, 72, 73, 5, 25 (RS 6, 4) with L2 eviction hints on the
         # mainloop's loads, measured slower and removed (bench/results/fused_gemm-h200-*-l2hint.json).
@@ -211,17 +211,12 @@ CONFIGS = {
         # weight along M: 0.71x and 0.62x their L2 -> SM bytes): correct, 1.1-1.6x the 2x1 tiles' time on
         # the narrow 1024-row layers, ties at 256 rows of N = 768 and 3584 (bench/results/fused_gemm-h100-ag-2x2.json);
         # removed.
-        # AG 94, 95: AG 60's and AG 75's tiles with each stage's multicast load (the weight, shared by the
-        # cluster along M) issued before A's, the order of cuBLAS's kernels there; built by name, to measure.
-        C(94, (64, 96, 64), (2, 1), "pingpong", (), loads="multicast-first"),
-        C(95, (128, 80, 64), (2, 1), "pingpong", (), loads="multicast-first"),
-        # The same for AG 73, 28, 72, 0, 2 and 74 (96-101).
-        C(96, (128, 192, 64), (2, 1), "pingpong", (), loads="multicast-first"),
-        C(97, (128, 224, 64), (2, 1), "cooperative", (), loads="multicast-first"),
-        C(98, (128, 160, 64), (2, 1), "pingpong", (), loads="multicast-first"),
-        C(99, (128, 256, 64), (2, 1), "cooperative", (), loads="multicast-first"),
-        C(100, (128, 128, 64), (2, 1), "pingpong", (), loads="multicast-first"),
-        C(101, (128, 144, 64), (2, 1), "pingpong", (), loads="multicast-first"),
+        # Ids 94-101 named the twins of AG 60, 75, 73, 28, 72, 0, 2 and 74 whose producer issues each stage's
+        # multicast load (the weight, shared by the 2x1 cluster) before A's, the order of cuBLAS's kernels on
+        # the narrow layers (CUTLASS issues A first). On an H100 (bench/results/fused_gemm-h100-ag-mcfirst*.json)
+        # AG 75's twin took 0.94-1.02x its time (geometric mean about 0.97, two runs), AG 60's 0.98-1.01x, the
+        # others 0.99-1.00x on the layers where they are served: AG 60 and 75 took that order, the twins were
+        # removed.
     ),
     "rs": (
         # cuBLAS's tile from 512 rows per rank. Under warmed-up timing, with bands of up to 8 M tiles

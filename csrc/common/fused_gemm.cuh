@@ -116,8 +116,9 @@ template <class Epilogue>
 using PlainEpilogue = Epilogue;
 
 // A kernel schedule tag: CUTLASS's `Schedule` with the mainloop below, whose producer issues each
-// stage's multicast load before the other operand's (CUTLASS issues A, then B). cuBLAS's kernels on
-// the narrow layers issue theirs in that order (docs/performance.md §9); built by name, to measure.
+// stage's multicast load before the other operand's (CUTLASS issues A, then B), as cuBLAS's kernels
+// on the narrow layers do. The configurations whose `loads` is "multicast-first" (flux/fused_configs.py:
+// AG 60 and 75, where it measured 1-6% faster; docs/performance.md §9) use it.
 template <class Schedule>
 struct MulticastFirst {};
 template <class S>
