@@ -320,6 +320,16 @@ def _check_schedulers():
             if (c.scheduler == "splitk") != (c.splits > 1) or not 1 <= c.splits <= MAX_SPLITS:
                 raise ValueError(f"flux.fused_configs: {op} configuration {c.id}: splits {c.splits} "
                                  f"with scheduler {c.scheduler!r} (split-K: 2..{MAX_SPLITS} slices)")
+        # Tuned choices name a configuration by tile, cluster, schedule and scheduler
+        # (flux.autotune.kernel_configs.KernelConfig.desc), not by how its mainloop issues its loads:
+        # two configurations alike in those would share cached choices.
+        seen = {}
+        for c in cfgs:
+            key = (c.tile, c.cluster, c.schedule, c.scheduler, c.splits)
+            if key in seen:
+                raise ValueError(f"flux.fused_configs: {op} configurations {seen[key]} and {c.id} differ only in "
+                                 f"their loads ({c.loads!r}); cached choices could not tell them apart")
+            seen[key] = c.id
 
 
 _check_schedulers()

@@ -61,6 +61,12 @@ def test_select_and_parse():
             fc._check_schedulers()
         finally:
             fc.CONFIGS["ag"] = fc.CONFIGS["ag"][:-1]
+    with pytest.raises(ValueError, match="differ only in their loads"):
+        fc.CONFIGS["ag"] += (fc.FusedConfig(999, (64, 96, 64), (2, 1), "pingpong", (), loads="cutlass"),)
+        try:
+            fc._check_schedulers()
+        finally:
+            fc.CONFIGS["ag"] = fc.CONFIGS["ag"][:-1]
     assert len(fc.select("all")) == sum(len(v) for v in fc.CONFIGS.values()) * len(fc.DTYPES)
     assert fc.select("minimal") == [("ag", 0, "bf16"), ("rs", 0, "bf16")]
     assert fc.select("ag:2") == [("ag", 2, d) for d in fc.DTYPES]
