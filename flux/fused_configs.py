@@ -215,8 +215,8 @@ CONFIGS = {
         # multicast load (the weight, shared by the 2x1 cluster) before A's, the order of cuBLAS's kernels on
         # the narrow layers (CUTLASS issues A first). On an H100 (bench/results/fused_gemm-h100-ag-mcfirst*.json)
         # AG 75's twin took 0.94-1.02x its time (geometric mean about 0.97, two runs), AG 60's 0.98-1.01x, the
-        # others 0.99-1.00x on the layers where they are served: AG 60 and 75 took that order, the twins were
-        # removed.
+        # others 0.98-1.04x (geometric means 0.99-1.00) on the layers where they are served: AG 60 and 75 took
+        # that order, the twins were removed.
     ),
     "rs": (
         # cuBLAS's tile from 512 rows per rank. Under warmed-up timing, with bands of up to 8 M tiles
