@@ -162,7 +162,7 @@ def _generate_fused_sources(with_sm90):
         name = table["kernel_name"](op, cid, dtype)
         (tm, tn, tk), (cm, cn) = cfg.tile, cfg.cluster
         kernel_sched, epi_sched = _SCHEDULES[cfg.schedule]
-        if getattr(cfg, "loads", "cutlass") == "multicast-first":  # csrc/common/fused_gemm.cuh
+        if cfg.loads == "multicast-first":  # csrc/common/fused_gemm.cuh
             kernel_sched = f"flux::MulticastFirst<{kernel_sched}>"
         src_in, src_out = table["DTYPE_IO"][dtype]
         shapes = (f"cute::Shape<cute::_{tm}, cute::_{tn}, cute::_{tk}>,\n"

@@ -133,7 +133,7 @@ struct ScheduleOf<MulticastFirst<S>> {
 };
 
 // CUTLASS's sm90 TMA warp-specialized mainloop `Base` with its producer's two loads per stage in
-// the other order where only B is multicast; all else is Base's.
+// the other order where only B is multicast (Base's own load otherwise); all else is Base's.
 template <class Base>
 struct MulticastFirstMainloop : Base {
   template <class TensorA, class TensorB, class KTileIterator, class BlockCoord>
@@ -144,42 +144,37 @@ struct MulticastFirstMainloop : Base {
                            typename Base::TensorStorage& shared_tensors) {
     using namespace cute;
     using Policy = typename Base::DispatchPolicy;
-    constexpr bool kBFirst = is_same_v<typename Base::GmemTiledCopyB, SM90_TMA_LOAD_MULTICAST> &&
-                             !is_same_v<typename Base::GmemTiledCopyA, SM90_TMA_LOAD_MULTICAST>;
-    if (!cute::elect_one_sync()) return;
-    Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), typename Base::SmemLayoutA{});
-    Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), typename Base::SmemLayoutB{});
-    constexpr uint32_t cluster_x = get<0>(typename Policy::ClusterShape());
-    uint2 local = {block_rank_in_cluster % cluster_x, block_rank_in_cluster / cluster_x};
-    auto block_tma_a = mainloop_params.tma_load_a.get_slice(local.y);
-    auto block_tma_b = mainloop_params.tma_load_b.get_slice(local.x);
-    auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
-    Tensor tAgA = block_tma_a.partition_S(get<0>(load_inputs)(_, _, m_coord, _, l_coord));
-    Tensor tAsA = block_tma_a.partition_D(sA);
-    Tensor tBgB = block_tma_b.partition_S(get<1>(load_inputs)(_, _, n_coord, _, l_coord));
-    Tensor tBsB = block_tma_b.partition_D(sB);
-    uint16_t mcast_a = 0, mcast_b = 0;
-    auto block_layout = Layout<typename Policy::ClusterShape>{};
-    if constexpr (is_same_v<typename Base::GmemTiledCopyA, SM90_TMA_LOAD_MULTICAST>) {
-      for (int n = 0; n < size<1>(block_layout); ++n) mcast_a |= uint16_t(1) << block_layout(local.x, n, Int<0>{});
-    }
-    if constexpr (is_same_v<typename Base::GmemTiledCopyB, SM90_TMA_LOAD_MULTICAST>) {
+    if constexpr (!is_same_v<typename Base::GmemTiledCopyB, SM90_TMA_LOAD_MULTICAST> ||
+                  is_same_v<typename Base::GmemTiledCopyA, SM90_TMA_LOAD_MULTICAST>) {
+      // A is multicast (or neither is): CUTLASS's order already issues the multicast load first.
+      Base::load(mainloop_params, pipeline, smem_pipe_write, load_inputs, blk_coord, k_tile_iter, k_tile_count,
+                 thread_idx, block_rank_in_cluster, shared_tensors);
+    } else {
+      if (!cute::elect_one_sync()) return;
+      Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), typename Base::SmemLayoutA{});
+      Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), typename Base::SmemLayoutB{});
+      constexpr uint32_t cluster_x = get<0>(typename Policy::ClusterShape());
+      uint2 local = {block_rank_in_cluster % cluster_x, block_rank_in_cluster / cluster_x};
+      auto block_tma_a = mainloop_params.tma_load_a.get_slice(local.y);
+      auto block_tma_b = mainloop_params.tma_load_b.get_slice(local.x);
+      auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
+      Tensor tAgA = block_tma_a.partition_S(get<0>(load_inputs)(_, _, m_coord, _, l_coord));
+      Tensor tAsA = block_tma_a.partition_D(sA);
+      Tensor tBgB = block_tma_b.partition_S(get<1>(load_inputs)(_, _, n_coord, _, l_coord));
+      Tensor tBsB = block_tma_b.partition_D(sB);
+      uint16_t mcast_b = 0;  // the CTAs of this cluster column, which share B; A is not multicast
+      auto block_layout = Layout<typename Policy::ClusterShape>{};
       for (int m = 0; m < size<0>(block_layout); ++m) mcast_b |= uint16_t(1) << block_layout(m, local.y, Int<0>{});
-    }
-    CUTLASS_PRAGMA_NO_UNROLL
-    for (; k_tile_count > 0; --k_tile_count) {
-      pipeline.producer_acquire(smem_pipe_write);
-      auto* bar = pipeline.producer_get_barrier(smem_pipe_write);
-      const int stage = smem_pipe_write.index();
-      if constexpr (kBFirst) {
+      CUTLASS_PRAGMA_NO_UNROLL
+      for (; k_tile_count > 0; --k_tile_count) {
+        pipeline.producer_acquire(smem_pipe_write);
+        auto* bar = pipeline.producer_get_barrier(smem_pipe_write);
+        const int stage = smem_pipe_write.index();
         copy(mainloop_params.tma_load_b.with(*bar, mcast_b), tBgB(_, _, _, *k_tile_iter), tBsB(_, _, _, stage));
-        copy(mainloop_params.tma_load_a.with(*bar, mcast_a), tAgA(_, _, _, *k_tile_iter), tAsA(_, _, _, stage));
-      } else {
-        copy(mainloop_params.tma_load_a.with(*bar, mcast_a), tAgA(_, _, _, *k_tile_iter), tAsA(_, _, _, stage));
-        copy(mainloop_params.tma_load_b.with(*bar, mcast_b), tBgB(_, _, _, *k_tile_iter), tBsB(_, _, _, stage));
+        copy(mainloop_params.tma_load_a.with(*bar, uint16_t(0)), tAgA(_, _, _, *k_tile_iter), tAsA(_, _, _, stage));
+        ++k_tile_iter;
+        ++smem_pipe_write;
       }
-      ++k_tile_iter;
-      ++smem_pipe_write;
     }
   }
 };
