@@ -16,10 +16,11 @@
 // the grid-wide barrier; `cluster` 2 launches clusters of 2 CTAs, the two reading different rows (as the
 // two M tiles of a 2x1 cluster) and `group` then counting clusters: the CTA of rank r in cluster q reads
 // row tile (q / group) * 2 + r (spread: (q mod Q/group) * 2 + r), so that the CTAs sharing rows are in
-// different clusters, as in the fused kernels with a 2x1 cluster. Each CTA records its SM and when it
-// began its K loop.
+// different clusters, as in the fused kernels with a 2x1 cluster. `sched` (after cluster) is the launch's
+// cluster scheduling policy: 0 the driver's default, 1 spread (as cuBLAS's launches ask), 2 load
+// balancing. Each CTA records its SM and when it began its K loop.
 //
-//   probe_l2_coalescing [--reps N] [--once] group:stagger:delay:policy:promotion[:spread:barrier[:cluster]] [...]
+//   probe_l2_coalescing [--reps N] [--once] group:stagger:delay:policy:promotion[:spread:barrier[:cluster[:sched]]] [...]
 //
 // Prints one JSON line per variant: its fields, CTAs, rows, K, and the median ms of `reps` timed
 // launches (CUDA events, after warm-up). --once: one warm-up and one launch per variant, no timing
@@ -197,14 +198,15 @@ CUtensorMap make_map(void* a, int rows, int k, int promotion) {
 }
 
 struct Variant {
-  int group = 8, stagger = 0, delay = 0, promotion = 128, spread = 0, barrier = 1, cluster = 1;
+  int group = 8, stagger = 0, delay = 0, promotion = 128, spread = 0, barrier = 1, cluster = 1, sched = 0;
   unsigned long long policy = 0;
 };
 
 bool parse(const char* s, Variant& v) {
-  const int n = std::sscanf(s, "%d:%d:%d:%llx:%d:%d:%d:%d", &v.group, &v.stagger, &v.delay, &v.policy,
-                            &v.promotion, &v.spread, &v.barrier, &v.cluster);
-  return (n == 5 || n == 7 || n == 8) && v.group >= 1 && (v.cluster == 1 || v.cluster == 2) && v.stagger >= 0 &&
+  const int n = std::sscanf(s, "%d:%d:%d:%llx:%d:%d:%d:%d:%d", &v.group, &v.stagger, &v.delay, &v.policy,
+                            &v.promotion, &v.spread, &v.barrier, &v.cluster, &v.sched);
+  return (n == 5 || n == 7 || n == 8 || n == 9) && v.group >= 1 && (v.cluster == 1 || v.cluster == 2) &&
+         v.sched >= 0 && v.sched <= 2 && v.stagger >= 0 &&
          v.delay >= 0 && (v.spread | v.barrier) <= 1 &&
          v.spread >= 0 && v.barrier >= 0 &&
          (v.promotion == 0 || v.promotion == 64 || v.promotion == 128 || v.promotion == 256);
@@ -226,14 +228,14 @@ int main(int argc, char** argv) {
     } else {
       Variant v;
       if (!parse(argv[i], v)) {
-        std::fprintf(stderr, "probe_l2_coalescing: bad variant %s (group:stagger:delay:policy_hex:promotion[:spread:barrier[:cluster]])\n", argv[i]);
+        std::fprintf(stderr, "probe_l2_coalescing: bad variant %s (group:stagger:delay:policy_hex:promotion[:spread:barrier[:cluster[:sched]]])\n", argv[i]);
         return 2;
       }
       vs.push_back(v);
     }
   }
   if (vs.empty() || k % kBoxK || reps < 1 || ctas < 1) {
-    std::fprintf(stderr, "usage: probe_l2_coalescing [--reps N] [--ctas C] [--k K] [--once] g:s:d:policy:promo[:spread:barrier[:cluster]] ...\n");
+    std::fprintf(stderr, "usage: probe_l2_coalescing [--reps N] [--ctas C] [--k K] [--once] g:s:d:policy:promo[:spread:barrier[:cluster[:sched]]] ...\n");
     return 2;
   }
   const int smem = kStages * kStageBytes + 1024;
@@ -285,13 +287,17 @@ int main(int argc, char** argv) {
       cfg.gridDim = dim3(ctas);
       cfg.blockDim = dim3(64);
       cfg.dynamicSmemBytes = smem;
-      cudaLaunchAttribute attr;
-      attr.id = cudaLaunchAttributeClusterDimension;
-      attr.val.clusterDim.x = v.cluster;
-      attr.val.clusterDim.y = 1;
-      attr.val.clusterDim.z = 1;
-      cfg.attrs = &attr;
-      cfg.numAttrs = 1;
+      cudaLaunchAttribute attr[2];
+      attr[0].id = cudaLaunchAttributeClusterDimension;
+      attr[0].val.clusterDim.x = v.cluster;
+      attr[0].val.clusterDim.y = 1;
+      attr[0].val.clusterDim.z = 1;
+      attr[1].id = cudaLaunchAttributeClusterSchedulingPolicyPreference;
+      attr[1].val.clusterSchedulingPolicyPreference =
+          v.sched == 1 ? cudaClusterSchedulingPolicySpread
+                       : v.sched == 2 ? cudaClusterSchedulingPolicyLoadBalancing : cudaClusterSchedulingPolicyDefault;
+      cfg.attrs = attr;
+      cfg.numAttrs = v.sched ? 2 : 1;
       CHECK(cudaLaunchKernelEx(&cfg, probe_kernel, map, p));
     };
     std::vector<float> ms;
@@ -323,9 +329,9 @@ int main(int argc, char** argv) {
     // smid / start_ns: the last launch's SM and K-loop start (ns after the first CTA's) per CTA.
     std::printf(
         "{\"group\": %d, \"stagger\": %d, \"delay\": %d, \"policy\": \"0x%llx\", \"promotion\": %d, \"spread\": %d, "
-        "\"barrier\": %d, \"cluster\": %d, \"ctas\": %d, \"rows\": %d, \"k\": %d, \"ms\": %s, \"smid\": [%s], "
+        "\"barrier\": %d, \"cluster\": %d, \"sched\": %d, \"ctas\": %d, \"rows\": %d, \"k\": %d, \"ms\": %s, \"smid\": [%s], "
         "\"start_ns\": [%s]}\n",
-        v.group, v.stagger, v.delay, v.policy, v.promotion, v.spread, v.barrier, v.cluster, ctas, rows, k,
+        v.group, v.stagger, v.delay, v.policy, v.promotion, v.spread, v.barrier, v.cluster, v.sched, ctas, rows, k,
         ms.empty() ? "null" : std::to_string(ms[ms.size() / 2]).c_str(), sms.c_str(), starts.c_str());
     std::fflush(stdout);
     CHECK(cudaFree(a));

@@ -22,10 +22,12 @@ K through a ring of 10 stages, as a 64-row tile's A loads) and varies what might
 - cluster (optional, after barrier): 2 = clusters of 2 CTAs reading different rows (the two M tiles of a
   2x1 cluster), group and spread then counting clusters: the CTAs sharing rows are in different clusters,
   as in the fused kernels with a 2x1 cluster;
+- sched (optional, after cluster): the launch's cluster scheduling policy, 0 the driver's default, 1 spread
+  (cuBLAS's launches ask for it: bench/probe_cublas_launch.py, attribute 5), 2 load balancing;
 - promotion: the tensor map's L2 promotion in bytes (CUTLASS's is 128; in the fused kernels 0-256 left
   the L2-slice reads unchanged, docs/performance.md §9, so the default variants keep 128).
 
-    python bench/probe_l2_coalescing.py [--variants g:s:d:policy:promo[:spread:barrier[:cluster]],...] [--ctas 128]
+    python bench/probe_l2_coalescing.py [--variants g:s:d:policy:promo[:spread:barrier[:cluster[:sched]]],...] [--ctas 128]
         [--k 4096] [--out FILE]
 
 Compiles the probe with nvcc (sm_90a), times each variant (median of CUDA-event-timed launches),
@@ -33,7 +35,7 @@ then, where Nsight Compute is installed, profiles one launch per variant for the
 (--metrics; clocks and caches left as the card sets them). No GPU, no nvcc: one line, exit 1.
 
 JSON (--out): {"format": 1, "command", "commit", "device", "ncu", "variants": [{"group", "stagger",
-"delay", "policy", "promotion", "spread", "barrier", "cluster", "ctas", "rows", "k", "ms", "smid" (the SM of each CTA
+"delay", "policy", "promotion", "spread", "barrier", "cluster", "sched", "ctas", "rows", "k", "ms", "smid" (the SM of each CTA
 in the last launch), "start_ns" (when each began its K loop, after the first), "metrics": {"<metric> [unit]":
 value}}]}.
 """
@@ -91,7 +93,7 @@ def probe(nvcc: str, ncu, args, variants):
 
 
 def main(argv=None) -> int:
-    p = parser(__doc__, VARIANTS, "group:stagger:delay:policy_hex:promotion[:spread:barrier[:cluster]]", ctas=128, reps=50)
+    p = parser(__doc__, VARIANTS, "group:stagger:delay:policy_hex:promotion[:spread:barrier[:cluster[:sched]]]", ctas=128, reps=50)
     p.add_argument("--k", type=int, default=4096)
     p.add_argument("--metrics", default=METRICS)
     args = p.parse_args(argv)
@@ -105,12 +107,12 @@ def main(argv=None) -> int:
     if rows is None:
         return 1
     print(f"{'group':>5} {'stagger':>7} {'delay':>5} {'policy':>18} {'promo':>5} {'spread':>6} {'barrier':>7} "
-          f"{'cluster':>7} {'ms':>8} {'start us':>8} {'L2 sectors':>11} {'coalescable':>11}")
+          f"{'cluster':>7} {'sched':>5} {'ms':>8} {'start us':>8} {'L2 sectors':>11} {'coalescable':>11}")
     for r in rows:
         m = r.get("metrics", {})
         get = lambda name: next((v for k, v in m.items() if k.startswith(name)), "-")  # noqa: E731
         print(f"{r['group']:>5} {r['stagger']:>7} {r['delay']:>5} {r['policy']:>18} {r['promotion']:>5} "
-              f"{r['spread']:>6} {r['barrier']:>7} {r.get('cluster', 1):>7} {r['ms'] if r['ms'] is not None else '-':>8} "
+              f"{r['spread']:>6} {r['barrier']:>7} {r.get('cluster', 1):>7} {r.get('sched', 0):>5} {r['ms'] if r['ms'] is not None else '-':>8} "
               f"{max(r['start_ns']) / 1e3:>8.2f} {get('lts__t_sectors_op_read.sum'):>11} "
               f"{get('lrc__request_sectors_op_read_coalescable.sum'):>11}")
     if args.out:
