@@ -20,18 +20,15 @@ world the primary. --rounds N: at least N rounds (samples of more than 5 ms get 
 loop's calls back to back, and the graph of that loop). --lead: loop and graph samples start behind a
 ~50 us GPU spin, so that the host's launch of the first call (a start gap that short loops of long calls
 otherwise include) is not timed.
---cluster-policy 1,0: each fused variant launched with each cluster scheduling policy (0 the driver's
-default, 1 spread, 2 load balancing; torch.ops.flux.set_fused_cluster_policy), interleaved ("<label>/cp<P>"
-for all but the first, which own and best use); default: the process's setting, untouched.
 No GPU: one line, exit 1.
 JSON (--out, stable): {"format": 1, "command", "commit", "device", "sm_count", "torch", "cuda",
- "dtype", "ag_world", "out_dtype", "timings": ["loop", "graph", "spin"], "cluster_policy", "configs": {op: {"source", "list": [{"id",
+ "dtype", "ag_world", "out_dtype", "timings": ["loop", "graph", "spin"], "configs": {op: {"source", "list": [{"id",
  "tile" (".../sk": stream-K, ".../k4": split-K into 4), "scheduler", "describe", "dtypes"}]}}, "results": [{"op", "m", "n", "k",
  "layers", "flop", "input_sets", "calls_per_sample", "rounds", "tolerance", "cublas" (rs: and "cublas_add"):
  {"ms": {timing: ms}, "tflops": {timing: TFLOP/s}, "rel_err"}, "own" (the analytic default): {"label", "ms", "tflops",
  "vs_cublas": {timing: ratio}}, "served" (choose_config's label: tuned cache, else analytic), "best":
  {timing: {"label", "ms", "vs_cublas"}}, "variants": {"c<id>/r<raster>/s<swizzle>": {"config",
- "raster", "swizzle", "tile", "pdl", "ag_world"?, "cluster_policy"?, "ms", "tflops", "rel_err", "ok", "error"?}}, "by_pdl"?: {"0": {"own",
+ "raster", "swizzle", "tile", "pdl", "ag_world"?, "ms", "tflops", "rel_err", "ok", "error"?}}, "by_pdl"?: {"0": {"own",
  "best"}}}], "pdl": [settings], "lead": bool, "summary": {op: {timing: {"shapes", "own_within_2pct", "own_within_5pct",
  "best_within_2pct", "best_within_5pct", "own_wrong", "geomean_own_over_cublas", "geomean_best_over_cublas",
  "geomean_own_over_best", "geomean_served_over_cublas", "geomean_{own,best}_over_cublas_pdl0"?}}}}; untimed: null.
@@ -80,9 +77,6 @@ def parse_args(argv=None):
                    help="GPU time per sample (default 2, 1 with --quick): longer samples, more calls back to back")
     p.add_argument("--lead", action="store_true",
                    help="loop and graph samples start behind a ~50 us GPU spin: the first call's launch is not timed")
-    p.add_argument("--cluster-policy", default=None,
-                   help="cluster scheduling policies to launch each fused variant with, the primary first: "
-                   "0 default, 1 spread, 2 load balancing (e.g. 1,0); default: the process's setting")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.shapes and not args.op:
@@ -104,13 +98,6 @@ def parse_args(argv=None):
     if not args.pdl_list or any(x not in (0, 1) for x in args.pdl_list):
         p.error("--pdl takes 1, 0 or 0,1")
     try:
-        args.policy_list = ([None] if args.cluster_policy is None else
-                            list(dict.fromkeys(int(x) for x in args.cluster_policy.split(","))))
-    except ValueError:
-        args.policy_list = []
-    if not args.policy_list or any(x not in (None, 0, 1, 2) for x in args.policy_list):
-        p.error("--cluster-policy takes policies among 0, 1, 2, e.g. 1,0")
-    try:
         args.worlds = list(dict.fromkeys(int(x) for x in args.ag_world.split(",")))  # the primary first
     except ValueError:
         args.worlds = []
@@ -127,24 +114,14 @@ def _pdl_switch():
         return None
 
 
-def _policy_switch():
-    """torch.ops.flux.set_fused_cluster_policy, or None with a flux._C that has no such switch."""
-    try:
-        return torch.ops.flux.set_fused_cluster_policy
-    except (AttributeError, RuntimeError):
-        return None
-
-
-def _with_switches(fns, settings):
-    """The launchers with process-wide switches (pairs of switch, value) set by the first of them:
-    a loop, a graph capture or a spin sample starts with it, and a variant's calls are never
-    interleaved with another's, so the others inherit the settings (one switch call per input-set
-    cycle)."""
+def _with_pdl(fns, pdl, switch):
+    """The launchers with the process-wide PDL switch set by the first of them: a loop, a graph
+    capture or a spin sample starts with it, and a variant's calls are never interleaved with
+    another's, so the others inherit the setting (one switch call per input-set cycle)."""
     first = fns[0]
 
     def set_then_call():
-        for switch, value in settings:
-            switch(value)
+        switch(bool(pdl))
         first()
     return [set_then_call, *fns[1:]]
 
@@ -207,27 +184,18 @@ def bench_shape(rec, args, dtype, out_dtype, sm, device=None):
     switch = _pdl_switch() if pdls != [1] else None
     if pdls != [1] and switch is None:
         raise RuntimeError("--pdl " + args.pdl + ": this flux._C has no torch.ops.flux.set_fused_pdl")
-    policies = getattr(args, "policy_list", [None])
-    pswitch = _policy_switch() if policies != [None] else None
-    if policies != [None] and pswitch is None:
-        raise RuntimeError("--cluster-policy: this flux._C has no torch.ops.flux.set_fused_cluster_policy")
     var, fns = {}, {}
     for base_lab in labs:
-        for pdl, world, pol in [(p, w, c) for p in pdls for w in worlds for c in policies]:
-            lab = (base_lab + ("" if pdl == pdls[0] else f"/pdl{pdl}") + ("" if world == worlds[0] else f"/w{world}")
-                   + ("" if pol == policies[0] else f"/cp{pol}"))
+        for pdl, world in [(p, w) for p in pdls for w in worlds]:
+            lab = base_lab + ("" if pdl == pdls[0] else f"/pdl{pdl}") + ("" if world == worlds[0] else f"/w{world}")
             cfg, raster, swz = K.parse_label(base_lab)
             v = {"config": cfg, "raster": raster, "swizzle": swz, "tile": desc[cfg], "pdl": pdl}
             if op == "ag":
                 v["ag_world"] = world
-            if pol is not None:
-                v["cluster_policy"] = pol
             try:
                 f = prob.fused(cfg, raster, swz, world)
-                settings = ([(switch, bool(pdl))] if switch is not None else []) + \
-                    ([(pswitch, pol)] if pswitch is not None else [])
-                if settings:
-                    f = _with_switches(f, settings)
+                if switch is not None:
+                    f = _with_pdl(f, pdl, switch)
                 v["rel_err"] = prob.rel_err(f)
                 if math.isinf(v["rel_err"]):
                     v["rel_err"], v["error"] = None, "output left NaN (tiles not written)"
@@ -261,8 +229,7 @@ def bench_shape(rec, args, dtype, out_dtype, sm, device=None):
         best = {}
         for tm in TIMINGS:
             timed = {lab: v["ms"][tm] for lab, v in var.items()
-                     if v["ms"][tm] is not None and v["pdl"] == pdl and v.get("ag_world", worlds[0]) == worlds[0]
-                     and v.get("cluster_policy", policies[0]) == policies[0]}
+                     if v["ms"][tm] is not None and v["pdl"] == pdl and v.get("ag_world", worlds[0]) == worlds[0]}
             if timed:
                 b = min(timed, key=timed.get)
                 best[tm] = {"label": b, "ms": timed[b], "vs_cublas": _ratio(timed[b], cub[tm])}
@@ -278,8 +245,6 @@ def bench_shape(rec, args, dtype, out_dtype, sm, device=None):
             out["by_pdl"][str(pdl)] = {"own": o, "best": b}
     if switch is not None:
         switch(bool(pdls[0]))  # the process default again
-    if pswitch is not None:
-        pswitch(policies[0])
     del prob, fns, base
     return out
 
@@ -377,12 +342,6 @@ def main(argv=None):
         return 1
     if switch is not None:
         switch(bool(args.pdl_list[0]))
-    if args.policy_list != [None]:
-        if _policy_switch() is None:
-            print("bench_fused_gemm: --cluster-policy needs torch.ops.flux.set_fused_cluster_policy (flux._C is "
-                  "older); nothing run")
-            return 1
-        _policy_switch()(args.policy_list[0])
     results = []
     for i, rec in enumerate(recs):
         r = bench_shape(rec, args, dtype, out_dtype, sm)
@@ -398,16 +357,6 @@ def main(argv=None):
     return 0
 
 
-def _current_policy(args):
-    """The --cluster-policy list, or [the process's setting] where the run left it alone (None: unknown)."""
-    if getattr(args, "policy_list", [None]) != [None]:
-        return args.policy_list
-    try:
-        return [int(torch.ops.flux.fused_cluster_policy())]
-    except (AttributeError, RuntimeError):
-        return [None]
-
-
 def _document(args, ops, results, sm, dtype):
     """The JSON document of the shapes measured so far (written after each shape, so that a run
     stopped early keeps what it measured)."""
@@ -419,7 +368,6 @@ def _document(args, ops, results, sm, dtype):
            "cuda": torch.version.cuda, "dtype": args.dtype, "ag_world": args.worlds,
            "out_dtype": "fp32" if args.out_dtype == "fp32" else args.dtype,
            "timings": list(TIMINGS), "pdl": getattr(args, "pdl_list", [1]), "lead": args.lead,
-           "cluster_policy": _current_policy(args),
            "configs": {op: {"source": K.config_source(op),
                             "list": [{"id": c.id, "tile": c.desc, "scheduler": c.scheduler,
                                       "describe": FC.config(op, c.id).describe(), "dtypes": [list(p) for p in c.dtypes]}

@@ -5,8 +5,7 @@
 
 A case is op:MxKxN (the kernel's own rows, K, N, as bench/bench_fused_gemm.py's shapes) and the
 fused launches to profile: labels c<config>/r<raster>/s<swizzle>, or "served" (the library's
-choice), either with "/cp<P>" appended to launch it with cluster scheduling policy P (0 the driver's
-default, 1 spread, 2 load balancing; torch.ops.flux.set_fused_cluster_policy; without it, the process's). Each case profiles torch.mm (cuBLAS) first, then its labels; every flag set, bf16; each
+choice). Each case profiles torch.mm (cuBLAS) first, then its labels; every flag set, bf16; each
 launch warmed up three times, then one launch inside the profiler's range, after a short GPU spin
 (torch.cuda._sleep) that marks where the launch's kernels begin (a split-K launch has two).
 
@@ -60,20 +59,6 @@ def parse_cases(text: str):
     return cases
 
 
-def _with_policy(fn, policy):
-    """fn launched with the cluster scheduling policy `policy`, the process's setting restored after."""
-    import torch
-
-    def call():
-        before = int(torch.ops.flux.fused_cluster_policy())
-        torch.ops.flux.set_fused_cluster_policy(policy)
-        try:
-            fn()
-        finally:
-            torch.ops.flux.set_fused_cluster_policy(before)
-    return call
-
-
 def child(cases) -> None:
     """Under ncu: every launch of every case, each after its mark, in the profiler's range."""
     import torch
@@ -87,13 +72,9 @@ def child(cases) -> None:
         pr = KernelProblem(op, m, n, k, torch.bfloat16, torch.bfloat16, torch.device("cuda"), max_sets=1)
         runs = [("cublas", pr.cublas()[0])]
         for lab in labels:
-            base, _, policy = lab.partition("/cp")
-            if base == "served":
-                base = K.label(*K.choose_config(op, m, n, k, torch.bfloat16, torch.bfloat16, None))
-            fn = pr.fused(*K.parse_label(base))[0]
-            if policy:
-                fn = _with_policy(fn, int(policy))
-            runs.append((base + (f"/cp{policy}" if policy else ""), fn))
+            if lab == "served":
+                lab = K.label(*K.choose_config(op, m, n, k, torch.bfloat16, torch.bfloat16, None))
+            runs.append((lab, pr.fused(*K.parse_label(lab))[0]))
         for lab, fn in runs:
             for _ in range(3):
                 fn()

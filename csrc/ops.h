@@ -26,10 +26,6 @@ std::string fused_kernels_built();
 // Programmatic dependent launch of the fused GEMMs, process-wide (default on; common/fused_gemm.cuh).
 bool fused_pdl();
 void set_fused_pdl(bool enabled);
-// The cluster scheduling policy the CUTLASS GEMMs are launched with, process-wide
-// (common/cutlass_run.cuh): 0 the driver's default, 1 spread, 2 load balancing.
-int64_t fused_cluster_policy();
-void set_fused_cluster_policy(int64_t policy);
 
 // Fused GEMM+ReduceScatter own block (csrc/gemm_rs/rs_fused.cpp): out = a @ weight^T + source (+ bias),
 // the epilogue of each tile waiting for the flags of the source segments it reads.

@@ -66,10 +66,6 @@ TORCH_LIBRARY(flux, m) {
   // on): their prologue overlaps the tail of the kernel before them in the stream.
   m.def("set_fused_pdl(bool enabled) -> ()");
   m.def("fused_pdl() -> bool");
-  // The cluster scheduling policy of the CUTLASS GEMM launches (process-wide): 0 the driver's
-  // default, 1 spread (clusters dealt across the GPCs), 2 load balancing.
-  m.def("set_fused_cluster_policy(int policy) -> ()");
-  m.def("fused_cluster_policy() -> int");
   // Fused GEMM+ReduceScatter own block (csrc/gemm_rs/rs_fused.cpp): out = a @ weight^T + source (+ bias);
   // source: this rank's workspace slot that the peer fills segment by segment, segment s announced
   // by flags[s] != 0; the epilogue of a tile waits (bounded, naming `peer`) for its segments.
@@ -84,8 +80,6 @@ TORCH_LIBRARY_IMPL(flux, CompositeExplicitAutograd, m) {
   m.impl("grouped_kernels_built", &flux::grouped_kernels_built);
   m.impl("set_fused_pdl", &flux::set_fused_pdl);
   m.impl("fused_pdl", &flux::fused_pdl);
-  m.impl("set_fused_cluster_policy", &flux::set_fused_cluster_policy);
-  m.impl("fused_cluster_policy", &flux::fused_cluster_policy);
 }
 
 TORCH_LIBRARY_IMPL(flux, CUDA, m) {

@@ -11,17 +11,10 @@ namespace flux {
 
 namespace {
 std::atomic<bool> g_fused_pdl{true};
-std::atomic<int> g_cluster_policy{0};
 }  // namespace
 
 bool fused_pdl() { return g_fused_pdl.load(std::memory_order_relaxed); }
 void set_fused_pdl(bool enabled) { g_fused_pdl.store(enabled, std::memory_order_relaxed); }
-int64_t fused_cluster_policy() { return g_cluster_policy.load(std::memory_order_relaxed); }
-void set_fused_cluster_policy(int64_t policy) {
-  FLUX_CHECK(policy >= 0 && policy <= 2, "set_fused_cluster_policy",
-             "policy 0 (the driver's default), 1 (spread) or 2 (load balancing) expected, got ", policy);
-  g_cluster_policy.store(static_cast<int>(policy), std::memory_order_relaxed);
-}
 
 bool ag_gemm_fused_supported() {
 #if defined(FLUX_WITH_SM90)

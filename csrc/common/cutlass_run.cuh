@@ -5,54 +5,11 @@
 
 #include "common/check.h"
 #include "cutlass/cutlass.h"
-#include "cutlass/device_kernel.h"
 #include "cutlass/kernel_hardware_info.h"
 
 namespace flux {
 
-bool fused_pdl();                 // common/fused_gemm.cuh
-int64_t fused_cluster_policy();   // ag_gemm/ag_gemm_fused.cpp: 0 default, 1 spread, 2 load balancing
-
-// Launches a GemmUniversalAdapter's kernel as its run() does (grid, block, shared memory, the
-// cluster, programmatic dependent launch), plus the cluster scheduling policy
-// (fused_cluster_policy): with "spread" the driver deals consecutive clusters to different GPCs,
-// as cuBLAS's launches ask (docs/performance.md §9, "The cluster scheduling policy").
-template <class Gemm>
-cudaError_t launch_cutlass_kernel(const Gemm& gemm, cudaStream_t stream, bool pdl) {
-  using Kernel = typename Gemm::GemmKernel;
-  using Cluster = typename Kernel::DispatchPolicy::ClusterShape;
-  typename Kernel::Params params = gemm.params();
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = Kernel::get_grid_shape(params);
-  cfg.blockDim = Kernel::get_block_shape();
-  cfg.dynamicSmemBytes = Kernel::SharedStorageSize;
-  cfg.stream = stream;
-  cudaLaunchAttribute attrs[3];
-  unsigned n = 0;
-  if constexpr (cute::size(Cluster{}) > 1) {
-    attrs[n].id = cudaLaunchAttributeClusterDimension;
-    attrs[n].val.clusterDim.x = cute::size<0>(Cluster{});
-    attrs[n].val.clusterDim.y = cute::size<1>(Cluster{});
-    attrs[n].val.clusterDim.z = cute::size<2>(Cluster{});
-    ++n;
-  }
-  const int64_t policy = fused_cluster_policy();
-  if (policy != 0) {
-    attrs[n].id = cudaLaunchAttributeClusterSchedulingPolicyPreference;
-    attrs[n].val.clusterSchedulingPolicyPreference =
-        policy == 1 ? cudaClusterSchedulingPolicySpread : cudaClusterSchedulingPolicyLoadBalancing;
-    ++n;
-  }
-  if (pdl) {
-    attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attrs[n].val.programmaticStreamSerializationAllowed = 1;
-    ++n;
-  }
-  cfg.attrs = attrs;
-  cfg.numAttrs = n;
-  void* kernel_params[] = {&params};
-  return cudaLaunchKernelExC(&cfg, reinterpret_cast<const void*>(cutlass::device_kernel<Kernel>), kernel_params);
-}
+bool fused_pdl();  // common/fused_gemm.cuh
 
 inline cutlass::KernelHardwareInfo hardware_info(int device) {
   cutlass::KernelHardwareInfo hw;
@@ -108,8 +65,8 @@ void run_cutlass_gemm(const char* op, const typename Gemm::Arguments& args, int 
   (void)pdl_allowed;
   const bool pdl = false;  // the kernels have no griddepcontrol.wait: an early start would be unsafe
 #endif
-  const cudaError_t launched = launch_cutlass_kernel(gemm, stream, pdl);
-  FLUX_CHECK(launched == cudaSuccess, op, "CUTLASS launch failed: ", cudaGetErrorString(launched));
+  FLUX_CHECK(gemm.run(stream, /*cuda_adapter=*/nullptr, pdl) == cutlass::Status::kSuccess, op,
+             "CUTLASS launch failed");
   FLUX_CHECK_LAUNCH();
 }
 
