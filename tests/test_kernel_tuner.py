@@ -350,24 +350,40 @@ SHIPPED_FROM = ("fused_gemm-h200-models.json", "fused_gemm-h200-ag.json",
                 "fused_gemm-h200-ag-band2-ca8892f.json", "fused_gemm-h200-rs-wide.json")
 
 
-def test_shipped_h200_choices_are_served_and_built(monkeypatch):
-    """On an H200 every model-grid shape gets the shipped tuned choice, made from the bench JSON of
-    the whole grid among the default build's configurations, and that configuration is built."""
+# The bench JSONs the shipped H100 choices were chosen from: AG at 256 / 1024 rows and 14 of the 18
+# AG shapes of 4096 rows, every configuration of the default build (its bf16 units). The other
+# shapes (AG at 16384 rows, the rest of 4096, RS) get the analytic default there.
+SHIPPED_FROM_H100 = ("fused_gemm-h100-ag-small.json", "fused_gemm-h100-ag-4096.json")
+
+
+@pytest.mark.parametrize("gpu,files,whole", [("H200", SHIPPED_FROM, True), ("H100", SHIPPED_FROM_H100, False)])
+def test_shipped_choices_are_served_and_built(monkeypatch, gpu, files, whole):
+    """On the GPU a shipped file was made for, every model-grid shape it holds gets its tuned choice,
+    made from the bench JSONs listed (a later file wins a shape) among the default build's
+    configurations, and that configuration is built; a shape it does not hold gets the analytic
+    default. The H200 file holds the whole grid."""
     entries = {}
-    for name in SHIPPED_FROM:  # the later file wins a shape
+    for name in files:
         bench = os.path.join(REPO, "bench", "results", name)
         if not os.path.exists(bench):
-            pytest.skip(f"no H200 bench JSON {name}")
+            pytest.skip(f"no {gpu} bench JSON {name}")
         key, got = K.entries_from_bench(json.load(open(bench)))
         entries.update(got)
+    assert gpu in key
     monkeypatch.setattr(K, "gpu_key", lambda device=None: (key, 132))
     shipped = K.KernelCache(key).shipped
-    assert shipped, "no shipped kernel file for the H200"
+    assert shipped, f"no shipped kernel file for the {gpu}"
+    assert set(shipped) == set(entries)
     for r in model_grid():
         ek = K.entry_key(r["op"], r["m"], r["n"], r["k"], "bf16")
         got = K.choose_config(r["op"], r["m"], r["n"], r["k"], torch.bfloat16)
-        assert K.label(*got) == shipped[ek]["choice"] == entries[ek]["choice"], ek
         assert got[0] in {c.id for c in K.kernel_configs(r["op"], "bf16")}, ek
+        if ek in shipped:
+            assert K.label(*got) == shipped[ek]["choice"] == entries[ek]["choice"], ek
+        else:
+            assert not whole, ek
+            cfgs = [c for c in K.kernel_configs(r["op"], "bf16") if c.applies(r["m"], r["n"], r["k"])]
+            assert got == K.analytic_config(r["op"], K.m_bucket(r["m"]), r["n"], r["k"], "bf16", None, 132, cfgs), ek
 
 
 def test_shipped_kernel_files_load_and_name_built_configs():
