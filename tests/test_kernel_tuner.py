@@ -350,10 +350,10 @@ SHIPPED_FROM = ("fused_gemm-h200-models.json", "fused_gemm-h200-ag.json",
                 "fused_gemm-h200-ag-band2-ca8892f.json", "fused_gemm-h200-rs-wide.json")
 
 
-# The bench JSONs the shipped H100 choices were chosen from: AG at 256 / 1024 rows and 14 of the 18
-# AG shapes of 4096 rows, every configuration of the default build (its bf16 units). The other
-# shapes (AG at 16384 rows, the rest of 4096, RS) get the analytic default there.
-SHIPPED_FROM_H100 = ("fused_gemm-h100-ag-small.json", "fused_gemm-h100-ag-4096.json")
+# The bench JSONs the shipped H100 choices were chosen from: AG at 256 / 1024 rows, 14 of the 18 AG
+# shapes of 4096 rows and 71 of the 72 RS shapes, every configuration of the default build. The other
+# shapes (AG at 16384 rows, the rest of 4096, one RS) get the analytic default there.
+SHIPPED_FROM_H100 = ("fused_gemm-h100-ag-small.json", "fused_gemm-h100-ag-4096.json", "fused_gemm-h100-rs.json")
 
 
 @pytest.mark.parametrize("gpu,files,whole", [("H200", SHIPPED_FROM, True), ("H100", SHIPPED_FROM_H100, False)])

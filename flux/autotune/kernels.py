@@ -66,10 +66,12 @@ SATURATING_SM_SHARE = 0.5  # the share of SMs whose loads in flight saturate HBM
 # a stream-K launch costs a fixed few microseconds more (its workspace memset, no PDL overlap).
 PADDED_TILE_PENALTY = 1.3
 # The RS cooperative epilogue loads each subtile of the peer's partial, then adds and stores it,
-# after the tile's mainloop: it runs at about half the rate of the bytes it moves (fitted with RS 0,
-# 128x256 cooperative, in bench/results/fused_gemm-h200-rs-wide.json: 1.5-2 gave the analytic choice
-# within 5% of the tuned one on 3 more shapes than 1, none more at 2).
-RS_COOP_EPILOGUE = 2.0
+# after the tile's mainloop: it runs at about 1 / 1.4 of the rate of the bytes it moves. Fitted over
+# the shipped bench files of both GPUs: on the H200 (RS 0, 128x256 cooperative, in
+# bench/results/fused_gemm-h200-rs-wide.json) 1.4-2 gave the analytic choice within 5% of the tuned one
+# on 3 more shapes than 1; on the H100, where RS 0 is the tuned choice from 512 rows per rank down to
+# K = 3584 (bench/results/fused_gemm-h100-rs.json), 1.4 on 7-8 more than 2.
+RS_COOP_EPILOGUE = 1.4
 STREAM_K_FIXED_S = 5e-6
 # The L2 reads of the operands (``_l2_reads``, which credits no reuse between CTAs but the cluster's
 # multicast) at most at this rate: an effective bound, fitted over the shipped bench files (8-8.5
