@@ -72,7 +72,10 @@ PADDED_TILE_PENALTY = 1.3
 # on 3 more shapes than 1; on the H100, where RS 0 is the tuned choice from 512 rows per rank down to
 # K = 3584 (bench/results/fused_gemm-h100-rs.json), 1.4 on 7-8 more than 2.
 RS_COOP_EPILOGUE = 1.4
-STREAM_K_FIXED_S = 5e-6
+# A stream-K launch's fixed cost (its workspace memset, no PDL overlap): 7 us or more puts the analytic
+# choice at 256 x 16384 x 2304 (AG, M x K x N) on the split-K tile that both GPUs' files time fastest,
+# where 5 us chose stream-K (1.10-1.13x the tuned time); on no other grid shape does it choose stream-K.
+STREAM_K_FIXED_S = 8e-6
 # The L2 reads of the operands (``_l2_reads``, which credits no reuse between CTAs but the cluster's
 # multicast) at most at this rate: an effective bound, fitted over the shipped bench files (8-8.5
 # TB/s put the analytic choice within 5% of the tuned one on 3-5 more shapes than no bound, 7.5 and
