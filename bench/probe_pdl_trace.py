@@ -7,7 +7,7 @@ kernel of a run of calls starts and ends on the GPU, so that the time a call tak
 splits into its own duration and its overlap with the kernel before it:
 
     python bench/probe_pdl_trace.py [--op ag] [--shapes 1024x8192x1280] [--configs served,75,76]
-        [--pdl 1,0] [--calls 16] [--out FILE]
+        [--pdl 1,0] [--calls 16] [--cta] [--out FILE]
 
 Per shape and variant (cuBLAS's ``torch.mm``, and each fused configuration with each PDL setting):
 ``calls`` launches back to back behind a GPU spin (so that the host enqueues ahead), then ``calls``
@@ -16,11 +16,21 @@ the calls after the first: ``dur_us`` (a kernel's start to its end), ``step_us``
 next), ``overlap_us`` (the previous kernel's end minus this one's start; positive where they overlap),
 and ``alone_us`` (duration of a lone call). The spin kernel is left out.
 
+--cta (ag only): the fused kernels also record, per CTA, their SM and %globaltimer times
+(torch.ops.flux.set_fused_trace; csrc/ag_gemm/ag_tile_scheduler.hpp AgTrace): when its tile scheduler is
+built, when its producer may first load (after the wait for the preceding grids), and when its producer and
+consumer warp groups run out of tiles. Per call, in µs from the call's first CTA: ``built_spread`` (the
+last CTA built), ``go_spread`` (the last producer released), ``go_after_built`` (median and max per CTA),
+``work`` (first release to last end), ``span`` (first CTA built to last end), ``end_spread`` (first to last
+CTA end), and back to back ``after_prev`` (this call's first release after the previous call's last end);
+medians over the calls after the first, and one call's per-CTA times in full.
+
 No GPU: one line, exit 1.
 
 JSON (--out): {"format": 1, "command", "commit", "device", "results": [{"op", "m", "n", "k", "variant",
 "pdl", "kernels": [names], "back_to_back": {"dur_us", "step_us", "overlap_us", "n"}, "alone": {"dur_us",
-"n"}}]}.
+"n"}, "cta"?: {"alone": {metric: µs, "ctas", "sms", "tick_ns", "sample": {slot: [per CTA]}}, "back_to_back":
+{...}}}]}.
 """
 import argparse
 import json
@@ -103,6 +113,66 @@ def trace_variant(fns, calls):
     return {"kernels": sorted({n[:120] for n, _, _ in ks}), "back_to_back": b, "alone": a}
 
 
+SLOTS = ("sm", "built", "go", "producer_end", "consumer0_end", "consumer1_end", "tiles", "first_tile")
+MAX_CTAS = 4096
+
+
+def _cta_metrics(buf, calls):
+    """Per-call metrics (µs) of the trace buffers buf[i] ([MAX_CTAS, 8] int64), medians over calls 1..."""
+    rows = []
+    for i in range(calls):
+        t = buf[i].cpu()
+        t = t[t[:, 1] != 0]
+        if len(t) == 0:
+            return None
+        built, go = t[:, 1].double(), t[:, 2].double()
+        end = t[:, 3:6].max(dim=1).values.double()
+        t0 = built.min()
+        r = {"ctas": len(t), "sms": len(set(t[:, 0].tolist())),
+             "built_spread": float(built.max() - t0) / 1e3, "go_spread": float(go.max() - go.min()) / 1e3,
+             "go_after_built_median": float((go - built).median()) / 1e3,
+             "go_after_built_max": float((go - built).max()) / 1e3,
+             "work": float(end.max() - go.min()) / 1e3, "span": float(end.max() - t0) / 1e3,
+             "end_spread": float(end.max() - end.min()) / 1e3, "_go0": float(go.min()), "_end": float(end.max())}
+        d = (built - t0)
+        nz = d[d > 0]
+        r["tick_ns"] = float(nz.min()) if len(nz) else None
+        rows.append(r)
+    for i in range(1, calls):
+        rows[i]["after_prev"] = (rows[i]["_go0"] - rows[i - 1]["_end"]) / 1e3
+    keys = [k for k in rows[-1] if not k.startswith("_")]
+    out = {k: _median([r[k] for r in rows[1:] if r.get(k) is not None]) for k in keys}
+    t = buf[calls // 2].cpu()
+    t = t[t[:, 1] != 0]
+    t0 = int(t[:, 1].min())
+    out["sample"] = {name: [int(v) - (t0 if 1 <= j <= 5 else 0) for v in t[:, j].tolist()]
+                     for j, name in enumerate(SLOTS)}
+    return out
+
+
+def trace_ctas(fns, calls):
+    """{"alone": ..., "back_to_back": ...} of the per-CTA trace (_cta_metrics)."""
+    set_trace = torch.ops.flux.set_fused_trace
+    out = {}
+    for mode in ("alone", "back_to_back"):
+        buf = torch.zeros(calls, MAX_CTAS, len(SLOTS), dtype=torch.int64, device="cuda")
+        torch.cuda.synchronize()
+        try:
+            if mode == "back_to_back":
+                torch.cuda._sleep(SPIN_CYCLES)
+            for i in range(calls):
+                if mode == "alone":
+                    torch.cuda.synchronize()
+                    torch.cuda._sleep(SPIN_CYCLES // 10)
+                set_trace(buf[i].data_ptr())
+                fns[i % len(fns)]()
+        finally:
+            set_trace(0)
+        torch.cuda.synchronize()
+        out[mode] = _cta_metrics(buf, calls)
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--op", choices=("ag", "rs"), default="ag")
@@ -110,6 +180,7 @@ def main(argv=None):
     p.add_argument("--configs", default="served", help="'served' and/or configuration ids, e.g. served,75,76")
     p.add_argument("--pdl", default="1,0")
     p.add_argument("--calls", type=int, default=16)
+    p.add_argument("--cta", action="store_true", help="ag: also the per-CTA trace of the fused kernels")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -140,11 +211,17 @@ def main(argv=None):
             if pdl is not None:
                 switch(bool(pdl))
             r = dict(op=args.op, m=m, n=n, k=k, variant=name, pdl=pdl, **trace_variant(fns, args.calls))
+            if args.cta and args.op == "ag" and pdl is not None:
+                r["cta"] = trace_ctas(fns, args.calls)
             switch(True)
             results.append(r)
             b, a = r["back_to_back"], r["alone"]
             print(f"{args.op} {m}x{k}x{n} {name:>12} pdl={pdl}: back to back dur {b['dur_us']:.1f} step "
                   f"{b['step_us']:.1f} overlap {b['overlap_us']:.1f} us; alone {a['dur_us']:.1f} us", flush=True)
+            for mode, c in (r.get("cta") or {}).items():
+                if c:
+                    print(f"    cta {mode:>12}: " + ", ".join(f"{k} {v:.2f}" for k, v in c.items()
+                                                          if k != "sample" and v is not None), flush=True)
         del prob
     if args.out:
         doc = {"format": 1, "command": "python " + " ".join(shlex.quote(a) for a in sys.argv), "commit": commit(),

@@ -26,6 +26,8 @@ std::string fused_kernels_built();
 // Programmatic dependent launch of the fused GEMMs, process-wide (default on; common/fused_gemm.cuh).
 bool fused_pdl();
 void set_fused_pdl(bool enabled);
+// The fused AG kernels' diagnostic trace buffer, process-wide (csrc/ag_gemm/ag_gemm_fused.cuh).
+void set_fused_trace(int64_t address);
 
 // Fused GEMM+ReduceScatter own block (csrc/gemm_rs/rs_fused.cpp): out = a @ weight^T + source (+ bias),
 // the epilogue of each tile waiting for the flags of the source segments it reads.

@@ -66,6 +66,10 @@ TORCH_LIBRARY(flux, m) {
   // on): their prologue overlaps the tail of the kernel before them in the stream.
   m.def("set_fused_pdl(bool enabled) -> ()");
   m.def("fused_pdl() -> bool");
+  // A diagnostic: the device address of a buffer into which the next launches of the fused AG
+  // kernels record, per CTA, 8 uint64 (SM, times, tiles: csrc/ag_gemm/ag_tile_scheduler.hpp AgTrace),
+  // or 0 (the default) for none. Process-wide; bench/probe_pdl_trace.py --cta reads it.
+  m.def("set_fused_trace(int address) -> ()");
   // Fused GEMM+ReduceScatter own block (csrc/gemm_rs/rs_fused.cpp): out = a @ weight^T + source (+ bias);
   // source: this rank's workspace slot that the peer fills segment by segment, segment s announced
   // by flags[s] != 0; the epilogue of a tile waits (bounded, naming `peer`) for its segments.
@@ -80,6 +84,7 @@ TORCH_LIBRARY_IMPL(flux, CompositeExplicitAutograd, m) {
   m.impl("grouped_kernels_built", &flux::grouped_kernels_built);
   m.impl("set_fused_pdl", &flux::set_fused_pdl);
   m.impl("fused_pdl", &flux::fused_pdl);
+  m.impl("set_fused_trace", &flux::set_fused_trace);
 }
 
 TORCH_LIBRARY_IMPL(flux, CUDA, m) {

@@ -303,6 +303,54 @@ def test_gpu_pdl_chain_matches_serial_launches(op):
         set_pdl(True)
 
 
+@gpu
+def test_gpu_ag_trace_accounts_for_every_tile():
+    """The diagnostic per-CTA trace (torch.ops.flux.set_fused_trace): every CTA that ran records
+    its SM and times in order (built, released, ended), their producers loaded each tile once, the
+    result is unchanged, and with the trace off again nothing more is written."""
+    built = sorted(t for t in _BUILT if t[0] == "ag" and t[2] == "bf16" and fc.config("ag", t[1]).splits == 1)
+    if not built:
+        pytest.skip("no AG bf16 instantiation without split-K built")
+    try:
+        set_trace = torch.ops.flux.set_fused_trace
+    except (AttributeError, RuntimeError):
+        pytest.skip("flux._C has no set_fused_trace")
+    dev = torch.device("cuda")
+    torch.manual_seed(11)
+    m, n, k = 1024, 1280, 512
+    a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k ** 0.5
+    flags = torch.ones(2, device=dev, dtype=torch.int32)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    for _, cid, _ in built[:1] + [t for t in built if fc.config("ag", t[1]).scheduler == "streamk"][:1]:
+        cfg = fc.config("ag", cid)
+        ref = torch.full((m, n), float("nan"), device=dev, dtype=torch.bfloat16)
+        torch.ops.flux.ag_gemm_fused_(ref, a, w, None, flags, 0, 2, m // 2, 10000, 0, 1, 1, cid)
+        buf = torch.zeros(4096, 8, dtype=torch.int64, device=dev)
+        out = torch.full((m, n), float("nan"), device=dev, dtype=torch.bfloat16)
+        try:
+            set_trace(buf.data_ptr())
+            torch.ops.flux.ag_gemm_fused_(out, a, w, None, flags, 0, 2, m // 2, 10000, 0, 1, 1, cid)
+        finally:
+            set_trace(0)
+        torch.ops.flux.ag_gemm_fused_(out, a, w, None, flags, 0, 2, m // 2, 10000, 0, 1, 1, cid)
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref), f"ag:{cid}: traced launch changed the result"
+        t = buf.cpu()
+        ran = t[t[:, 1] != 0]
+        assert len(ran) > 0 and (t[len(ran):] == 0).all(), f"ag:{cid}: CTAs recorded past the grid"
+        assert ((ran[:, 0] >= 0) & (ran[:, 0] < sms)).all(), f"ag:{cid}: SM ids out of range"
+        worked = ran[ran[:, 6] > 0]
+        assert (worked[:, 2] >= worked[:, 1]).all() and (worked[:, 3] >= worked[:, 2]).all(), f"ag:{cid}: times"
+        tiles = math.ceil(m / cfg.tile[0]) * math.ceil(n / cfg.tile[1])
+        if cfg.scheduler == "persistent":  # stream-K hands a tile out to each CTA that shares its K loop
+            assert int(ran[:, 6].sum()) == tiles, f"ag:{cid}: producers loaded {int(ran[:, 6].sum())} of {tiles} tiles"
+            firsts = {(int(v) >> 32, int(v) & 0xFFFFFFFF) for v in worked[:, 7]}
+            assert len(firsts) == len(worked), f"ag:{cid}: two CTAs started on one tile"
+        else:
+            assert int(ran[:, 6].sum()) >= tiles, f"ag:{cid}"
+
+
 _UNBUILT_CHILD = r"""
 import sys, torch
 import flux  # noqa: F401  (loads flux._C)

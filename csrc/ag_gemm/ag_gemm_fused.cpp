@@ -11,7 +11,11 @@ namespace flux {
 
 namespace {
 std::atomic<bool> g_fused_pdl{true};
+std::atomic<int64_t> g_fused_trace{0};
 }  // namespace
+
+int64_t fused_trace() { return g_fused_trace.load(std::memory_order_relaxed); }
+void set_fused_trace(int64_t address) { g_fused_trace.store(address, std::memory_order_relaxed); }
 
 bool fused_pdl() { return g_fused_pdl.load(std::memory_order_relaxed); }
 void set_fused_pdl(bool enabled) { g_fused_pdl.store(enabled, std::memory_order_relaxed); }
@@ -57,6 +61,7 @@ void ag_gemm_fused_(at::Tensor& out, const at::Tensor& a_full, const at::Tensor&
   a.rank = (int)rank;
   a.world = (int)world;
   a.rows_per_rank = (int)rows_per_rank;
+  a.trace = reinterpret_cast<uint64_t*>(fused_trace());
   check_fused_built(ag_fused_dispatch((int)config, dtype, a), op, config, dtype);
 }
 

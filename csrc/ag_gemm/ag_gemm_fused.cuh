@@ -23,7 +23,13 @@ namespace flux {
 // Everything a launch needs, checked once by the dispatcher (ag_gemm_fused.cpp); `a` is a_full.
 struct AgFusedArgs : FusedGemmLaunch {
   int rank = 0, world = 1, rows_per_rank = 1;  // flags[src]: rows [src * rows_per_rank, ...) are in place
+  uint64_t* trace = nullptr;  // the diagnostic trace (fused_trace), or nullptr
 };
+
+// The diagnostic trace buffer of the AG fused kernels' next launches (process-wide, default none):
+// a device address of at least grid-size x 8 uint64 (ag_tile_scheduler.hpp, AgTrace), or 0.
+int64_t fused_trace();
+void set_fused_trace(int64_t address);
 
 // Launches the instantiation (config, dtype variant) where it was built (false otherwise); the
 // generated dispatch (setup.py, from flux/fused_configs.py).
@@ -61,6 +67,7 @@ void set_ag_wait(typename G::Gemm::Arguments& args, const AgFusedArgs& a) {
   args.scheduler.tile_m = G::kTileM;
   args.scheduler.timeout_ns = a.timeout_ns;
   args.scheduler.error = a.error_record;
+  args.scheduler.trace = a.trace;
 }
 
 template <class G>

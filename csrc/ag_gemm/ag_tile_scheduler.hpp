@@ -43,7 +43,23 @@ struct AgWaitArguments {
   int tile_m = 128;       // rows of one tile (the kernel's tile shape)
   uint64_t timeout_ns = 0;
   uint32_t* error = nullptr;  // host-mapped [2]: (waiting rank + 1, missing rank) on timeout
+  // A diagnostic (torch.ops.flux.set_fused_trace; nullptr, the default, records nothing): per CTA of
+  // the grid (linear block index b), kTraceSlots uint64 at trace + b * kTraceSlots, AgTrace's fields.
+  uint64_t* trace = nullptr;
 };
+
+// The trace's slots per CTA, %globaltimer ns where a time: the SM, when the CTA's scheduler is built
+// (after the kernel's barrier and pipeline setup), when its producer may first load (after the wait
+// for the preceding grids), when the producer and the two consumer warp groups run out of tiles (the
+// consumers' last epilogue issued), how many tiles the producer loaded, and its first tile (m << 32 | n).
+enum AgTrace : int { kTraceSm, kTraceBuilt, kTraceGo, kTraceProducerEnd, kTraceConsumer0End, kTraceConsumer1End,
+                     kTraceTiles, kTraceFirstTile, kTraceSlots };
+
+CUTLASS_DEVICE uint64_t global_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
 
 // The readiness wait, on device: before a tile's rows of A are read, wait for the flag of every
 // remote rank whose shard holds some of them.
@@ -81,6 +97,43 @@ struct AgRowWait : AgWaitArguments {
     }
     // The rows are then read by TMA (the async proxy): order the acquire above before it.
     if (waited) fence_proxy_async_global();
+  }
+
+  CUTLASS_DEVICE uint64_t* trace_slots() const {
+    const uint32_t b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    return trace + size_t(b) * kTraceSlots;
+  }
+
+  // At the scheduler's construction (every thread): the SM and the time, by thread 0.
+  CUTLASS_DEVICE void trace_built() const {
+    if (trace == nullptr || threadIdx.x != 0) return;
+    uint64_t* t = trace_slots();
+    uint32_t sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    t[kTraceSm] = sm;
+    t[kTraceBuilt] = global_ns();
+    t[kTraceTiles] = 0;
+  }
+
+  // At every hand-out of a tile (m, n) or of the end (valid false): the producer's first tile (after
+  // the preceding grids, as its loads), its count and end, and each consumer warp group's end.
+  CUTLASS_DEVICE void trace_handed_out(bool valid, int m, int n) const {
+    if (trace == nullptr) return;
+    uint64_t* t = trace_slots();
+    if (threadIdx.x == 0) {
+      if (valid) {
+        if (t[kTraceTiles] == 0) {
+          cutlass::arch::wait_on_dependent_grids();
+          t[kTraceGo] = global_ns();
+          t[kTraceFirstTile] = (uint64_t(uint32_t(m)) << 32) | uint32_t(n);
+        }
+        t[kTraceTiles] += 1;
+      } else {
+        t[kTraceProducerEnd] = global_ns();
+      }
+    } else if (!valid && (threadIdx.x == 128 || threadIdx.x == 256)) {
+      t[threadIdx.x == 128 ? kTraceConsumer0End : kTraceConsumer1End] = global_ns();
+    }
   }
 
   CUTLASS_DEVICE void wait_flag(int src) const {
@@ -168,7 +221,9 @@ class AgTileScheduler
   }
 
   CUTLASS_HOST_DEVICE AgTileScheduler() {}
-  CUTLASS_DEVICE explicit AgTileScheduler(Params const& params) : HandOut(params), ag_(params) {}
+  CUTLASS_DEVICE explicit AgTileScheduler(Params const& params) : HandOut(params), ag_(params) {
+    ag_.trace_built();
+  }
 
   // The ping-pong kernel moves on with advance_to_next_work(); get_current_work(): that path
   // must rotate and wait too. (The base's own fetch_next_work / initial_work_tile_info call
@@ -186,9 +241,13 @@ class AgTileScheduler
   }
 
   CUTLASS_DEVICE WorkTileInfo handed_out(WorkTileInfo w) const {
-    if (!w.is_valid()) return w;
+    if (!w.is_valid()) {
+      ag_.trace_handed_out(false, 0, 0);
+      return w;
+    }
     w.M_idx = (w.M_idx + ag_.offset_tiles) % ag_.tiles_m;
     ag_.wait_for_tile_rows(w.M_idx, seen_);
+    ag_.trace_handed_out(true, w.M_idx, w.N_idx);
     return w;
   }
 };
@@ -222,7 +281,9 @@ class AgStreamKTileScheduler
   }
 
   CUTLASS_HOST_DEVICE AgStreamKTileScheduler() {}
-  CUTLASS_DEVICE explicit AgStreamKTileScheduler(Params const& params) : HandOut(params), ag_(params) {}
+  CUTLASS_DEVICE explicit AgStreamKTileScheduler(Params const& params) : HandOut(params), ag_(params) {
+    ag_.trace_built();
+  }
 
  private:
   AgRowWait ag_;
@@ -234,6 +295,7 @@ class AgStreamKTileScheduler
   // one flag load per loading warp (none for a rank this thread has seen).
   CUTLASS_DEVICE WorkTileInfo handed_out(WorkTileInfo w) const {
     if (w.is_valid()) ag_.wait_for_tile_rows(w.M_idx, seen_);
+    ag_.trace_handed_out(w.is_valid(), w.M_idx, w.N_idx);
     return w;
   }
 };
