@@ -177,7 +177,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--op", choices=("ag", "rs"), default="ag")
     p.add_argument("--shapes", default="1024x8192x1280", help="MxKxN,... (the kernel's own rows)")
-    p.add_argument("--configs", default="served", help="'served' and/or configuration ids, e.g. served,75,76")
+    p.add_argument("--configs", default="served",
+                   help="'served', configuration ids (raster along N, no band) or labels, e.g. served,75,c75/r2/s1")
     p.add_argument("--pdl", default="1,0")
     p.add_argument("--calls", type=int, default=16)
     p.add_argument("--cta", action="store_true", help="ag: also the per-CTA trace of the fused kernels")
@@ -201,7 +202,7 @@ def main(argv=None):
         served = K.label(*K.choose_config(args.op, m, n, k, torch.bfloat16, torch.bfloat16))
         labels = []
         for c in args.configs.split(","):
-            labels.append(served if c == "served" else f"c{int(c)}/r1/s1")
+            labels.append(served if c == "served" else c if c.startswith("c") else f"c{int(c)}/r1/s1")
         variants = [("cublas", None, prob.cublas())]
         for lab in dict.fromkeys(labels):
             cfg, raster, swz = K.parse_label(lab)
