@@ -229,9 +229,7 @@ def _config_why_not(p: Problem, kw: Mapping[str, int]) -> Optional[str]:
 # raster and swizzle are the kernel tuner's choice (flux.autotune.kernels.choose_config).
 _CONFIG = Param("config", 0, domain=lambda op, v: None if v in FUSED_TILE_M[op] else f"no fused configuration {v}",
                 why_not=_config_why_not)
-# Raster 3, the diagonal order, exists in the AG kernel's persistent scheduler only.
-_RASTER = Param("raster", 1, domain=lambda op, v: None if 0 <= v <= (3 if op == "ag_gemm" else 2)
-                else f"raster must be 0..{3 if op == 'ag_gemm' else 2}")
+_RASTER = Param("raster", 1, domain=lambda op, v: None if 0 <= v <= 2 else "raster must be 0..2")
 _SWIZZLE = Param("swizzle", 0, domain=lambda op, v: None if v >= 0 else "swizzle must be 0 (analytic) or positive",
                  prune=_swizzle_prune)
 _SEGMENTS = Param("segments", 8, domain=lambda op, v: None if v >= 1 else "segments must be positive")

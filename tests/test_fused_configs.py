@@ -222,8 +222,7 @@ def test_gpu_ag_fused(op, cid, dtype):
         flags = torch.ones(world, device=dev, dtype=torch.int32)
         ref32 = a.float() @ w.float().t() + (bias.float() if bias is not None else 0)
         baseline = _cublas(a, w, dout) + (bias if bias is not None else 0)
-        # Raster 3: the diagonal order (a rotation of each cluster row's columns; every tile once).
-        for rank, raster, swizzle in ((1, 1, 8), (1, 1, 4), (1, 1, 2), (0, 2, 1), (1, 3, 1), (0, 3, 2)):
+        for rank, raster, swizzle in ((1, 1, 8), (1, 1, 4), (1, 1, 2), (0, 2, 1)):
             out = torch.full((m, n), float("nan"), device=dev, dtype=dout)
             torch.ops.flux.ag_gemm_fused_(out, a, w, bias, flags, rank, world, m // world, 10000, 0, raster,
                                           swizzle, cid)

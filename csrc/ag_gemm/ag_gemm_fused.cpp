@@ -48,7 +48,7 @@ void ag_gemm_fused_(at::Tensor& out, const at::Tensor& a_full, const at::Tensor&
   FLUX_CHECK(K % 8 == 0 && N % 8 == 0, op, "K and N must be multiples of 8");
   FLUX_CHECK(world >= 1 && rank >= 0 && rank < world && rows_per_rank * world == M, op, "bad rank/world/rows");
   FLUX_CHECK(flags.numel() >= world && flags.element_size() == 4, op, "flags must hold world 4-byte slots");
-  FLUX_CHECK(swizzle >= 1 && raster >= 0 && raster <= 3, op, "bad raster ", raster, " / swizzle ", swizzle);
+  FLUX_CHECK(swizzle >= 1 && raster >= 0 && raster <= 2, op, "bad raster ", raster, " / swizzle ", swizzle);
   if (bias.has_value()) {
     FLUX_CHECK(bias->is_cuda() && bias->scalar_type() == out.scalar_type() && bias->numel() == N &&
                    bias->is_contiguous(),

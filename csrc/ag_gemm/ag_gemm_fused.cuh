@@ -68,7 +68,6 @@ void set_ag_wait(typename G::Gemm::Arguments& args, const AgFusedArgs& a) {
   args.scheduler.timeout_ns = a.timeout_ns;
   args.scheduler.error = a.error_record;
   args.scheduler.trace = a.trace;
-  args.scheduler.diagonal = a.raster == 3;
 }
 
 template <class G>

@@ -46,8 +46,6 @@ struct AgWaitArguments {
   // A diagnostic (torch.ops.flux.set_fused_trace; nullptr, the default, records nothing): per CTA of
   // the grid (linear block index b), kTraceSlots uint64 at trace + b * kTraceSlots, AgTrace's fields.
   uint64_t* trace = nullptr;
-  // Launched with raster 3 (persistent scheduler): the diagonal order below.
-  bool diagonal = false;
 };
 
 // The trace's slots per CTA, %globaltimer ns where a time: the SM, when the CTA's scheduler is built
@@ -192,13 +190,6 @@ class AgTileScheduler
   struct Params : BaseParams, AgRowWait {
     int tiles_m = 1;  // tile rows, padded to whole bands of the raster (cluster_m << log_swizzle)
     int offset_tiles = 0;
-    // The diagonal order (raster 3): the base scheduler runs along M, and the tile column of cluster
-    // row p is rotated by p * diag_shift over tiles_n columns (padded to whole clusters), so that
-    // consecutive clusters, which the hardware places on the same block of SMs, read different rows
-    // of A and different columns of the weight. 0: off.
-    int cluster_m = 1;
-    int tiles_n = 1;
-    int diag_shift = 0;
   };
 
   template <class ProblemShapeMNKL, class TileShape, class ClusterShape>
@@ -226,15 +217,6 @@ class AgTileScheduler
     first = first / band * band;
     p.offset_tiles = first % p.tiles_m;
     static_cast<AgRowWait&>(p) = AgRowWait::of(args, rows_total);
-    p.cluster_m = cluster_m;
-    if (args.diagonal) {
-      const int cluster_n = cute::size<1>(cluster_shape);
-      const int tile_n = cute::size<1>(tile_shape);
-      const int cols = static_cast<int>(cute::get<1>(problem_shape_mnkl));
-      p.tiles_n = ((cols + tile_n - 1) / tile_n + cluster_n - 1) / cluster_n * cluster_n;
-      const int cluster_rows = p.tiles_m / cluster_m;
-      p.diag_shift = cute::max(cluster_n, p.tiles_n / cute::max(1, cluster_rows) / cluster_n * cluster_n);
-    }
     return p;
   }
 
@@ -252,17 +234,9 @@ class AgTileScheduler
   Params ag_;
   mutable uint32_t seen_ = 0;  // AgRowWait::wait_for_tile_rows
 
-  // The column rotation of the diagonal order for the base scheduler's tile row m (0 where off).
-  CUTLASS_DEVICE int diagonal_shift(int m) const {
-    return ag_.diag_shift == 0 ? 0 : (m / ag_.cluster_m) * ag_.diag_shift % ag_.tiles_n;
-  }
-
   // The static scheduler never continues a tile (no split-K): a tile handed back only advances.
   CUTLASS_DEVICE WorkTileInfo taken_back(WorkTileInfo w) const {
-    if (w.is_valid()) {
-      w.M_idx = (w.M_idx - ag_.offset_tiles + ag_.tiles_m) % ag_.tiles_m;
-      if (ag_.diag_shift != 0) w.N_idx = (w.N_idx - diagonal_shift(w.M_idx) + ag_.tiles_n) % ag_.tiles_n;
-    }
+    if (w.is_valid()) w.M_idx = (w.M_idx - ag_.offset_tiles + ag_.tiles_m) % ag_.tiles_m;
     return w;
   }
 
@@ -271,7 +245,6 @@ class AgTileScheduler
       ag_.trace_handed_out(false, 0, 0);
       return w;
     }
-    if (ag_.diag_shift != 0) w.N_idx = (w.N_idx + diagonal_shift(w.M_idx)) % ag_.tiles_n;
     w.M_idx = (w.M_idx + ag_.offset_tiles) % ag_.tiles_m;
     ag_.wait_for_tile_rows(w.M_idx, seen_);
     ag_.trace_handed_out(true, w.M_idx, w.N_idx);

@@ -27,9 +27,7 @@ struct FusedGemmLaunch {
   const uint32_t* flags = nullptr;
   uint32_t* error_record = nullptr;  // host-mapped [2], or nullptr
   int m = 0, n = 0, k = 0;
-  // tile order: 0 CUTLASS's heuristic, 1 along N, 2 along M, 3 (AG's persistent scheduler) diagonal,
-  // which runs along M with each cluster row's columns rotated (ag_tile_scheduler.hpp); band of M tiles
-  int raster = 1, swizzle = 1;
+  int raster = 1, swizzle = 1;  // tile order: 0 CUTLASS's heuristic, 1 along N, 2 along M; band of M tiles
   uint64_t timeout_ns = 0;
   int device = 0;
   cudaStream_t stream = nullptr;
@@ -293,8 +291,7 @@ typename G::Gemm::Arguments gemm_arguments(const FusedGemmLaunch& l) {
   args.epilogue.thread.bias_ptr = reinterpret_cast<const typename G::ElementD*>(l.bias);
   args.hw_info = hardware_info(l.device);
   using Raster = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90::RasterOrderOptions;
-  args.scheduler.raster_order =
-      l.raster == 0 ? Raster::Heuristic : l.raster >= 2 ? Raster::AlongM : Raster::AlongN;
+  args.scheduler.raster_order = l.raster == 0 ? Raster::Heuristic : l.raster == 2 ? Raster::AlongM : Raster::AlongN;
   args.scheduler.max_swizzle_size = l.swizzle;
   if constexpr (G::kStreamKMode == 2) {
     args.scheduler.decomposition_mode = cutlass::gemm::kernel::detail::DecompositionMode::StreamK;
