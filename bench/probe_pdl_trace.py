@@ -125,13 +125,16 @@ def _cta_metrics(buf, calls):
         t = t[t[:, 1] != 0]
         if len(t) == 0:
             return None
-        built, go = t[:, 1].double(), t[:, 2].double()
+        worked = t[t[:, 6] > 0]  # a CTA handed no tile has no release time
+        if len(worked) == 0:
+            return None
+        built, go = t[:, 1].double(), worked[:, 2].double()
         end = t[:, 3:6].max(dim=1).values.double()
         t0 = built.min()
         r = {"ctas": len(t), "sms": len(set(t[:, 0].tolist())),
              "built_spread": float(built.max() - t0) / 1e3, "go_spread": float(go.max() - go.min()) / 1e3,
-             "go_after_built_median": float((go - built).median()) / 1e3,
-             "go_after_built_max": float((go - built).max()) / 1e3,
+             "go_after_built_median": float((go - worked[:, 1].double()).median()) / 1e3,
+             "go_after_built_max": float((go - worked[:, 1].double()).max()) / 1e3,
              "work": float(end.max() - go.min()) / 1e3, "span": float(end.max() - t0) / 1e3,
              "end_spread": float(end.max() - end.min()) / 1e3, "_go0": float(go.min()), "_end": float(end.max())}
         d = (built - t0)

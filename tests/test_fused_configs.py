@@ -252,6 +252,14 @@ def test_gpu_rs_fused(op, cid, dtype):
             _check(out, ref32, baseline, f"rs:{cid}:{dtype} {m}x{k}x{n} swizzle {swizzle}", k)
 
 
+def _op_or_skip(name):
+    """torch.ops.flux.<name>, or a skip where this flux._C predates it."""
+    try:
+        return getattr(torch.ops.flux, name)
+    except (AttributeError, RuntimeError):
+        pytest.skip(f"flux._C has no {name}")
+
+
 @gpu
 @pytest.mark.parametrize("op", ["ag", "rs"])
 def test_gpu_pdl_chain_matches_serial_launches(op):
@@ -261,10 +269,7 @@ def test_gpu_pdl_chain_matches_serial_launches(op):
     built = sorted(t for t in _BUILT if t[0] == op and t[2] == "bf16")
     if not built:
         pytest.skip(f"no {op} bf16 instantiation built")
-    try:
-        set_pdl = torch.ops.flux.set_fused_pdl
-    except (AttributeError, RuntimeError):
-        pytest.skip("flux._C has no set_fused_pdl")
+    set_pdl = _op_or_skip("set_fused_pdl")
     dev = torch.device("cuda")
     torch.manual_seed(7)
     m, k = 1024, 1024
@@ -311,10 +316,7 @@ def test_gpu_ag_trace_accounts_for_every_tile():
     built = sorted(t for t in _BUILT if t[0] == "ag" and t[2] == "bf16" and fc.config("ag", t[1]).splits == 1)
     if not built:
         pytest.skip("no AG bf16 instantiation without split-K built")
-    try:
-        set_trace = torch.ops.flux.set_fused_trace
-    except (AttributeError, RuntimeError):
-        pytest.skip("flux._C has no set_fused_trace")
+    set_trace = _op_or_skip("set_fused_trace")
     dev = torch.device("cuda")
     torch.manual_seed(11)
     m, n, k = 1024, 1280, 512
@@ -333,10 +335,13 @@ def test_gpu_ag_trace_accounts_for_every_tile():
             torch.ops.flux.ag_gemm_fused_(out, a, w, None, flags, 0, 2, m // 2, 10000, 0, 1, 1, cid)
         finally:
             set_trace(0)
-        torch.ops.flux.ag_gemm_fused_(out, a, w, None, flags, 0, 2, m // 2, 10000, 0, 1, 1, cid)
         torch.cuda.synchronize()
         assert torch.equal(out, ref), f"ag:{cid}: traced launch changed the result"
         t = buf.cpu()
+        again = torch.full((m, n), float("nan"), device=dev, dtype=torch.bfloat16)
+        torch.ops.flux.ag_gemm_fused_(again, a, w, None, flags, 0, 2, m // 2, 10000, 0, 1, 1, cid)
+        torch.cuda.synchronize()
+        assert torch.equal(again, ref) and torch.equal(buf.cpu(), t), f"ag:{cid}: written with the trace off"
         ran = t[t[:, 1] != 0]
         assert len(ran) > 0 and (t[len(ran):] == 0).all(), f"ag:{cid}: CTAs recorded past the grid"
         assert ((ran[:, 0] >= 0) & (ran[:, 0] < sms)).all(), f"ag:{cid}: SM ids out of range"
