@@ -55,12 +55,6 @@ struct AgWaitArguments {
 enum AgTrace : int { kTraceSm, kTraceBuilt, kTraceGo, kTraceProducerEnd, kTraceConsumer0End, kTraceConsumer1End,
                      kTraceTiles, kTraceFirstTile, kTraceSlots };
 
-CUTLASS_DEVICE uint64_t global_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
 // The readiness wait, on device: before a tile's rows of A are read, wait for the flag of every
 // remote rank whose shard holds some of them.
 struct AgRowWait : AgWaitArguments {
@@ -111,7 +105,7 @@ struct AgRowWait : AgWaitArguments {
     uint32_t sm;
     asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
     t[kTraceSm] = sm;
-    t[kTraceBuilt] = global_ns();
+    t[kTraceBuilt] = globaltimer_ns();
     t[kTraceTiles] = 0;
   }
 
@@ -124,15 +118,15 @@ struct AgRowWait : AgWaitArguments {
       if (valid) {
         if (t[kTraceTiles] == 0) {
           cutlass::arch::wait_on_dependent_grids();
-          t[kTraceGo] = global_ns();
+          t[kTraceGo] = globaltimer_ns();
           t[kTraceFirstTile] = (uint64_t(uint32_t(m)) << 32) | uint32_t(n);
         }
         t[kTraceTiles] += 1;
       } else {
-        t[kTraceProducerEnd] = global_ns();
+        t[kTraceProducerEnd] = globaltimer_ns();
       }
     } else if (!valid && (threadIdx.x == 128 || threadIdx.x == 256)) {
-      t[threadIdx.x == 128 ? kTraceConsumer0End : kTraceConsumer1End] = global_ns();
+      t[threadIdx.x == 128 ? kTraceConsumer0End : kTraceConsumer1End] = globaltimer_ns();
     }
   }
 

@@ -15,21 +15,18 @@
 
 #include <cstdint>
 
+#include "common/sync.cuh"  // ld_acquire_sys, globaltimer_ns (its printing timed_out is not called here)
+
 namespace flux {
 
 __device__ __forceinline__ void wait_flag_bounded(const uint32_t* flag, uint64_t timeout_ns, uint32_t* error,
                                                   int waiting_rank, int missing_rank) {
-  uint32_t v;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(flag) : "memory");
-  if (v != 0) return;
-  uint64_t start;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  if (ld_acquire_sys(flag) != 0) return;
+  const uint64_t start = globaltimer_ns();
   while (true) {
     __nanosleep(64);
-    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(flag) : "memory");
-    if (v != 0) return;
-    uint64_t now;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    if (ld_acquire_sys(flag) != 0) return;
+    const uint64_t now = globaltimer_ns();
     if (timeout_ns != 0 && now - start > timeout_ns) {
       if (error != nullptr) {
         error[1] = (uint32_t)missing_rank;
