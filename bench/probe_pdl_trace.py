@@ -25,12 +25,25 @@ last CTA built), ``go_spread`` (the last producer released), ``go_after_built`` 
 CTA end), and back to back ``after_prev`` (this call's first release after the previous call's last end);
 medians over the calls after the first, and one call's per-CTA times in full.
 
+--orders (ag, persistent configurations): each fused variant again with its cluster tiles permuted
+(torch.ops.flux.set_fused_order; what each CTA computes is unchanged, only which tile runs where and when):
+``identity`` (none), ``random:SEED`` (a uniform permutation), ``pdl`` (each SM pair of a lone launch given the
+cluster tile that a back-to-back launch under PDL ran on those SMs: the lone launch's placement made like
+the one back to back; ``matched`` is the share of cluster tiles that got it), ``gpc`` and ``gpc-m`` (the
+clusters of a lone launch that run in one GPC given consecutive cluster tiles, along N: sharing rows of A,
+or along M: sharing columns of the weight). The GPCs are read from the traces: the CTAs of a cluster run
+in one GPC, and back to back under PDL clusters land across it; the groups found are recorded per
+variant. Questions of placement: does a lone launch with the tiles where back-to-back launches put them,
+or with the CTAs that share an operand in one GPC (whose loads the L2's request coalescer may merge), run
+as fast as back-to-back launches do?
+
 No GPU: one line, exit 1.
 
 JSON (--out): {"format": 1, "command", "commit", "device", "results": [{"op", "m", "n", "k", "variant",
-"pdl", "kernels": [names], "back_to_back": {"dur_us", "step_us", "overlap_us", "n"}, "alone": {"dur_us",
-"n"}, "cta"?: {"alone": {metric: µs, "ctas", "sms", "tick_ns", "sample": {slot: [per CTA]}}, "back_to_back":
-{...}}}]}.
+"pdl", "order"?, "matched"?, "kernels": [names], "back_to_back": {"dur_us", "step_us", "overlap_us", "n"},
+"alone": {"dur_us", "n"}, "cta"?: {"alone": {metric: µs, "ctas", "sms", "tick_ns", "sample": {slot: [per CTA]}},
+"back_to_back": {...}}} and, with the pdl or gpc orders, {"op", "m", "n", "k", "variant", "gpc_groups": [[SM
+ids of one GPC], ...]}]}.
 """
 import argparse
 import json
@@ -150,11 +163,17 @@ def _cta_metrics(buf, calls):
     t0 = int(t[:, 1].min())
     out["sample"] = {name: [int(v) - (t0 if 1 <= j <= 5 else 0) for v in t[:, j].tolist()]
                      for j, name in enumerate(SLOTS)}
+    out["_placements"] = []  # every call's (SM, tiles, first tile) per CTA: gpc_groups
+    for i in range(calls):
+        t = buf[i].cpu()
+        t = t[t[:, 1] != 0]
+        out["_placements"].append({"sm": t[:, 0].tolist(), "tiles": t[:, 6].tolist(), "first_tile": t[:, 7].tolist()})
     return out
 
 
 def trace_ctas(fns, calls):
-    """{"alone": ..., "back_to_back": ...} of the per-CTA trace (_cta_metrics)."""
+    """{"alone": ..., "back_to_back": ...} of the per-CTA trace (_cta_metrics); ``_placements`` (every
+    call's SMs and first tiles) is for the orders below, not the JSON."""
     set_trace = torch.ops.flux.set_fused_trace
     out = {}
     for mode in ("alone", "back_to_back"):
@@ -176,6 +195,104 @@ def trace_ctas(fns, calls):
     return out
 
 
+def _cluster_grid(op, config, m, n):
+    """(cluster rows, cluster columns, (cluster_m, cluster_n)) of the persistent AG scheduler's cluster
+    tiles (csrc/ag_gemm/ag_tile_scheduler.hpp)."""
+    from flux import fused_configs as fc
+    c = fc.config(op, config)
+    rows = -(-(-(-m // c.tile[0])) // c.cluster[0])
+    cols = -(-(-(-n // c.tile[1])) // c.cluster[1])
+    return rows, cols, c.cluster
+
+
+def _cluster_tile(first_tile, cols, cluster):
+    return (first_tile >> 32) // cluster[0] * cols + (first_tile & 0xFFFFFFFF) // cluster[1]
+
+
+def pdl_order(alone, b2b, rows, cols, cluster):
+    """(permutation, matched): the cluster tile each cluster of a lone launch (its CTAs on the SMs of
+    ``alone``'s sample, identity order) serves so that its SMs compute what ``b2b``'s sample (a launch
+    back to back under PDL) computed on them; clashes and the tiles of later waves go first come, first
+    served. ``matched``: the share of cluster tiles placed as back to back."""
+    count = rows * cols
+    on_sm = {}
+    for sm, ft, tiles in zip(b2b["sm"], b2b["first_tile"], b2b["tiles"]):
+        if tiles > 0:
+            on_sm[sm] = _cluster_tile(ft, cols, cluster)
+    sms_of = {}  # identity cluster tile -> the SMs of the lone launch that served it first
+    for sm, ft, tiles in zip(alone["sm"], alone["first_tile"], alone["tiles"]):
+        if tiles > 0:
+            sms_of.setdefault(_cluster_tile(ft, cols, cluster), []).append(sm)
+    perm, taken = [None] * count, set()
+    for c, sms in sorted(sms_of.items()):
+        wants = [on_sm[s] for s in sms if s in on_sm]
+        for want in sorted(set(wants), key=lambda w: -wants.count(w)):
+            if want not in taken and want < count:
+                perm[c] = want
+                taken.add(want)
+                break
+    matched = sum(p is not None for p in perm) / count
+    free = iter(c for c in range(count) if c not in taken)
+    perm = [p if p is not None else next(free) for p in perm]
+    return perm, matched
+
+
+def gpc_groups(placements, cols, cluster):
+    """The SMs grouped by GPC as far as the placements show: the CTAs of a cluster run in one GPC
+    (CUDA's guarantee), so the SMs of every cluster of every call (CTAs whose first tiles share a
+    cluster tile) are joined; back-to-back launches under PDL place clusters across the GPC, lone ones
+    on neighbouring SMs. Sorted lists of SM ids, largest group first."""
+    parent = {}
+
+    def find(x):
+        parent.setdefault(x, x)
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+    for pl in placements:
+        members = {}
+        for sm, tiles, ft in zip(pl["sm"], pl["tiles"], pl["first_tile"]):
+            find(sm)
+            if tiles > 0:
+                members.setdefault(_cluster_tile(ft, cols, cluster), []).append(sm)
+        for sms in members.values():
+            for other in sms[1:]:
+                parent[find(other)] = find(sms[0])
+    groups = {}
+    for sm in parent:
+        groups.setdefault(find(sm), []).append(sm)
+    return sorted((sorted(g) for g in groups.values()), key=lambda g: (-len(g), g[0]))
+
+
+def gpc_order(alone, groups, rows, cols, cluster, along="n"):
+    """A permutation that deals the cluster tiles to the GPCs of a lone launch in runs: the clusters
+    whose SMs (``alone``'s sample, identity order) lie in one group of ``groups`` take consecutive
+    cluster tiles, along N (``along`` "n": a GPC's clusters share rows of A) or along M ("m": they
+    share columns of the weight); tiles no first-wave cluster took keep the rest of that sequence."""
+    count = rows * cols
+    seq = list(range(count)) if along == "n" else [r * cols + c for c in range(cols) for r in range(rows)]
+    group_of = {sm: i for i, g in enumerate(groups) for sm in g}
+    clusters = {}  # identity cluster tile -> group
+    for sm, ft, tiles in zip(alone["sm"], alone["first_tile"], alone["tiles"]):
+        if tiles > 0:
+            clusters.setdefault(_cluster_tile(ft, cols, cluster), group_of.get(sm, len(groups)))
+    perm, it = [None] * count, iter(seq)
+    for c, _ in sorted(clusters.items(), key=lambda x: (x[1], x[0])):
+        if c < count:
+            perm[c] = next(it)
+    rest = iter(t for t in seq if t not in set(p for p in perm if p is not None))
+    return [p if p is not None else next(rest) for p in perm]
+
+
+def order_table(perm, device="cuda"):
+    """The table set_fused_order reads: the permutation, then its inverse (int32)."""
+    inv = [0] * len(perm)
+    for i, p in enumerate(perm):
+        inv[p] = i
+    return torch.tensor(perm + inv, dtype=torch.int32, device=device)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--op", choices=("ag", "rs"), default="ag")
@@ -185,6 +302,8 @@ def main(argv=None):
     p.add_argument("--pdl", default="1,0")
     p.add_argument("--calls", type=int, default=16)
     p.add_argument("--cta", action="store_true", help="ag: also the per-CTA trace of the fused kernels")
+    p.add_argument("--orders", default="identity",
+                   help="ag: cluster-tile orders of each fused variant: identity, random:SEED, pdl (see above)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -211,14 +330,66 @@ def main(argv=None):
             cfg, raster, swz = K.parse_label(lab)
             for pdl in (int(x) for x in args.pdl.split(",")):
                 variants.append((lab, pdl, prob.fused(cfg, raster, swz)))
+        runs = []  # (name, pdl, fns, order): order None (not set), or (label, table, matched)
+        placement = []  # the GPC groups the traces showed, per variant
         for name, pdl, fns in variants:
+            if pdl is None or args.op != "ag" or args.orders == "identity":
+                runs.append((name, pdl, fns, None))
+                continue
+            rows, cols, cluster = _cluster_grid(args.op, K.parse_label(name)[0], m, n)
+            seen = None  # identity traces of this variant (pdl, gpc orders)
+            for o in args.orders.split(","):
+                if o == "identity":
+                    runs.append((name, pdl, fns, ("identity", None, None)))
+                elif o.startswith("random:"):
+                    g = torch.Generator().manual_seed(int(o.split(":")[1]))
+                    perm = torch.randperm(rows * cols, generator=g).tolist()
+                    runs.append((name, pdl, fns, (o, order_table(perm), None)))
+                elif o in ("pdl", "gpc", "gpc-m"):
+                    if seen is None:
+                        switch(True)
+                        seen = trace_ctas(fns, max(8, args.calls))
+                        groups = gpc_groups(seen["alone"]["_placements"] + seen["back_to_back"]["_placements"],
+                                            cols, cluster)
+                        placement.append({"variant": name, "gpc_groups": groups})
+                    if o == "pdl":
+                        perm, matched = pdl_order(seen["alone"]["sample"], seen["back_to_back"]["sample"], rows,
+                                                  cols, cluster)
+                        runs.append((name, pdl, fns, (o, order_table(perm), matched)))
+                    else:
+                        perm = gpc_order(seen["alone"]["sample"], groups, rows, cols, cluster,
+                                         "m" if o == "gpc-m" else "n")
+                        runs.append((name, pdl, fns, (o, order_table(perm), None)))
+                else:
+                    raise SystemExit(f"probe_pdl_trace: unknown order {o!r} (identity, random:SEED, pdl, gpc, gpc-m)")
+        set_order = torch.ops.flux.set_fused_order if any(r[3] for r in runs) else None
+        for name, pdl, fns, order in runs:
             if pdl is not None:
                 switch(bool(pdl))
-            r = dict(op=args.op, m=m, n=n, k=k, variant=name, pdl=pdl, **trace_variant(fns, args.calls))
-            if args.cta and args.op == "ag" and pdl is not None:
-                r["cta"] = trace_ctas(fns, args.calls)
+            if order is not None and order[1] is not None:
+                set_order(order[1].data_ptr(), order[1].numel() // 2)
+            try:
+                r = dict(op=args.op, m=m, n=n, k=k, variant=name, pdl=pdl, **trace_variant(fns, args.calls))
+                if order is not None:
+                    r["order"] = order[0]
+                    if order[2] is not None:
+                        r["matched"] = order[2]
+                if args.cta and args.op == "ag" and pdl is not None:
+                    r["cta"] = trace_ctas(fns, args.calls)
+                    for c in r["cta"].values():
+                        if c:
+                            c.pop("_placements", None)
+            finally:
+                if set_order is not None:
+                    set_order(0, 0)
             switch(True)
             results.append(r)
+            if order is not None:
+                name = f"{name}/{order[0]}"
+        for g in placement:
+            results.append(dict(op=args.op, m=m, n=n, k=k, **g))
+            print(f"{args.op} {m}x{k}x{n} {g['variant']}: GPC groups of SMs "
+                  + " ".join(str(len(x)) for x in g["gpc_groups"]), flush=True)
             b, a = r["back_to_back"], r["alone"]
             print(f"{args.op} {m}x{k}x{n} {name:>12} pdl={pdl}: back to back dur {b['dur_us']:.1f} step "
                   f"{b['step_us']:.1f} overlap {b['overlap_us']:.1f} us; alone {a['dur_us']:.1f} us", flush=True)

@@ -28,6 +28,8 @@ bool fused_pdl();
 void set_fused_pdl(bool enabled);
 // The fused AG kernels' diagnostic trace buffer, process-wide (csrc/ag_gemm/ag_gemm_fused.cuh).
 void set_fused_trace(int64_t address);
+// The fused AG kernels' diagnostic cluster-tile permutation, process-wide (ag_gemm_fused.cuh).
+void set_fused_order(int64_t address, int64_t count);
 
 // Fused GEMM+ReduceScatter own block (csrc/gemm_rs/rs_fused.cpp): out = a @ weight^T + source (+ bias),
 // the epilogue of each tile waiting for the flags of the source segments it reads.

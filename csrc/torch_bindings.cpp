@@ -70,6 +70,11 @@ TORCH_LIBRARY(flux, m) {
   // kernels record, per CTA, 8 uint64 (SM, times, tiles: csrc/ag_gemm/ag_tile_scheduler.hpp AgTrace),
   // or 0 (the default) for none. Process-wide; bench/probe_pdl_trace.py --cta reads it.
   m.def("set_fused_trace(int address) -> ()");
+  // A diagnostic: the device address of 2 x count int32, a permutation of the cluster tiles of the
+  // next launches of the fused AG kernels and its inverse (csrc/ag_gemm/ag_tile_scheduler.hpp
+  // AgWaitArguments::order), used by a launch whose cluster tiles are count; 0, 0 (the default): none.
+  // Process-wide; bench/probe_pdl_trace.py --orders sets it.
+  m.def("set_fused_order(int address, int count) -> ()");
   // Fused GEMM+ReduceScatter own block (csrc/gemm_rs/rs_fused.cpp): out = a @ weight^T + source (+ bias);
   // source: this rank's workspace slot that the peer fills segment by segment, segment s announced
   // by flags[s] != 0; the epilogue of a tile waits (bounded, naming `peer`) for its segments.
@@ -85,6 +90,7 @@ TORCH_LIBRARY_IMPL(flux, CompositeExplicitAutograd, m) {
   m.impl("set_fused_pdl", &flux::set_fused_pdl);
   m.impl("fused_pdl", &flux::fused_pdl);
   m.impl("set_fused_trace", &flux::set_fused_trace);
+  m.impl("set_fused_order", &flux::set_fused_order);
 }
 
 TORCH_LIBRARY_IMPL(flux, CUDA, m) {

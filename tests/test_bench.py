@@ -2,6 +2,7 @@
 where it checks that the flux block's output and gradients match the NCCL-style block's, and draws
 its plot from the JSON; bench/profile_fused_ncu.py's reading of Nsight Compute's report;
 bench/power_fused_gemm.py's reading of nvidia-smi."""
+import json
 import os
 import subprocess
 import sys
@@ -130,6 +131,81 @@ def test_probe_l2_coalescing_reads_its_lines_and_ncu():
                                             {"lts__t_sectors_op_read.sum [sector]": 5000.0}]
     with pytest.raises(SystemExit):
         probe.parse_ncu(head + rows.split("\n", 1)[1])
+
+
+def test_probe_pdl_trace_orders_place_tiles_as_back_to_back():
+    """probe_pdl_trace's orders: ``pdl``, each lone cluster gets the cluster tile that the back-to-back
+    launch ran on its SMs (clashes and unplaced tiles first come, first served); the GPCs joined from
+    the SMs of each cluster; ``gpc``, a GPC's clusters take consecutive cluster tiles; always a
+    permutation, whose table holds its inverse after it; the grid of a configuration's cluster tiles."""
+    probe = _load_bench("probe_pdl_trace")
+    cols, cluster = 3, (2, 1)
+
+    def first(m, n):
+        return (m << 32) | n
+    # A lone launch: cluster tile c (tiles (2r, n), (2r + 1, n)) on SMs 2c, 2c + 1; 6 cluster tiles, one
+    # (5) not first in any CTA (a later wave).
+    alone = {"sm": [0, 1, 2, 3, 4, 5, 6, 7, 8, 9], "tiles": [1] * 10,
+             "first_tile": [first(2 * (c // cols) + i, c % cols) for c in range(5) for i in (0, 1)]}
+    # Back to back: SMs 0, 1 ran cluster tile 4, SMs 2, 3 tile 4 as well (a clash), 4, 5 tile 0, SM 6 tile 2,
+    # SM 7 tile 1 (split), SMs 8, 9 none.
+    b2b = {"sm": [0, 1, 2, 3, 4, 5, 6, 7, 8, 9], "tiles": [1] * 8 + [0, 0],
+           "first_tile": [first(2, 1), first(3, 1), first(2, 1), first(3, 1), first(0, 0), first(1, 0),
+                          first(0, 2), first(1, 1), 0, 0]}
+    perm, matched = probe.pdl_order(alone, b2b, 2, cols, cluster)
+    assert sorted(perm) == list(range(6))
+    assert perm[0] == 4 and perm[2] == 0 and perm[3] in (2, 1)
+    assert perm[1] not in (4, 0) and matched == 3 / 6
+    table = probe.order_table(perm, device="cpu")
+    assert table.dtype == probe.torch.int32 and table.tolist()[:6] == perm
+    assert [table.tolist()[6 + p] for p in perm] == list(range(6))
+    # Two GPCs, {0, 1, 4, 5} and {2, 3, 6, 7}: lone clusters on SM pairs, back-to-back ones across them.
+    lone = {"sm": list(range(8)), "tiles": [1] * 8,
+            "first_tile": [first(2 * (c // 2) + i, c % 2) for c in range(4) for i in (0, 1)]}
+    b2b = {"sm": [1, 4, 3, 6, 0, 5, 2, 7], "tiles": [1] * 8, "first_tile": lone["first_tile"]}
+    groups = probe.gpc_groups([lone, b2b], 2, cluster)
+    assert groups == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert probe.gpc_groups([lone], 2, cluster) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    # Cluster tiles 0 and 1 share rows of A (one cluster row): along N they go to the first GPC's clusters.
+    assert probe.gpc_order(lone, groups, 2, 2, cluster, "n") == [0, 2, 1, 3]
+    assert probe.gpc_order(lone, groups, 2, 2, cluster, "m") == [0, 1, 2, 3]
+    from flux import fused_configs as fc
+    cfg = fc.config("ag", 75)
+    rows, cols, cl = probe._cluster_grid("ag", 75, 1024, 1280)
+    assert cl == cfg.cluster and rows * cl[0] * cfg.tile[0] >= 1024 and cols * cl[1] * cfg.tile[1] >= 1280
+    assert (rows - 1) * cl[0] * cfg.tile[0] < 1024 and (cols - 1) * cl[1] * cfg.tile[1] < 1280
+
+
+def test_gpc_placement_reads_clusters_paces_and_merging(tmp_path):
+    """bench/gpc_placement.py: the interleaved numbering; a cluster's SMs joined into one group and checked
+    against it (pairs of one TPC say nothing); two paces split at the widest gap; per L2-probe variant the
+    GPCs each row-sharing group spans and the share merged."""
+    g = _load_bench("gpc_placement")
+    assert [g.interleaved_gpc(s) for s in (2, 18, 34, 50, 66, 80, 94)] == [1, 1, 1, 1, 2, 2, 2]
+    assert g.interleaved_gpc(15) == 7 and g.interleaved_gpc(120) == ("tpc", 60)
+
+    def first(m, n):
+        return (m << 32) | n
+    sample = {"sm": [2, 18, 4, 6, 8, 9], "tiles": [1] * 6,
+              "first_tile": [first(0, 0), first(1, 0), first(0, 1), first(1, 1), first(0, 2), first(1, 2)],
+              "go": [0] * 6, "producer_end": [30000, 31000, 40000, 41000, 30500, 40500],
+              "consumer0_end": [0] * 6, "consumer1_end": [0] * 6}
+    doc = {"commit": "x", "device": "d", "results": [
+        {"m": 256, "n": 384, "k": 64, "variant": "c75/r1/s1", "pdl": 1, "cta": {"alone": {"sample": sample}}}]}
+    (tmp_path / "t.json").write_text(json.dumps(doc))
+    t = g.trace_report(str(tmp_path / "t.json"))
+    # (2, 18): two TPCs, one GPC; (4, 6): two TPCs, two GPCs; (8, 9): one TPC, not counted.
+    assert t["cluster_pairs"] == 3 and t["pairs_across_tpcs_below_sm_120"] == 2
+    assert t["pairs_in_one_interleaved_gpc"] == 1
+    assert t["gpc_groups"] == [[2, 18], [4, 6], [8, 9]]
+    (run,) = t["pace"]
+    assert run["faster"] == 3 and run["faster_sms"] == [2, 8, 18] and run["us"] == [30.0, 41.0]
+    probe = {"commit": "y", "device": "d", "variants": [
+        {"group": 2, "smid": [2, 18, 4, 6], "spread": 0, "metrics": {
+            "lts__t_sectors_op_read.sum [sector]": 75.0, "lrc__request_sectors_op_read_coalescable.sum [sector]": 100.0}}]}
+    (tmp_path / "p.json").write_text(json.dumps(probe))
+    (v,) = g.probe_report(str(tmp_path / "p.json"))["variants"]
+    assert v["groups"] == 2 and v["groups_in_one_gpc"] == 1 and v["gpcs_per_group"] == 1.5 and v["merged"] == 0.25
 
 
 @pytest.mark.parametrize("name,marks", [

@@ -356,6 +356,80 @@ def test_gpu_ag_trace_accounts_for_every_tile():
             assert int(ran[:, 6].sum()) >= tiles, f"ag:{cid}"
 
 
+def _permuted(tile, perm, cluster, rows, cols):
+    """The tile (m, n) served in place of ``tile`` under the cluster-tile permutation ``perm``
+    (csrc/ag_gemm/ag_tile_scheduler.hpp AgTileScheduler::permute)."""
+    (m, n), (cm, cn) = tile, cluster
+    if m // cm >= rows or n // cn >= cols:
+        return tile
+    c = perm[(m // cm) * cols + n // cn]
+    return (c // cols * cm + m % cm, c % cols * cn + n % cn)
+
+
+@gpu
+def test_gpu_ag_order_permutes_cluster_tiles():
+    """The diagnostic cluster-tile permutation (torch.ops.flux.set_fused_order): each CTA's first
+    tile is the permuted one of the same launch without it, on rank 0 and on rank 1 (whose M order
+    is rotated), the result is bitwise the same, a table of another size changes nothing, and
+    clearing it restores the order."""
+    built = sorted(t for t in _BUILT if t[0] == "ag" and t[2] == "bf16" and fc.config("ag", t[1]).splits == 1
+                   and fc.config("ag", t[1]).scheduler == "persistent")
+    if not built:
+        pytest.skip("no persistent AG bf16 instantiation built")
+    set_trace, set_order = _op_or_skip("set_fused_trace"), _op_or_skip("set_fused_order")
+    with pytest.raises(RuntimeError, match="set_fused_order"):
+        set_order(0, 5)
+    dev = torch.device("cuda")
+    torch.manual_seed(13)
+    m, n, k = 1024, 1280, 512
+    a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k ** 0.5
+    flags = torch.ones(2, device=dev, dtype=torch.int32)
+    # A 2x1 cluster and a 1x1 one where built, ping-pong and cooperative.
+    picks = {}
+    for t in built:
+        c = fc.config("ag", t[1])
+        picks.setdefault((c.cluster, c.schedule), t)
+    for _, cid, _ in list(picks.values())[:3]:
+        cfg = fc.config("ag", cid)
+        rows = math.ceil(math.ceil(m / cfg.tile[0]) / cfg.cluster[0])
+        cols = math.ceil(math.ceil(n / cfg.tile[1]) / cfg.cluster[1])
+        perm = torch.randperm(rows * cols, generator=torch.Generator().manual_seed(cid))
+        table = torch.cat([perm, torch.argsort(perm)]).to(torch.int32).to(dev)
+
+        def run(rank, order_count):
+            out = torch.full((m, n), float("nan"), device=dev, dtype=torch.bfloat16)
+            buf = torch.zeros(4096, 8, dtype=torch.int64, device=dev)
+            try:
+                set_trace(buf.data_ptr())
+                if order_count:
+                    set_order(table.data_ptr(), order_count)
+                torch.ops.flux.ag_gemm_fused_(out, a, w, None, flags, rank, 2, m // 2, 10000, 0, 1, 1, cid)
+            finally:
+                set_order(0, 0)
+                set_trace(0)
+            torch.cuda.synchronize()
+            t = buf.cpu()
+            ran = t[t[:, 1] != 0]
+            return out, [(int(v) >> 32, int(v) & 0xFFFFFFFF) if int(c) > 0 else None
+                         for v, c in zip(ran[:, 7], ran[:, 6])]
+
+        plains = {}
+        for rank in (0, 1):
+            ref, plain = plains[rank] = run(rank, 0)
+            assert torch.isfinite(ref).all(), f"ag:{cid} rank {rank}: NaN left"
+            out, permuted = run(rank, rows * cols)
+            assert torch.equal(out, ref), f"ag:{cid} rank {rank}: the permuted order changed the result"
+            assert len(permuted) == len(plain) and any(p is not None for p in plain), f"ag:{cid}"
+            want = [None if p is None else _permuted(p, perm.tolist(), cfg.cluster, rows, cols) for p in plain]
+            assert permuted == want, f"ag:{cid} rank {rank}: first tiles are not the permuted ones"
+            assert want != plain, f"ag:{cid}: the permutation moved no first tile"
+            other, unchanged = run(rank, rows * cols + 1)
+            assert torch.equal(other, ref) and unchanged == plain, f"ag:{cid} rank {rank}: a mismatched table applied"
+        again, restored = run(0, 0)
+        assert torch.equal(again, plains[0][0]) and restored == plains[0][1], f"ag:{cid}: order not cleared"
+
+
 _UNBUILT_CHILD = r"""
 import sys, torch
 import flux  # noqa: F401  (loads flux._C)

@@ -24,12 +24,21 @@ namespace flux {
 struct AgFusedArgs : FusedGemmLaunch {
   int rank = 0, world = 1, rows_per_rank = 1;  // flags[src]: rows [src * rows_per_rank, ...) are in place
   uint64_t* trace = nullptr;  // the diagnostic trace (fused_trace), or nullptr
+  const int32_t* order = nullptr;  // the diagnostic tile permutation (fused_order), or nullptr
+  int order_count = 0;
 };
 
 // The diagnostic trace buffer of the AG fused kernels' next launches (process-wide, default none):
 // a device address of at least grid-size x 8 uint64 (ag_tile_scheduler.hpp, AgTrace), or 0.
 int64_t fused_trace();
 void set_fused_trace(int64_t address);
+
+// The diagnostic permutation of the AG fused kernels' cluster tiles for their next launches (process-
+// wide, default none): a device address of 2 x count int32 (ag_tile_scheduler.hpp,
+// AgWaitArguments::order), used by the persistent scheduler where count is the launch's number of
+// cluster tiles; 0 for none.
+std::pair<int64_t, int64_t> fused_order();
+void set_fused_order(int64_t address, int64_t count);
 
 // Launches the instantiation (config, dtype variant) where it was built (false otherwise); the
 // generated dispatch (setup.py, from flux/fused_configs.py).
@@ -68,6 +77,8 @@ void set_ag_wait(typename G::Gemm::Arguments& args, const AgFusedArgs& a) {
   args.scheduler.timeout_ns = a.timeout_ns;
   args.scheduler.error = a.error_record;
   args.scheduler.trace = a.trace;
+  args.scheduler.order = a.order;
+  args.scheduler.order_count = a.order_count;
 }
 
 template <class G>

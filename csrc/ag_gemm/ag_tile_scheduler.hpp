@@ -46,6 +46,14 @@ struct AgWaitArguments {
   // A diagnostic (torch.ops.flux.set_fused_trace; nullptr, the default, records nothing): per CTA of
   // the grid (linear block index b), kTraceSlots uint64 at trace + b * kTraceSlots, AgTrace's fields.
   uint64_t* trace = nullptr;
+  // A diagnostic (torch.ops.flux.set_fused_order; nullptr, the default, changes nothing): the
+  // persistent scheduler's cluster tiles permuted. order[c] (c = cluster row * cluster columns + cluster
+  // column, over ceil(tiles_m / cluster_m) x ceil(tiles_n / cluster_n) cluster tiles) is the cluster
+  // tile served where c would have been, order[count + c] its inverse; used only where count is the
+  // launch's number of cluster tiles. The tiles' order in time and the SMs they run on change, not
+  // what is computed: an experiment on placement (bench/probe_pdl_trace.py --orders).
+  const int32_t* order = nullptr;
+  int order_count = 0;
 };
 
 // The trace's slots per CTA, %globaltimer ns where a time: the SM, when the CTA's scheduler is built
@@ -184,6 +192,9 @@ class AgTileScheduler
   struct Params : BaseParams, AgRowWait {
     int tiles_m = 1;  // tile rows, padded to whole bands of the raster (cluster_m << log_swizzle)
     int offset_tiles = 0;
+    // The diagnostic permutation (AgWaitArguments::order) over cluster_rows x cluster_cols cluster
+    // tiles of cluster_m x cluster_n tiles; order is nullptr where none applies to this launch.
+    int cluster_m = 1, cluster_n = 1, cluster_rows = 0, cluster_cols = 0;
   };
 
   template <class ProblemShapeMNKL, class TileShape, class ClusterShape>
@@ -211,6 +222,13 @@ class AgTileScheduler
     first = first / band * band;
     p.offset_tiles = first % p.tiles_m;
     static_cast<AgRowWait&>(p) = AgRowWait::of(args, rows_total);
+    const int tile_n = cute::size<1>(tile_shape);
+    const int tiles_n = (static_cast<int>(cute::get<1>(problem_shape_mnkl)) + tile_n - 1) / tile_n;
+    p.cluster_m = cluster_m;
+    p.cluster_n = cute::size<1>(cluster_shape);
+    p.cluster_rows = (tiles + cluster_m - 1) / cluster_m;
+    p.cluster_cols = (tiles_n + p.cluster_n - 1) / p.cluster_n;
+    if (p.order_count != p.cluster_rows * p.cluster_cols) p.order = nullptr;
     return p;
   }
 
@@ -228,9 +246,22 @@ class AgTileScheduler
   Params ag_;
   mutable uint32_t seen_ = 0;  // AgRowWait::wait_for_tile_rows
 
+  // The diagnostic permutation (or its inverse, `table` = order + count) of the cluster tile holding
+  // w's tile; the tile keeps its place inside the cluster tile. Tiles of the band padding beyond the
+  // cluster tiles stay: a bijection on every tile handed out.
+  CUTLASS_DEVICE void permute(WorkTileInfo& w, const int32_t* table) const {
+    const int cm = w.M_idx / ag_.cluster_m, cn = w.N_idx / ag_.cluster_n;
+    if (cm >= ag_.cluster_rows || cn >= ag_.cluster_cols) return;
+    const int c = table[cm * ag_.cluster_cols + cn];
+    w.M_idx = c / ag_.cluster_cols * ag_.cluster_m + w.M_idx % ag_.cluster_m;
+    w.N_idx = c % ag_.cluster_cols * ag_.cluster_n + w.N_idx % ag_.cluster_n;
+  }
+
   // The static scheduler never continues a tile (no split-K): a tile handed back only advances.
   CUTLASS_DEVICE WorkTileInfo taken_back(WorkTileInfo w) const {
-    if (w.is_valid()) w.M_idx = (w.M_idx - ag_.offset_tiles + ag_.tiles_m) % ag_.tiles_m;
+    if (!w.is_valid()) return w;
+    if (ag_.order != nullptr) permute(w, ag_.order + ag_.order_count);
+    w.M_idx = (w.M_idx - ag_.offset_tiles + ag_.tiles_m) % ag_.tiles_m;
     return w;
   }
 
@@ -240,6 +271,7 @@ class AgTileScheduler
       return w;
     }
     w.M_idx = (w.M_idx + ag_.offset_tiles) % ag_.tiles_m;
+    if (ag_.order != nullptr) permute(w, ag_.order);
     ag_.wait_for_tile_rows(w.M_idx, seen_);
     ag_.trace_handed_out(true, w.M_idx, w.N_idx);
     return w;

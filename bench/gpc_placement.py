@@ -1,0 +1,175 @@
+"""Which GPC each CTA of the fused AG kernels and of the L2 probe ran in, read from recorded JSONs
+(no GPU): the CTAs of a cluster always run in one GPC, so the SMs of the 2-CTA clusters in
+bench/probe_pdl_trace.py --cta traces show how SM numbers map to GPCs; with that map, the per-CTA
+pace of lone launches and the L2 request coalescer's merging in bench/probe_l2_coalescing.py runs.
+
+    python bench/gpc_placement.py [--traces FILE,...] [--probes FILE,...] [--json OUT]
+
+Reported:
+  clusters   per trace file, the clusters' SM pairs and how many of those on two TPCs below SM 120 lie in
+             one GPC of INTERLEAVED (below), and the groups of SMs the pairs join (union over every sample);
+  pace       per traced lone launch (and back to back), each CTA's time from its release to its end per
+             tile, split at the widest gap: how many CTAs are in the faster group, its SMs, and whether
+             that set recurs in the file's other runs;
+  merging    per L2-probe variant, over the groups of CTAs that read the same rows: how many GPCs each
+             group spans (by INTERLEAVED) and the share of coalescable sectors the L2 slices did not read.
+
+INTERLEAVED: on the H100s of the traces, SM numbers deal TPCs (SM pairs 2j, 2j + 1) to the GPCs in
+turn: below 64, GPC (s mod 16) div 2 (a block of 16 numbers holds one TPC of each of 8 GPCs); 64-119
+in blocks of 14 (7 GPCs, from the second); above 119 the pairs are not resolved here (one group each).
+"""
+import argparse
+import json
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(REPO, "bench", "results")
+TRACES = ("pdl_trace-h100-cta-1280.json", "pdl_trace-h100-cta-more.json", "pdl_trace-h100-diag-1280.json")
+PROBES = ("probe_l2-h200-placement.json", "probe_l2-h100-cluster.json", "probe_l2-h100-sched.json")
+
+
+def interleaved_gpc(sm: int):
+    """The GPC of SM ``sm`` under the interleaved numbering (see above); ("tpc", j) where unresolved."""
+    if sm < 64:
+        return (sm % 16) // 2
+    if sm < 120:
+        return (sm - 64) % 14 // 2 + 1
+    return ("tpc", sm // 2)
+
+
+def _clusters(sample, cluster_m=2):
+    """[[SM, ...] per cluster] of one traced launch: CTAs whose first tiles share a cluster row and column
+    (2x1 clusters: tile rows 2i, 2i + 1 of one column)."""
+    members = {}
+    for sm, tiles, ft in zip(sample["sm"], sample["tiles"], sample["first_tile"]):
+        if tiles > 0:
+            members.setdefault(((ft >> 32) // cluster_m, ft & 0xFFFFFFFF), []).append(sm)
+    return [sms for sms in members.values() if len(sms) > 1]
+
+
+def _groups(pairs):
+    parent = {}
+
+    def find(x):
+        parent.setdefault(x, x)
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+    for sms in pairs:
+        for other in sms[1:]:
+            parent[find(other)] = find(sms[0])
+        find(sms[0])
+    out = {}
+    for sm in parent:
+        out.setdefault(find(sm), []).append(sm)
+    return sorted((sorted(g) for g in out.values()), key=lambda g: (-len(g), g[0]))
+
+
+def _traced(doc):
+    """(label, mode, sample) of every 2x1-cluster launch traced in a probe_pdl_trace JSON."""
+    for r in doc["results"]:
+        for mode, c in (r.get("cta") or {}).items():
+            if c and c.get("sample"):
+                yield f"{r['m']}x{r['n']}x{r['k']} {r['variant']} pdl{r['pdl']}", mode, c["sample"]
+
+
+def _pace(sample):
+    """(per-tile µs per SM, threshold at the widest gap, the faster SMs)."""
+    s = sample
+    t = {}
+    for j, sm in enumerate(s["sm"]):
+        if s["tiles"][j] > 0:
+            end = max(s["producer_end"][j], s["consumer0_end"][j], s["consumer1_end"][j])
+            t[sm] = (end - s["go"][j]) / 1000 / s["tiles"][j]
+    vals = sorted(t.values())
+    gap, i = max((vals[i + 1] - vals[i], i) for i in range(len(vals) - 1))
+    thr = (vals[i] + vals[i + 1]) / 2
+    return t, gap, thr, sorted(sm for sm, v in t.items() if v < thr)
+
+
+def trace_report(path):
+    doc = json.load(open(path))
+    pairs, runs = [], []
+    for label, mode, sample in _traced(doc):
+        if " c5/" in f" {label.split(' ')[1]}":  # 1x1 clusters: no pairs
+            continue
+        cl = _clusters(sample)
+        pairs += cl
+        t, gap, thr, fast = _pace(sample)
+        runs.append({"run": f"{label} {mode}", "ctas": len(t), "idle_sms": sorted(set(range(132)) - set(t))[:16],
+                     "gap_us": round(gap, 2), "split_us": round(thr, 2), "faster": len(fast),
+                     "faster_sms": fast if len(fast) <= 48 else None,
+                     "us": [round(min(t.values()), 2), round(max(t.values()), 2)]})
+    # Pairs of one TPC (SMs 2j, 2j + 1) say nothing of the numbering; the others do.
+    resolved = [sms for sms in pairs if max(sms) < 120 and len({s // 2 for s in sms}) > 1]
+    same = sum(len({interleaved_gpc(s) for s in sms}) == 1 for sms in resolved)
+    sets = {}
+    for r in runs:
+        if r["faster_sms"]:
+            sets.setdefault(tuple(r["faster_sms"]), []).append(r["run"])
+    return {"file": os.path.basename(path), "commit": doc.get("commit"), "device": doc.get("device"),
+            "cluster_pairs": len(pairs), "pairs_across_tpcs_below_sm_120": len(resolved), "pairs_in_one_interleaved_gpc": same,
+            "gpc_groups": _groups(pairs), "pace": runs,
+            "faster_sets": [{"sms": list(k), "runs": v} for k, v in sets.items()]}
+
+
+def probe_report(path):
+    doc = json.load(open(path))
+    out = []
+    for v in doc["variants"]:
+        sm, g, cl = v["smid"], v["group"], v.get("cluster", 1) or 1
+        units = len(sm) // cl
+        per = units // g
+        spans = []
+        for j in range(per):
+            us = [j + i * per for i in range(g)] if v.get("spread") else [j * g + i for i in range(g)]
+            for r in range(cl):
+                spans.append(len({interleaved_gpc(sm[u * cl + r]) for u in us}))
+        m = v["metrics"]
+        read = m.get("lts__t_sectors_op_read.sum [sector]")
+        asked = m.get("lrc__request_sectors_op_read_coalescable.sum [sector]")
+        out.append({"variant": {k: v.get(k) for k in ("group", "stagger", "delay", "policy", "spread", "barrier",
+                                                       "cluster", "sched")},
+                    "gpcs_per_group": round(sum(spans) / len(spans), 2),
+                    "groups_in_one_gpc": sum(x == 1 for x in spans), "groups": len(spans),
+                    "merged": round(1 - read / asked, 3) if read and asked else None})
+    return {"file": os.path.basename(path), "commit": doc.get("commit"), "device": doc.get("device"), "variants": out}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--traces", default=",".join(TRACES), help="probe_pdl_trace --cta JSONs (in bench/results or paths)")
+    p.add_argument("--probes", default=",".join(PROBES), help="probe_l2_coalescing JSONs")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+
+    def path(name):
+        return name if os.path.exists(name) else os.path.join(RESULTS, name)
+    doc = {"command": "python bench/gpc_placement.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "traces": [trace_report(path(f)) for f in args.traces.split(",") if f],
+           "probes": [probe_report(path(f)) for f in args.probes.split(",") if f]}
+    for t in doc["traces"]:
+        print(f"{t['file']} ({t['device']}): {t['pairs_in_one_interleaved_gpc']} of the "
+              f"{t['pairs_across_tpcs_below_sm_120']} cluster pairs across two TPCs below SM 120 in one interleaved GPC ({t['cluster_pairs']} pairs); groups of SMs "
+              f"joined: {[len(g) for g in t['gpc_groups']]}")
+        for r in t["pace"]:
+            print(f"  {r['run']}: {r['ctas']} CTAs {r['us'][0]}-{r['us'][1]} us per tile, widest gap "
+                  f"{r['gap_us']} us at {r['split_us']}: {r['faster']} faster")
+        for s in t["faster_sets"]:
+            if len(s["runs"]) > 1:
+                print(f"  the same {len(s['sms'])} faster SMs in {len(s['runs'])} runs: {s['sms']}")
+    for pr in doc["probes"]:
+        print(f"{pr['file']} ({pr['device']}):")
+        for v in pr["variants"]:
+            print(f"  {v['variant']}: {v['groups_in_one_gpc']} of {v['groups']} row-sharing groups in one GPC, "
+                  f"{v['gpcs_per_group']} GPCs per group; merged {v['merged']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
