@@ -38,17 +38,18 @@ def interleaved_gpc(sm: int):
     return ("tpc", sm // 2)
 
 
-def _clusters(sample, cluster_m=2):
-    """[[SM, ...] per cluster] of one traced launch: CTAs whose first tiles share a cluster row and column
-    (2x1 clusters: tile rows 2i, 2i + 1 of one column)."""
+def clusters(sample, cluster=(2, 1)):
+    """[[SM, ...] per cluster] of one traced launch: the CTAs whose first tiles lie in one cluster tile
+    (``cluster`` = (cluster_m, cluster_n) tiles), where more than one ran."""
     members = {}
     for sm, tiles, ft in zip(sample["sm"], sample["tiles"], sample["first_tile"]):
         if tiles > 0:
-            members.setdefault(((ft >> 32) // cluster_m, ft & 0xFFFFFFFF), []).append(sm)
+            members.setdefault(((ft >> 32) // cluster[0], (ft & 0xFFFFFFFF) // cluster[1]), []).append(sm)
     return [sms for sms in members.values() if len(sms) > 1]
 
 
-def _groups(pairs):
+def join(pairs):
+    """The SMs joined by every list in ``pairs`` (each of one GPC): sorted groups, largest first."""
     parent = {}
 
     def find(x):
@@ -95,7 +96,7 @@ def trace_report(path):
     for label, mode, sample in _traced(doc):
         if " c5/" in f" {label.split(' ')[1]}":  # 1x1 clusters: no pairs
             continue
-        cl = _clusters(sample)
+        cl = clusters(sample)
         pairs += cl
         t, gap, thr, fast = _pace(sample)
         runs.append({"run": f"{label} {mode}", "ctas": len(t), "idle_sms": sorted(set(range(132)) - set(t))[:16],
@@ -111,7 +112,7 @@ def trace_report(path):
             sets.setdefault(tuple(r["faster_sms"]), []).append(r["run"])
     return {"file": os.path.basename(path), "commit": doc.get("commit"), "device": doc.get("device"),
             "cluster_pairs": len(pairs), "pairs_across_tpcs_below_sm_120": len(resolved), "pairs_in_one_interleaved_gpc": same,
-            "gpc_groups": _groups(pairs), "pace": runs,
+            "gpc_groups": join(pairs), "pace": runs,
             "faster_sets": [{"sms": list(k), "runs": v} for k, v in sets.items()]}
 
 

@@ -57,6 +57,8 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "bench"))
+from gpc_placement import clusters, join  # noqa: E402
 
 SPIN_CYCLES = 2_000_000  # ~1 ms: the host enqueues every call of a back-to-back run behind it
 
@@ -237,32 +239,13 @@ def pdl_order(alone, b2b, rows, cols, cluster):
     return perm, matched
 
 
-def gpc_groups(placements, cols, cluster):
+def gpc_groups(placements, cluster):
     """The SMs grouped by GPC as far as the placements show: the CTAs of a cluster run in one GPC
-    (CUDA's guarantee), so the SMs of every cluster of every call (CTAs whose first tiles share a
-    cluster tile) are joined; back-to-back launches under PDL place clusters across the GPC, lone ones
-    on neighbouring SMs. Sorted lists of SM ids, largest group first."""
-    parent = {}
-
-    def find(x):
-        parent.setdefault(x, x)
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-    for pl in placements:
-        members = {}
-        for sm, tiles, ft in zip(pl["sm"], pl["tiles"], pl["first_tile"]):
-            find(sm)
-            if tiles > 0:
-                members.setdefault(_cluster_tile(ft, cols, cluster), []).append(sm)
-        for sms in members.values():
-            for other in sms[1:]:
-                parent[find(other)] = find(sms[0])
-    groups = {}
-    for sm in parent:
-        groups.setdefault(find(sm), []).append(sm)
-    return sorted((sorted(g) for g in groups.values()), key=lambda g: (-len(g), g[0]))
+    (CUDA's guarantee), so the SMs of every cluster of every call are joined (bench/gpc_placement.py);
+    back-to-back launches under PDL place clusters across the GPC, lone ones on neighbouring SMs. Every
+    SM that ran is in some group; sorted lists of SM ids, largest group first."""
+    sms = sorted({sm for pl in placements for sm in pl["sm"]})
+    return join([[sm] for sm in sms] + [c for pl in placements for c in clusters(pl, cluster)])
 
 
 def gpc_order(alone, groups, rows, cols, cluster, along="n"):
@@ -350,7 +333,7 @@ def main(argv=None):
                         switch(True)
                         seen = trace_ctas(fns, max(8, args.calls))
                         groups = gpc_groups(seen["alone"]["_placements"] + seen["back_to_back"]["_placements"],
-                                            cols, cluster)
+                                            cluster)
                         placement.append({"variant": name, "gpc_groups": groups})
                     if o == "pdl":
                         perm, matched = pdl_order(seen["alone"]["sample"], seen["back_to_back"]["sample"], rows,

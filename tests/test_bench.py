@@ -163,9 +163,9 @@ def test_probe_pdl_trace_orders_place_tiles_as_back_to_back():
     lone = {"sm": list(range(8)), "tiles": [1] * 8,
             "first_tile": [first(2 * (c // 2) + i, c % 2) for c in range(4) for i in (0, 1)]}
     b2b = {"sm": [1, 4, 3, 6, 0, 5, 2, 7], "tiles": [1] * 8, "first_tile": lone["first_tile"]}
-    groups = probe.gpc_groups([lone, b2b], 2, cluster)
+    groups = probe.gpc_groups([lone, b2b], cluster)
     assert groups == [[0, 1, 4, 5], [2, 3, 6, 7]]
-    assert probe.gpc_groups([lone], 2, cluster) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert probe.gpc_groups([lone], cluster) == [[0, 1], [2, 3], [4, 5], [6, 7]]
     # Cluster tiles 0 and 1 share rows of A (one cluster row): along N they go to the first GPC's clusters.
     assert probe.gpc_order(lone, groups, 2, 2, cluster, "n") == [0, 2, 1, 3]
     assert probe.gpc_order(lone, groups, 2, 2, cluster, "m") == [0, 1, 2, 3]

@@ -308,6 +308,15 @@ def test_gpu_pdl_chain_matches_serial_launches(op):
         set_pdl(True)
 
 
+def _ag_problem(seed, m=1024, n=1280, k=512):
+    """(device, (m, n, k), a, w, flags) of a bf16 AG problem of two ranks' rows, every flag set."""
+    dev = torch.device("cuda")
+    torch.manual_seed(seed)
+    a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k ** 0.5
+    return dev, (m, n, k), a, w, torch.ones(2, device=dev, dtype=torch.int32)
+
+
 @gpu
 def test_gpu_ag_trace_accounts_for_every_tile():
     """The diagnostic per-CTA trace (torch.ops.flux.set_fused_trace): every CTA that ran records
@@ -317,12 +326,7 @@ def test_gpu_ag_trace_accounts_for_every_tile():
     if not built:
         pytest.skip("no AG bf16 instantiation without split-K built")
     set_trace = _op_or_skip("set_fused_trace")
-    dev = torch.device("cuda")
-    torch.manual_seed(11)
-    m, n, k = 1024, 1280, 512
-    a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-    w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k ** 0.5
-    flags = torch.ones(2, device=dev, dtype=torch.int32)
+    dev, (m, n, k), a, w, flags = _ag_problem(11)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     for _, cid, _ in built[:1] + [t for t in built if fc.config("ag", t[1]).scheduler == "streamk"][:1]:
         cfg = fc.config("ag", cid)
@@ -379,12 +383,7 @@ def test_gpu_ag_order_permutes_cluster_tiles():
     set_trace, set_order = _op_or_skip("set_fused_trace"), _op_or_skip("set_fused_order")
     with pytest.raises(RuntimeError, match="set_fused_order"):
         set_order(0, 5)
-    dev = torch.device("cuda")
-    torch.manual_seed(13)
-    m, n, k = 1024, 1280, 512
-    a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-    w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k ** 0.5
-    flags = torch.ones(2, device=dev, dtype=torch.int32)
+    dev, (m, n, k), a, w, flags = _ag_problem(13)
     # A 2x1 cluster and a 1x1 one where built, ping-pong and cooperative.
     picks = {}
     for t in built:
