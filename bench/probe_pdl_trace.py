@@ -256,15 +256,16 @@ def gpc_order(alone, groups, rows, cols, cluster, along="n"):
     count = rows * cols
     seq = list(range(count)) if along == "n" else [r * cols + c for c in range(cols) for r in range(rows)]
     group_of = {sm: i for i, g in enumerate(groups) for sm in g}
-    clusters = {}  # identity cluster tile -> group
+    gpc_of_tile = {}  # identity cluster tile -> its group
     for sm, ft, tiles in zip(alone["sm"], alone["first_tile"], alone["tiles"]):
         if tiles > 0:
-            clusters.setdefault(_cluster_tile(ft, cols, cluster), group_of.get(sm, len(groups)))
+            gpc_of_tile.setdefault(_cluster_tile(ft, cols, cluster), group_of.get(sm, len(groups)))
     perm, it = [None] * count, iter(seq)
-    for c, _ in sorted(clusters.items(), key=lambda x: (x[1], x[0])):
+    for c, _ in sorted(gpc_of_tile.items(), key=lambda x: (x[1], x[0])):
         if c < count:
             perm[c] = next(it)
-    rest = iter(t for t in seq if t not in set(p for p in perm if p is not None))
+    taken = {p for p in perm if p is not None}
+    rest = iter(t for t in seq if t not in taken)
     return [p if p is not None else next(rest) for p in perm]
 
 
@@ -286,7 +287,8 @@ def main(argv=None):
     p.add_argument("--calls", type=int, default=16)
     p.add_argument("--cta", action="store_true", help="ag: also the per-CTA trace of the fused kernels")
     p.add_argument("--orders", default="identity",
-                   help="ag: cluster-tile orders of each fused variant: identity, random:SEED, pdl (see above)")
+                   help="ag: cluster-tile orders of each fused variant: identity, random:SEED, pdl, gpc, gpc-m "
+                        "(see above)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
