@@ -176,6 +176,60 @@ def test_probe_pdl_trace_orders_place_tiles_as_back_to_back():
     assert (rows - 1) * cl[0] * cfg.tile[0] < 1024 and (cols - 1) * cl[1] * cfg.tile[1] < 1280
 
 
+def test_probe_pdl_trace_runs_every_order_with_the_gpu_parts_stubbed(tmp_path, monkeypatch):
+    """probe_pdl_trace's main, its launches and traces replaced by stand-ins: each order is set before
+    its variant's runs and cleared after, the GPC groups are recorded, and the JSON holds a result per
+    (variant, order)."""
+    import torch
+
+    probe = _load_bench("probe_pdl_trace")
+    from flux.autotune import kernel_timing, kernels
+
+    class Problem:
+        def __init__(self, *a, **k):
+            pass
+
+        def cublas(self):
+            return ["mm"]
+
+        def fused(self, cfg, raster, swz):
+            return [f"c{cfg}"]
+    # AG 75 on 256 x 320: tiles 2 x 4, cluster tiles 1 x 4; a lone launch on SM pairs, back to back across.
+    def first(m, n):
+        return (m << 32) | n
+    lone = {"sm": list(range(8)), "tiles": [1] * 8, "first_tile": [first(i, c) for c in range(4) for i in (0, 1)]}
+    b2b = {"sm": [1, 4, 3, 6, 0, 5, 2, 7], "tiles": [1] * 8, "first_tile": lone["first_tile"]}
+    sample = dict(lone, go=[0] * 8, built=[0] * 8, producer_end=[1] * 8, consumer0_end=[1] * 8,
+                  consumer1_end=[0] * 8)
+    set_orders, traced = [], []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "stand-in")
+    monkeypatch.setattr(kernel_timing, "KernelProblem", Problem)
+    monkeypatch.setattr(kernels, "choose_config", lambda *a, **k: (75, 1, 1))
+    monkeypatch.setattr(torch.ops.flux, "set_fused_pdl", lambda on: None, raising=False)
+    monkeypatch.setattr(torch.ops.flux, "set_fused_order", lambda a, c: set_orders.append(c), raising=False)
+    monkeypatch.setattr(probe, "order_table", lambda perm: probe.torch.tensor(perm + perm, dtype=probe.torch.int32))
+    monkeypatch.setattr(probe, "trace_variant", lambda fns, calls: (
+        traced.append((fns[0], len(set_orders) and set_orders[-1])),
+        {"kernels": [fns[0]], "back_to_back": {"dur_us": 1.0, "step_us": 1.0, "overlap_us": 0.0, "n": calls},
+         "alone": {"dur_us": 1.0, "n": calls}})[1])
+    monkeypatch.setattr(probe, "trace_ctas", lambda fns, calls: {
+        "alone": {"work": 1.0, "sample": sample, "_placements": [lone]},
+        "back_to_back": {"work": 1.0, "sample": dict(sample, sm=b2b["sm"]), "_placements": [b2b]}})
+    out = tmp_path / "o.json"
+    assert probe.main(["--shapes", "256x64x320", "--configs", "75", "--pdl", "1", "--cta",
+                       "--orders", "identity,gpc,gpc-m,pdl,random:3", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    got = [(r["variant"], r.get("order")) for r in doc["results"] if "gpc_groups" not in r]
+    assert got == [("cublas", None)] + [("c75/r1/s1", o) for o in ("identity", "gpc", "gpc-m", "pdl", "random:3")]
+    # The fused runs: no order for identity, a 4-tile order for the others, each cleared after its run.
+    assert [c for _, c in traced[1:]] == [0, 4, 4, 4, 4]
+    assert set_orders == [0, 0] + [4, 0] * 4  # cleared after cuBLAS's run and after each fused one
+    (groups,) = [r for r in doc["results"] if "gpc_groups" in r]
+    assert groups["gpc_groups"] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert all("_placements" not in c for r in doc["results"] for c in (r.get("cta") or {}).values())
+
+
 def test_gpc_placement_reads_clusters_paces_and_merging(tmp_path):
     """bench/gpc_placement.py: the interleaved numbering; a cluster's SMs joined into one group and checked
     against it (pairs of one TPC say nothing); two paces split at the widest gap; per L2-probe variant the
