@@ -1,7 +1,8 @@
 """The fused kernels' targets over bench/bench_fused_gemm.py JSON files, no GPU needed:
 
     python bench/fused_scoreboard.py bench/results/fused_gemm-h200-models.json \\
-        [--choice shipped|served|tuned|analytic] [--json FILE]
+        [--choice shipped|served|tuned|analytic|alone] [--against tuned|...] [--timings loop,graph[,spin]]
+        [--json FILE]
 
 Per shape the library's configuration, as timed in the files (a later file wins for the shapes it
 shares with an earlier one; a configuration it did not time is read from the latest file that did,
@@ -10,8 +11,11 @@ file's GPU, which is made from such files, so on the files it came from it is, b
 their choice; ``served``, the one the run itself used (the library's choice at the run's commit);
 ``tuned``, the one ``python -m flux.autotune.kernels --from-bench`` would ship from the file;
 ``analytic``, the analytic default over the default build (flux.autotune.kernels.analytic_config;
-untimed where no file timed it). Ratios are the kernel's ms over ``torch.mm``'s
-(cuBLAS), per timing (loop, graph), and over the tuned choice's ms. The targets:
+untimed where no file timed it); ``alone``, the default build's configuration of least ``spin`` time in the
+shape's latest file (one call alone behind a GPU spin, the files' diagnostic timing: as the fused AG strategy
+launches its kernel, after a memset and an event wait), a choice nothing ships, for comparison. Ratios are the kernel's
+ms over ``torch.mm``'s (cuBLAS), per timing (``--timings``: loop and graph, the targets' timings, by
+default; spin too on request), and over the tuned choice's ms. The targets:
 AG within 2% of cuBLAS from 1024 rows, within 5% at 256, geometric mean at most 1.00; RS (one
 rank's block of rows) faster than ``mm`` then ``add`` from 128 rows, within 2% of ``mm`` from 1024.
 """
@@ -25,7 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from flux.autotune import kernels as K  # noqa: E402
 
 TIMINGS = ("loop", "graph")
-CHOICES = ("shipped", "served", "tuned", "analytic")
+ALL_TIMINGS = ("loop", "graph", "spin")
+CHOICES = ("shipped", "served", "tuned", "analytic", "alone")
 
 
 def shapes(paths):
@@ -57,7 +62,7 @@ def chosen(r, doc, how, tuned_cache):
     return e["choice"] if e else None
 
 
-def ratios(timed, lab, base):
+def ratios(timed, lab, base, timings=TIMINGS):
     """{timing: ms of ``lab`` / ms of ``base``} from the latest of the results ``timed`` (latest
     first) in which ``lab`` ran correctly; None where none did."""
     r, v = next(((r, r["variants"][lab]) for r, _ in timed if lab and r["variants"].get(lab, {}).get("ok")),
@@ -65,27 +70,45 @@ def ratios(timed, lab, base):
     if v is None:
         return None
     out = {}
-    for t in TIMINGS:
+    for t in timings:
         ms, ref = (v.get("ms") or {}).get(t), ((r.get(base) or {}).get("ms") or {}).get(t)
         out[t] = ms / ref if ms and ref else None
     return out
 
 
-def scoreboard(paths, how="shipped"):
-    """The targets' figures per timing, with the shapes each one missed."""
+def alone_choice(timed):
+    """The label of least spin time against cuBLAS's among the default build's configurations that the
+    shape's latest file timed correctly (one run, as the tuned choice); None where it timed none."""
+    r, doc = timed[0]
+    cfgs = {i: c for i, c in K._allowed("default", doc["dtype"], doc["out_dtype"])[K._op(r["op"])].items()
+            if c.applies(r["m"], r["n"], r["k"])}
+    labels = {lab for lab, v in r["variants"].items()
+              if v.get("ok") and v.get("config") in cfgs and v.get("tile") == cfgs[v["config"]].desc
+              and lab == K.label(v["config"], v["raster"], v["swizzle"])}
+    spins = {lab: (ratios(timed, lab, "cublas", ("spin",)) or {}).get("spin") for lab in labels}
+    spins = {lab: x for lab, x in spins.items() if x}
+    return min(spins, key=spins.get) if spins else None
+
+
+def scoreboard(paths, how="shipped", timings=TIMINGS, against="tuned"):
+    """The targets' figures per timing, with the shapes each one missed, and each choice's time over
+    the ``against`` choice's (``vs_<against>``)."""
     rows, tuned = [], {}
+
+    def pick(how, r, doc, timed):
+        return alone_choice(timed) if how == "alone" else chosen(r, doc, how, tuned)
+    key = f"vs_{against}"
     for (op, m, n, k), timed in sorted(shapes(paths).items()):
         r, doc = timed[0]
-        lab = chosen(r, doc, how, tuned)
-        tuned_lab = chosen(r, doc, "tuned", tuned)
-        mine, best = ratios(timed, lab, "cublas"), ratios(timed, tuned_lab, "cublas")
-        vs_tuned = ({t: mine[t] / best[t] if mine[t] and best[t] else None for t in TIMINGS}
-                    if mine and best else None)
+        lab, other = pick(how, r, doc, timed), pick(against, r, doc, timed)
+        mine, best = ratios(timed, lab, "cublas", timings), ratios(timed, other, "cublas", timings)
+        vs = ({t: mine[t] / best[t] if mine[t] and best[t] else None for t in timings} if mine and best else None)
         rows.append({"op": op, "m": m, "n": n, "k": k, "choice": lab, "vs_cublas": mine,
-                     "vs_cublas_add": ratios(timed, lab, "cublas_add") if op == "rs" else None, "vs_tuned": vs_tuned})
+                     "vs_cublas_add": ratios(timed, lab, "cublas_add", timings) if op == "rs" else None, key: vs})
     untimed = [f"{x['op']} {x['m']}x{x['n']}x{x['k']}" for x in rows if x["vs_cublas"] is None]
-    out = {"files": list(paths), "choice": how, "shapes": len(rows), "untimed": untimed, "timings": {}}
-    for t in TIMINGS:
+    out = {"files": list(paths), "choice": how, "against": against, "shapes": len(rows), "untimed": untimed,
+           "timings": {}}
+    for t in timings:
         def over(op, rows_min, rows_max, limit, key="vs_cublas"):
             sel = [x for x in rows if x["op"] == op and rows_min <= x["m"] <= rows_max and x[key]
                    and x[key][t] is not None]
@@ -98,13 +121,13 @@ def scoreboard(paths, how="shipped"):
             "ag_geomean": math.exp(sum(map(math.log, ag)) / len(ag)) if ag else None,
             "rs_faster_than_mm_add_from_128": over("rs", 128, 1 << 40, 1.0 - 1e-12, "vs_cublas_add"),
             "rs_within_2pct_of_mm_from_1024": over("rs", 1024, 1 << 40, 1.02)}
-        sel = [x for x in rows if x["vs_tuned"] and x["vs_tuned"][t]]
-        vt = [x["vs_tuned"][t] for x in sel]
-        out["timings"][t]["vs_tuned"] = {
+        sel = [x for x in rows if x[key] and x[key][t]]
+        vt = [x[key][t] for x in sel]
+        out["timings"][t][key] = {
             "shapes": len(vt), "geomean": math.exp(sum(map(math.log, vt)) / len(vt)) if vt else None,
             "over_5pct": sum(v > 1.05 for v in vt), "max": max(vt) if vt else None,
-            "which": [f"{x['op']} {x['m']}x{x['n']}x{x['k']} {x['choice']} {x['vs_tuned'][t]:.3f}"
-                      for x in sel if x["vs_tuned"][t] > 1.05]}
+            "which": [f"{x['op']} {x['m']}x{x['n']}x{x['k']} {x['choice']} {x[key][t]:.3f}"
+                      for x in sel if x[key][t] > 1.05]}
     return out
 
 
@@ -115,11 +138,11 @@ def text(s):
              ">= 128 rows"), ("rs_within_2pct_of_mm_from_1024", "RS over 2% of mm, >= 1024 rows"))
     for t, v in s["timings"].items():
         parts = [f"{label}: {v[key]['missed']} of {v[key]['shapes']}" for key, label in names]
-        vt = v["vs_tuned"]
+        vt = v[f"vs_{s['against']}"]
         gm = v["ag_geomean"]
         lines.append(f"{t}: " + "; ".join(parts) + (f"; AG geometric mean {gm:.3f}" if gm is not None else "")
-                     + (f"; over the tuned choice: geometric mean {vt['geomean']:.3f}, {vt['over_5pct']} of "
-                        f"{vt['shapes']} over 5%, max {vt['max']:.2f}" if vt["shapes"] else ""))
+                     + (f"; over the {s['against']} choice: geometric mean {vt['geomean']:.3f}, {vt['over_5pct']} "
+                        f"of {vt['shapes']} over 5%, max {vt['max']:.2f}" if vt["shapes"] else ""))
     return "\n".join(lines)
 
 
@@ -127,9 +150,14 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("files", nargs="+")
     p.add_argument("--choice", choices=CHOICES, default="shipped")
+    p.add_argument("--against", choices=CHOICES, default="tuned", help="the choice each one's time is put over")
+    p.add_argument("--timings", default=",".join(TIMINGS), help="of " + ",".join(ALL_TIMINGS))
     p.add_argument("--json", default=None, help="write the figures (and the shapes that missed) here")
     args = p.parse_args(argv)
-    s = scoreboard(args.files, args.choice)
+    timings = tuple(args.timings.split(","))
+    if not timings or any(t not in ALL_TIMINGS for t in timings):
+        p.error(f"--timings: a comma list of {', '.join(ALL_TIMINGS)}")
+    s = scoreboard(args.files, args.choice, timings, args.against)
     print(text(s))
     if args.json:
         with open(args.json, "w") as f:

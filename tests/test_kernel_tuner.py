@@ -636,6 +636,22 @@ def test_fused_scoreboard(tmp_path):
     # No tuned choice on the two-file set (its tiles name no built configuration): no ratio to it.
     assert s["timings"]["loop"]["vs_tuned"] == {"shapes": 0, "geomean": None, "over_5pct": 0, "max": None,
                                                    "which": []}
+    # The configuration fastest alone (spin timing) among the default build's, and a choice put over it.
+    ag = next(c for c in K._allowed("default", "bf16", "bf16")["ag"].values() if c.applies(1024, 64, 64))
+    lab0, lab1 = K.label(ag.id, 1, 1), K.label(ag.id, 1, 2)
+    e = tmp_path / "e.json"
+    r = res("ag", 1024, {}, lab0)
+    r["cublas"]["ms"]["spin"] = 2.0
+    r["variants"] = {lab: {"ok": True, "config": ag.id, "raster": 1, "swizzle": sw, "tile": ag.desc,
+                           "ms": {"loop": lp, "graph": lp, "spin": sp}}
+                     for lab, sw, lp, sp in ((lab0, 1, 1.0, 2.4), (lab1, 2, 1.1, 2.2))}
+    r["variants"]["c999/r1/s1"] = {"ok": True, "config": 999, "raster": 1, "swizzle": 1, "tile": "t",
+                                   "ms": {"loop": 0.5, "graph": 0.5, "spin": 0.5}}  # not built: not a choice
+    e.write_text(json.dumps(doc([r])))
+    alone = S.scoreboard([str(e)], "alone", ("loop", "spin"), "served")
+    assert alone["timings"]["spin"]["ag_geomean"] == 1.1 and alone["timings"]["loop"]["ag_geomean"] == 1.1
+    served = S.scoreboard([str(e)], "served", ("spin",), "alone")["timings"]["spin"]["vs_alone"]
+    assert abs(served["geomean"] - 2.4 / 2.2) < 1e-9 and served["over_5pct"] == 1
 
 
 def test_time_calls_rotates_and_warms(monkeypatch):
