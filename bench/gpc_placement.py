@@ -10,7 +10,9 @@ Reported:
              one GPC of INTERLEAVED (below), and the groups of SMs the pairs join (union over every sample);
   pace       per traced lone launch (and back to back), each CTA's time from its release to its end per
              tile, split at the widest gap: how many CTAs are in the faster group, its SMs, and whether
-             that set recurs in the file's other runs;
+             that set recurs in the file's other runs; and how many pairs of CTAs in one GPC (SMs above 119
+             placed by the clusters that join them to one below) share rows of A, or weight columns, in
+             their first tiles;
   merging    per L2-probe variant, over the groups of CTAs that read the same rows: how many GPCs each
              group spans (by INTERLEAVED) and the share of coalescable sectors the L2 slices did not read.
 
@@ -90,19 +92,52 @@ def _pace(sample):
     return t, gap, thr, sorted(sm for sm, v in t.items() if v < thr)
 
 
+def gpc_map(pairs):
+    """{SM: GPC}: INTERLEAVED below SM 120; above, the GPC of an SM below 120 that a cluster joined it to."""
+    out = {}
+    for g in join(pairs):
+        known = {interleaved_gpc(s) for s in g if s < 120}
+        for s in g:
+            if s < 120:
+                out[s] = interleaved_gpc(s)
+            elif len(known) == 1:
+                out[s] = next(iter(known))
+    return out
+
+
+def sharing(sample, gpc_of):
+    """(pairs of CTAs in one GPC whose first tiles share a tile row, i.e. rows of A; pairs sharing a tile
+    column, i.e. columns of the weight), over the CTAs whose SM's GPC is known."""
+    by = {}
+    for sm, tiles, ft in zip(sample["sm"], sample["tiles"], sample["first_tile"]):
+        if tiles > 0 and sm in gpc_of:
+            by.setdefault(gpc_of[sm], []).append((ft >> 32, ft & 0xFFFFFFFF))
+    rows = cols = 0
+    for tiles in by.values():
+        for i, x in enumerate(tiles):
+            for y in tiles[i + 1:]:
+                rows += x[0] == y[0]
+                cols += x[1] == y[1]
+    return rows, cols
+
+
 def trace_report(path):
     doc = json.load(open(path))
-    pairs, runs = [], []
+    pairs, runs, samples = [], [], []
     for label, mode, sample in _traced(doc):
         if " c5/" in f" {label.split(' ')[1]}":  # 1x1 clusters: no pairs
             continue
         cl = clusters(sample)
         pairs += cl
+        samples.append(sample)
         t, gap, thr, fast = _pace(sample)
         runs.append({"run": f"{label} {mode}", "ctas": len(t), "idle_sms": sorted(set(range(132)) - set(t))[:16],
                      "gap_us": round(gap, 2), "split_us": round(thr, 2), "faster": len(fast),
                      "faster_sms": fast if len(fast) <= 48 else None,
                      "us": [round(min(t.values()), 2), round(max(t.values()), 2)]})
+    gpc_of = gpc_map(pairs)
+    for r, sample in zip(runs, samples):
+        r["a_row_pairs_in_a_gpc"], r["weight_column_pairs_in_a_gpc"] = sharing(sample, gpc_of)
     # Pairs of one TPC (SMs 2j, 2j + 1) say nothing of the numbering; the others do.
     resolved = [sms for sms in pairs if max(sms) < 120 and len({s // 2 for s in sms}) > 1]
     same = sum(len({interleaved_gpc(s) for s in sms}) == 1 for sms in resolved)
@@ -157,7 +192,8 @@ def main(argv=None):
               f"joined: {[len(g) for g in t['gpc_groups']]}")
         for r in t["pace"]:
             print(f"  {r['run']}: {r['ctas']} CTAs {r['us'][0]}-{r['us'][1]} us per tile, widest gap "
-                  f"{r['gap_us']} us at {r['split_us']}: {r['faster']} faster")
+                  f"{r['gap_us']} us at {r['split_us']}: {r['faster']} faster; pairs in a GPC sharing rows of A "
+                  f"{r['a_row_pairs_in_a_gpc']}, weight columns {r['weight_column_pairs_in_a_gpc']}")
         for s in t["faster_sets"]:
             if len(s["runs"]) > 1:
                 print(f"  the same {len(s['sms'])} faster SMs in {len(s['runs'])} runs: {s['sms']}")

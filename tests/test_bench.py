@@ -254,6 +254,10 @@ def test_gpc_placement_reads_clusters_paces_and_merging(tmp_path):
     assert t["gpc_groups"] == [[2, 18], [4, 6], [8, 9]]
     (run,) = t["pace"]
     assert run["faster"] == 3 and run["faster_sms"] == [2, 8, 18] and run["us"] == [30.0, 41.0]
+    # In GPC 1 (SMs 2, 18) and GPC 4 (8, 9) the two CTAs share a tile column, none a row.
+    assert (run["a_row_pairs_in_a_gpc"], run["weight_column_pairs_in_a_gpc"]) == (0, 2)
+    # An SM above 119 takes the GPC of the SM below 120 a cluster joined it to; alone, none.
+    assert g.gpc_map([[102, 120], [124, 125]]) == {102: 6, 120: 6}
     probe = {"commit": "y", "device": "d", "variants": [
         {"group": 2, "smid": [2, 18, 4, 6], "spread": 0, "metrics": {
             "lts__t_sectors_op_read.sum [sector]": 75.0, "lrc__request_sectors_op_read_coalescable.sum [sector]": 100.0}}]}
