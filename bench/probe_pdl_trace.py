@@ -31,8 +31,9 @@ medians over the calls after the first, and one call's per-CTA times in full.
 cluster tile that a back-to-back launch under PDL ran on those SMs: the lone launch's placement made like
 the one back to back; ``matched`` is the share of cluster tiles that got it), ``gpc`` and ``gpc-m`` (the
 clusters of a lone launch that run in one GPC given consecutive cluster tiles, along N: sharing rows of A,
-or along M: sharing columns of the weight). The GPCs are read from the traces: the CTAs of a cluster run
-in one GPC, and back to back under PDL clusters land across it; the groups found are recorded per
+or along M: sharing columns of the weight). The GPCs are read from the traces of every variant so far (a
+configuration whose back-to-back launches spread its clusters, such as AG 75 or 60, first): the CTAs of a
+cluster run in one GPC, and back to back under PDL clusters land across it; the groups found are recorded per
 variant. Questions of placement: does a lone launch with the tiles where back-to-back launches put them,
 or with the CTAs that share an operand in one GPC (whose loads the L2's request coalescer may merge), run
 as fast as back-to-back launches do?
@@ -239,13 +240,14 @@ def pdl_order(alone, b2b, rows, cols, cluster):
     return perm, matched
 
 
-def gpc_groups(placements, cluster):
+def gpc_groups(placements, cluster, joined=()):
     """The SMs grouped by GPC as far as the placements show: the CTAs of a cluster run in one GPC
-    (CUDA's guarantee), so the SMs of every cluster of every call are joined (bench/gpc_placement.py);
-    back-to-back launches under PDL place clusters across the GPC, lone ones on neighbouring SMs. Every
-    SM that ran is in some group; sorted lists of SM ids, largest group first."""
+    (CUDA's guarantee), so the SMs of every cluster of every call are joined (bench/gpc_placement.py),
+    and so are those of ``joined`` (SM lists of clusters seen before, of any configuration: the GPCs are
+    the machine's); back-to-back launches under PDL place clusters across the GPC, lone ones on
+    neighbouring SMs. Every SM that ran is in some group; sorted lists of SM ids, largest group first."""
     sms = sorted({sm for pl in placements for sm in pl["sm"]})
-    return join([[sm] for sm in sms] + [c for pl in placements for c in clusters(pl, cluster)])
+    return join([[sm] for sm in sms] + list(joined) + [c for pl in placements for c in clusters(pl, cluster)])
 
 
 def gpc_order(alone, groups, rows, cols, cluster, along="n"):
@@ -303,6 +305,7 @@ def main(argv=None):
 
     switch = torch.ops.flux.set_fused_pdl
     results = []
+    machine = []  # the SMs of every cluster traced so far (one GPC each), for the gpc orders
     for rec in parse_shapes(args.op, args.shapes):
         m, n, k = rec["m"], rec["n"], rec["k"]
         prob = KernelProblem(args.op, m, n, k, torch.bfloat16, torch.bfloat16, torch.device("cuda"))
@@ -334,8 +337,9 @@ def main(argv=None):
                     if seen is None:
                         switch(True)
                         seen = trace_ctas(fns, max(8, args.calls))
-                        groups = gpc_groups(seen["alone"]["_placements"] + seen["back_to_back"]["_placements"],
-                                            cluster)
+                        pls = seen["alone"]["_placements"] + seen["back_to_back"]["_placements"]
+                        groups = gpc_groups(pls, cluster, machine)
+                        machine += [c for pl in pls for c in clusters(pl, cluster)]
                         placement.append({"variant": name, "gpc_groups": groups})
                     if o == "pdl":
                         perm, matched = pdl_order(seen["alone"]["sample"], seen["back_to_back"]["sample"], rows,

@@ -166,6 +166,8 @@ def test_probe_pdl_trace_orders_place_tiles_as_back_to_back():
     groups = probe.gpc_groups([lone, b2b], cluster)
     assert groups == [[0, 1, 4, 5], [2, 3, 6, 7]]
     assert probe.gpc_groups([lone], cluster) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    # Clusters seen before (another configuration's back-to-back launches) join a lone launch's SMs.
+    assert probe.gpc_groups([lone], cluster, [[1, 4], [3, 6]]) == groups
     # Cluster tiles 0 and 1 share rows of A (one cluster row): along N they go to the first GPC's clusters.
     assert probe.gpc_order(lone, groups, 2, 2, cluster, "n") == [0, 2, 1, 3]
     assert probe.gpc_order(lone, groups, 2, 2, cluster, "m") == [0, 1, 2, 3]
