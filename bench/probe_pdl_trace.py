@@ -387,11 +387,11 @@ def main(argv=None):
                     print(f"    cta {mode:>12}: " + ", ".join(f"{k} {v:.2f}" for k, v in c.items()
                                                           if k != "sample" and v is not None), flush=True)
         del prob
-    if args.out:
-        doc = {"format": 1, "command": "python " + " ".join(shlex.quote(a) for a in sys.argv), "commit": commit(),
-               "device": torch.cuda.get_device_name(), "results": results}
-        with open(args.out, "w") as f:
-            json.dump(doc, f, indent=1)
+        if args.out:  # after every shape: a run cut short by its time limit keeps what it measured
+            doc = {"format": 1, "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
+                   "commit": commit(), "device": torch.cuda.get_device_name(), "results": results}
+            with open(args.out, "w") as f:
+                json.dump(doc, f, indent=1)
     return 0
 
 
