@@ -26,6 +26,7 @@ import os
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
 RESULTS = os.path.join(REPO, "bench", "results")
 TRACES = ("pdl_trace-h100-cta-1280.json", "pdl_trace-h100-cta-more.json", "pdl_trace-h100-diag-1280.json")
 PROBES = ("probe_l2-h200-placement.json", "probe_l2-h100-cluster.json", "probe_l2-h100-sched.json")
@@ -71,11 +72,14 @@ def join(pairs):
 
 
 def _traced(doc):
-    """(label, mode, sample) of every 2x1-cluster launch traced in a probe_pdl_trace JSON."""
+    """(label, mode, sample, cluster) of every launch of a multi-CTA cluster traced in a probe_pdl_trace
+    JSON; cluster: (cluster_m, cluster_n) of its configuration (flux/fused_configs.py)."""
+    from flux import fused_configs as fc
     for r in doc["results"]:
+        cluster = tuple(fc.config("ag", int(r["variant"].split("/")[0][1:])).cluster) if "cta" in r else (1, 1)
         for mode, c in (r.get("cta") or {}).items():
-            if c and c.get("sample"):
-                yield f"{r['m']}x{r['n']}x{r['k']} {r['variant']} pdl{r['pdl']}", mode, c["sample"]
+            if c and c.get("sample") and cluster[0] * cluster[1] > 1:
+                yield f"{r['m']}x{r['n']}x{r['k']} {r['variant']} pdl{r['pdl']}", mode, c["sample"], cluster
 
 
 def _pace(sample):
@@ -124,10 +128,8 @@ def sharing(sample, gpc_of):
 def trace_report(path):
     doc = json.load(open(path))
     pairs, runs, samples = [], [], []
-    for label, mode, sample in _traced(doc):
-        if " c5/" in f" {label.split(' ')[1]}":  # 1x1 clusters: no pairs
-            continue
-        cl = clusters(sample)
+    for label, mode, sample, cluster in _traced(doc):
+        cl = clusters(sample, cluster)
         pairs += cl
         samples.append(sample)
         t, gap, thr, fast = _pace(sample)
