@@ -14,6 +14,7 @@ namespace flux {
 namespace {
 std::atomic<bool> g_fused_pdl{true};
 std::atomic<int64_t> g_fused_trace{0};
+std::atomic<bool> g_order_set{false};  // read by every launch: the lock below only while a table is set
 std::mutex g_order_mutex;
 std::pair<int64_t, int64_t> g_fused_order{0, 0};  // (address, count)
 }  // namespace
@@ -22,6 +23,7 @@ int64_t fused_trace() { return g_fused_trace.load(std::memory_order_relaxed); }
 void set_fused_trace(int64_t address) { g_fused_trace.store(address, std::memory_order_relaxed); }
 
 std::pair<int64_t, int64_t> fused_order() {
+  if (!g_order_set.load(std::memory_order_acquire)) return {0, 0};
   std::lock_guard<std::mutex> lock(g_order_mutex);
   return g_fused_order;
 }
@@ -30,6 +32,7 @@ void set_fused_order(int64_t address, int64_t count) {
              "an address with a count of cluster tiles, or 0 and 0 (got ", address, ", ", count, ")");
   std::lock_guard<std::mutex> lock(g_order_mutex);
   g_fused_order = {address, count};
+  g_order_set.store(address != 0, std::memory_order_release);
 }
 
 bool fused_pdl() { return g_fused_pdl.load(std::memory_order_relaxed); }
