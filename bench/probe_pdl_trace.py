@@ -375,10 +375,6 @@ def main(argv=None):
             results.append(r)
             if order is not None:
                 name = f"{name}/{order[0]}"
-        for g in placement:
-            results.append(dict(op=args.op, m=m, n=n, k=k, **g))
-            print(f"{args.op} {m}x{k}x{n} {g['variant']}: GPC groups of SMs "
-                  + " ".join(str(len(x)) for x in g["gpc_groups"]), flush=True)
             b, a = r["back_to_back"], r["alone"]
             print(f"{args.op} {m}x{k}x{n} {name:>12} pdl={pdl}: back to back dur {b['dur_us']:.1f} step "
                   f"{b['step_us']:.1f} overlap {b['overlap_us']:.1f} us; alone {a['dur_us']:.1f} us", flush=True)
@@ -386,6 +382,10 @@ def main(argv=None):
                 if c:
                     print(f"    cta {mode:>12}: " + ", ".join(f"{k} {v:.2f}" for k, v in c.items()
                                                           if k != "sample" and v is not None), flush=True)
+        for g in placement:
+            results.append(dict(op=args.op, m=m, n=n, k=k, **g))
+            print(f"{args.op} {m}x{k}x{n} {g['variant']}: GPC groups of SMs "
+                  + " ".join(str(len(x)) for x in g["gpc_groups"]), flush=True)
         del prob
         if args.out:  # after every shape: a run cut short by its time limit keeps what it measured
             doc = {"format": 1, "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),

@@ -178,7 +178,7 @@ def test_probe_pdl_trace_orders_place_tiles_as_back_to_back():
     assert (rows - 1) * cl[0] * cfg.tile[0] < 1024 and (cols - 1) * cl[1] * cfg.tile[1] < 1280
 
 
-def test_probe_pdl_trace_runs_every_order_with_the_gpu_parts_stubbed(tmp_path, monkeypatch):
+def test_probe_pdl_trace_runs_every_order_with_the_gpu_parts_stubbed(tmp_path, monkeypatch, capsys):
     """probe_pdl_trace's main, its launches and traces replaced by stand-ins: each order is set before
     its variant's runs and cleared after, the GPC groups are recorded, and the JSON holds a result per
     (variant, order)."""
@@ -230,6 +230,10 @@ def test_probe_pdl_trace_runs_every_order_with_the_gpu_parts_stubbed(tmp_path, m
     (groups,) = [r for r in doc["results"] if "gpc_groups" in r]
     assert groups["gpc_groups"] == [[0, 1, 4, 5], [2, 3, 6, 7]]
     assert all("_placements" not in c for r in doc["results"] for c in (r.get("cta") or {}).values())
+    printed = capsys.readouterr().out
+    for name in ("cublas", "c75/r1/s1/identity", "c75/r1/s1/gpc", "c75/r1/s1/gpc-m", "c75/r1/s1/pdl",
+                 "c75/r1/s1/random:3"):
+        assert f" {name} pdl=" in printed, name  # one line per run, each named with its order
 
 
 def test_gpc_placement_reads_clusters_paces_and_merging(tmp_path):
