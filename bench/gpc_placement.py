@@ -28,7 +28,8 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 RESULTS = os.path.join(REPO, "bench", "results")
-TRACES = ("pdl_trace-h100-cta-1280.json", "pdl_trace-h100-cta-more.json", "pdl_trace-h100-diag-1280.json")
+TRACES = ("pdl_trace-h100-cta-1280.json", "pdl_trace-h100-cta-more.json", "pdl_trace-h100-diag-1280.json",
+          "pdl_trace-h100-orders-1280.json", "pdl_trace-h100-orders-768.json")
 PROBES = ("probe_l2-h200-placement.json", "probe_l2-h100-cluster.json", "probe_l2-h100-sched.json")
 
 
@@ -79,7 +80,8 @@ def _traced(doc):
         cluster = tuple(fc.config("ag", int(r["variant"].split("/")[0][1:])).cluster) if "cta" in r else (1, 1)
         for mode, c in (r.get("cta") or {}).items():
             if c and c.get("sample") and cluster[0] * cluster[1] > 1:
-                yield f"{r['m']}x{r['n']}x{r['k']} {r['variant']} pdl{r['pdl']}", mode, c["sample"], cluster
+                order = f" order {r['order']}" if r.get("order") else ""
+                yield f"{r['m']}x{r['n']}x{r['k']} {r['variant']} pdl{r['pdl']}{order}", mode, c["sample"], cluster
 
 
 def _pace(sample):
