@@ -28,6 +28,9 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 RESULTS = os.path.join(REPO, "bench", "results")
+
+from flux.autotune.placement import join  # noqa: E402  (the union-find, shared with the library)
+
 TRACES = ("pdl_trace-h100-cta-1280.json", "pdl_trace-h100-cta-more.json", "pdl_trace-h100-diag-1280.json",
           "pdl_trace-h100-orders-1280.json", "pdl_trace-h100-orders-768.json")
 PROBES = ("probe_l2-h200-placement.json", "probe_l2-h100-cluster.json", "probe_l2-h100-sched.json")
@@ -50,26 +53,6 @@ def clusters(sample, cluster=(2, 1)):
         if tiles > 0:
             members.setdefault(((ft >> 32) // cluster[0], (ft & 0xFFFFFFFF) // cluster[1]), []).append(sm)
     return [sms for sms in members.values() if len(sms) > 1]
-
-
-def join(pairs):
-    """The SMs joined by every list in ``pairs`` (each of one GPC): sorted groups, largest first."""
-    parent = {}
-
-    def find(x):
-        parent.setdefault(x, x)
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-    for sms in pairs:
-        for other in sms[1:]:
-            parent[find(other)] = find(sms[0])
-        find(sms[0])
-    out = {}
-    for sm in parent:
-        out.setdefault(find(sm), []).append(sm)
-    return sorted((sorted(g) for g in out.values()), key=lambda g: (-len(g), g[0]))
 
 
 def _traced(doc):

@@ -305,7 +305,12 @@ def main(argv=None):
 
     switch = torch.ops.flux.set_fused_pdl
     results = []
-    machine = []  # the SMs of every cluster traced so far (one GPC each), for the gpc orders
+    from flux.autotune import placement as learnt
+    try:  # the GPCs learnt from clustered launches; the clusters traced below join in
+        machine = learnt.gpc_groups()
+    except RuntimeError as e:
+        print(f"probe_pdl_trace: GPCs from the traces only ({e})", flush=True)
+        machine = []
     for rec in parse_shapes(args.op, args.shapes):
         m, n, k = rec["m"], rec["n"], rec["k"]
         prob = KernelProblem(args.op, m, n, k, torch.bfloat16, torch.bfloat16, torch.device("cuda"))

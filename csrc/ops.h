@@ -30,6 +30,9 @@ void set_fused_pdl(bool enabled);
 void set_fused_trace(int64_t address);
 // The fused AG kernels' diagnostic cluster-tile permutation, process-wide (ag_gemm_fused.cuh).
 void set_fused_order(int64_t address, int64_t count);
+// Per launch of `rounds` grids of clusters of `cluster` CTAs, one CTA per SM, each CTA's SM
+// ([rounds, grid] int32, clusters consecutive; csrc/common/cluster_sms.cu).
+at::Tensor cluster_sms(int64_t cluster, int64_t rounds, int64_t device);
 
 // Fused GEMM+ReduceScatter own block (csrc/gemm_rs/rs_fused.cpp): out = a @ weight^T + source (+ bias),
 // the epilogue of each tile waiting for the flags of the source segments it reads.

@@ -75,6 +75,9 @@ TORCH_LIBRARY(flux, m) {
   // AgWaitArguments::order), used by a launch whose cluster tiles are count; 0, 0 (the default): none.
   // Process-wide; bench/probe_pdl_trace.py --orders sets it.
   m.def("set_fused_order(int address, int count) -> ()");
+  // The SMs that grids of `cluster`-CTA clusters ran on, one CTA per SM: [rounds, grid] int32, the CTAs
+  // of a cluster consecutive (all in one GPC); flux/autotune/placement.py learns the GPCs from it.
+  m.def("cluster_sms(int cluster, int rounds, int device) -> Tensor");
   // Fused GEMM+ReduceScatter own block (csrc/gemm_rs/rs_fused.cpp): out = a @ weight^T + source (+ bias);
   // source: this rank's workspace slot that the peer fills segment by segment, segment s announced
   // by flags[s] != 0; the epilogue of a tile waits (bounded, naming `peer`) for its segments.
@@ -91,6 +94,7 @@ TORCH_LIBRARY_IMPL(flux, CompositeExplicitAutograd, m) {
   m.impl("fused_pdl", &flux::fused_pdl);
   m.impl("set_fused_trace", &flux::set_fused_trace);
   m.impl("set_fused_order", &flux::set_fused_order);
+  m.impl("cluster_sms", &flux::cluster_sms);
 }
 
 TORCH_LIBRARY_IMPL(flux, CUDA, m) {
