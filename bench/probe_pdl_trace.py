@@ -31,10 +31,11 @@ medians over the calls after the first, and one call's per-CTA times in full.
 cluster tile that a back-to-back launch under PDL ran on those SMs: the lone launch's placement made like
 the one back to back; ``matched`` is the share of cluster tiles that got it), ``gpc`` and ``gpc-m`` (the
 clusters of a lone launch that run in one GPC given consecutive cluster tiles, along N: sharing rows of A,
-or along M: sharing columns of the weight). The GPCs are read from the traces of every variant so far (a
-configuration whose back-to-back launches spread its clusters, such as AG 75 or 60, first): the CTAs of a
-cluster run in one GPC, and back to back under PDL clusters land across it; the groups found are recorded per
-variant. Questions of placement: does a lone launch with the tiles where back-to-back launches put them,
+or along M: sharing columns of the weight), and ``deal`` (no table: the kernel itself deals the cluster tiles
+of a one-wave launch of 2-CTA clusters by the GPC each cluster lands in, torch.ops.flux.set_fused_deal, in
+every launch, alone or back to back). The GPCs are those learnt from clustered launches
+(flux/autotune/placement.py), joined with those the traces of every variant so far show: the CTAs of a
+cluster run in one GPC; the groups found are recorded per variant. Questions of placement: does a lone launch with the tiles where back-to-back launches put them,
 or with the CTAs that share an operand in one GPC (whose loads the L2's request coalescer may merge), run
 as fast as back-to-back launches do?
 
@@ -306,6 +307,7 @@ def main(argv=None):
     switch = torch.ops.flux.set_fused_pdl
     results = []
     from flux.autotune import placement as learnt
+    deal = None  # (places, claims) for the deal order, made at its first run
     try:  # the GPCs learnt from clustered launches; the clusters traced below join in
         machine = learnt.gpc_groups()
     except RuntimeError as e:
@@ -334,6 +336,8 @@ def main(argv=None):
             for o in args.orders.split(","):
                 if o == "identity":
                     runs.append((name, pdl, fns, ("identity", None, None)))
+                elif o == "deal":  # no table: the kernel deals by the GPC each cluster runs in
+                    runs.append((name, pdl, fns, ("deal", None, None)))
                 elif o.startswith("random:"):
                     g = torch.Generator().manual_seed(int(o.split(":")[1]))
                     perm = torch.randperm(rows * cols, generator=g).tolist()
@@ -355,13 +359,18 @@ def main(argv=None):
                                          "m" if o == "gpc-m" else "n")
                         runs.append((name, pdl, fns, (o, order_table(perm), None)))
                 else:
-                    raise SystemExit(f"probe_pdl_trace: unknown order {o!r} (identity, random:SEED, pdl, gpc, gpc-m)")
+                    raise SystemExit(f"probe_pdl_trace: unknown order {o!r} (identity, random:SEED, pdl, gpc, gpc-m, "
+                                     "deal)")
         set_order = torch.ops.flux.set_fused_order if any(r[3] for r in runs) else None
         for name, pdl, fns, order in runs:
             if pdl is not None:
                 switch(bool(pdl))
             if order is not None and order[1] is not None:
                 set_order(order[1].data_ptr(), order[1].numel() // 2)
+            if order is not None and order[0] == "deal":
+                if deal is None:
+                    deal = learnt.deal_buffers()
+                torch.ops.flux.set_fused_deal(deal[0].data_ptr(), deal[1].data_ptr(), deal[0].numel())
             try:
                 r = dict(op=args.op, m=m, n=n, k=k, variant=name, pdl=pdl, **trace_variant(fns, args.calls))
                 if order is not None:
@@ -376,6 +385,8 @@ def main(argv=None):
             finally:
                 if set_order is not None:
                     set_order(0, 0)
+                if deal is not None:
+                    torch.ops.flux.set_fused_deal(0, 0, 0)
             switch(True)
             results.append(r)
             if order is not None:

@@ -30,6 +30,8 @@ void set_fused_pdl(bool enabled);
 void set_fused_trace(int64_t address);
 // The fused AG kernels' diagnostic cluster-tile permutation, process-wide (ag_gemm_fused.cuh).
 void set_fused_order(int64_t address, int64_t count);
+// The fused AG kernels' diagnostic deal of cluster tiles by GPC, process-wide (ag_gemm_fused.cuh).
+void set_fused_deal(int64_t pos, int64_t state, int64_t sms);
 // Per launch of `rounds` grids of clusters of `cluster` CTAs, one CTA per SM, each CTA's SM
 // ([rounds, grid] int32, clusters consecutive; csrc/common/cluster_sms.cu).
 at::Tensor cluster_sms(int64_t cluster, int64_t rounds, int64_t device);

@@ -75,6 +75,12 @@ TORCH_LIBRARY(flux, m) {
   // AgWaitArguments::order), used by a launch whose cluster tiles are count; 0, 0 (the default): none.
   // Process-wide; bench/probe_pdl_trace.py --orders sets it.
   m.def("set_fused_order(int address, int count) -> ()");
+  // A diagnostic: the device addresses of `sms` int32 places of the SMs in an order GPC by GPC and of a
+  // zeroed int32 buffer of claims (csrc/ag_gemm/ag_tile_scheduler.hpp AgWaitArguments::deal_pos): the
+  // next launches of the fused AG kernels of one wave of 2-CTA clusters deal their cluster tiles by
+  // the GPC each cluster runs in; 0, 0, 0 (the default): none. Process-wide, not for concurrent launches;
+  // bench/probe_pdl_trace.py --orders deal sets it.
+  m.def("set_fused_deal(int pos, int state, int sms) -> ()");
   // The SMs that grids of `cluster`-CTA clusters ran on, one CTA per SM: [rounds, grid] int32, the CTAs
   // of a cluster consecutive (all in one GPC); flux/autotune/placement.py learns the GPCs from it.
   m.def("cluster_sms(int cluster, int rounds, int device) -> Tensor");
@@ -94,6 +100,7 @@ TORCH_LIBRARY_IMPL(flux, CompositeExplicitAutograd, m) {
   m.impl("fused_pdl", &flux::fused_pdl);
   m.impl("set_fused_trace", &flux::set_fused_trace);
   m.impl("set_fused_order", &flux::set_fused_order);
+  m.impl("set_fused_deal", &flux::set_fused_deal);
   m.impl("cluster_sms", &flux::cluster_sms);
 }
 

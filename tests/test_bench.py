@@ -210,6 +210,12 @@ def test_probe_pdl_trace_runs_every_order_with_the_gpu_parts_stubbed(tmp_path, m
     monkeypatch.setattr(kernels, "choose_config", lambda *a, **k: (75, 1, 1))
     monkeypatch.setattr(torch.ops.flux, "set_fused_pdl", lambda on: None, raising=False)
     monkeypatch.setattr(torch.ops.flux, "set_fused_order", lambda a, c: set_orders.append(c), raising=False)
+    deals = []
+    monkeypatch.setattr(torch.ops.flux, "set_fused_deal", lambda p, s, n: deals.append(n), raising=False)
+    from flux.autotune import placement
+    monkeypatch.setattr(placement, "gpc_groups", lambda device=None: [[0, 1], [2, 3]])
+    monkeypatch.setattr(placement, "deal_buffers", lambda device=None: (torch.zeros(8, dtype=torch.int32),
+                                                                         torch.zeros(36, dtype=torch.int32)))
     monkeypatch.setattr(probe, "order_table", lambda perm: probe.torch.tensor(perm + perm, dtype=probe.torch.int32))
     monkeypatch.setattr(probe, "trace_variant", lambda fns, calls: (
         traced.append((fns[0], len(set_orders) and set_orders[-1])),
@@ -220,19 +226,22 @@ def test_probe_pdl_trace_runs_every_order_with_the_gpu_parts_stubbed(tmp_path, m
         "back_to_back": {"work": 1.0, "sample": dict(sample, sm=b2b["sm"]), "_placements": [b2b]}})
     out = tmp_path / "o.json"
     assert probe.main(["--shapes", "256x64x320", "--configs", "75", "--pdl", "1", "--cta",
-                       "--orders", "identity,gpc,gpc-m,pdl,random:3", "--out", str(out)]) == 0
+                       "--orders", "identity,gpc,gpc-m,pdl,random:3,deal", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     got = [(r["variant"], r.get("order")) for r in doc["results"] if "gpc_groups" not in r]
-    assert got == [("cublas", None)] + [("c75/r1/s1", o) for o in ("identity", "gpc", "gpc-m", "pdl", "random:3")]
-    # The fused runs: no order for identity, a 4-tile order for the others, each cleared after its run.
-    assert [c for _, c in traced[1:]] == [0, 4, 4, 4, 4]
-    assert set_orders == [0, 0] + [4, 0] * 4  # cleared after cuBLAS's run and after each fused one
+    assert got == [("cublas", None)] + [("c75/r1/s1", o) for o in ("identity", "gpc", "gpc-m", "pdl", "random:3",
+                                                                   "deal")]
+    # The fused runs: no order for identity and deal, a 4-tile order for the others, each cleared after
+    # its run; the deal set for its run only (8 SMs) and cleared after it.
+    assert [c for _, c in traced[1:]] == [0, 4, 4, 4, 4, 0]
+    assert set_orders == [0, 0] + [4, 0] * 4 + [0]  # cleared after cuBLAS's run and after each fused one
+    assert deals == [8, 0]
     (groups,) = [r for r in doc["results"] if "gpc_groups" in r]
     assert groups["gpc_groups"] == [[0, 1, 4, 5], [2, 3, 6, 7]]
     assert all("_placements" not in c for r in doc["results"] for c in (r.get("cta") or {}).values())
     printed = capsys.readouterr().out
     for name in ("cublas", "c75/r1/s1/identity", "c75/r1/s1/gpc", "c75/r1/s1/gpc-m", "c75/r1/s1/pdl",
-                 "c75/r1/s1/random:3"):
+                 "c75/r1/s1/random:3", "c75/r1/s1/deal"):
         assert f" {name} pdl=" in printed, name  # one line per run, each named with its order
 
 

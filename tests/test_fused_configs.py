@@ -429,6 +429,106 @@ def test_gpu_ag_order_permutes_cluster_tiles():
         assert torch.equal(again, plains[0][0]) and restored == plains[0][1], f"ag:{cid}: order not cleared"
 
 
+@gpu
+def test_gpu_ag_deal_by_gpc_claims_each_cluster_tile_once():
+    """The diagnostic deal by GPC (torch.ops.flux.set_fused_deal): on one wave of 2-CTA clusters (2x1 and
+    1x2 where built), on rank 0 and rank 1, the result is bitwise that of the static order launch after
+    launch and in CUDA-graph replay; every cluster tile is claimed once per launch (the claims' epoch
+    moves on on the device, once a launch); the CTAs start on distinct tiles, most clusters on the tile
+    of their leader SM's place; a launch of several waves keeps the static order and the epoch."""
+    from flux.autotune import placement
+
+    built = sorted(t for t in _BUILT if t[0] == "ag" and t[2] == "bf16" and fc.config("ag", t[1]).splits == 1
+                   and fc.config("ag", t[1]).scheduler == "persistent"
+                   and sorted(fc.config("ag", t[1]).cluster) == [1, 2])
+    if not built:
+        pytest.skip("no persistent AG bf16 instantiation with a 2-CTA cluster built")
+    set_trace, set_deal = _op_or_skip("set_fused_trace"), _op_or_skip("set_fused_deal")
+    with pytest.raises(RuntimeError, match="set_fused_deal"):
+        set_deal(0, 0, 5)
+    places, state = placement.deal_buffers()
+    pos = places.tolist()
+    picks = {}
+    for t in built:
+        picks.setdefault(fc.config("ag", t[1]).cluster, t)
+    epoch = 0
+    for _, cid, _ in picks.values():
+        cfg = fc.config("ag", cid)
+        dev, (m, n, k), a, w, flags = _ag_problem(17, m=8 * cfg.tile[0], n=16 * cfg.tile[1], k=512)
+        rows, cols = math.ceil(8 / cfg.cluster[0]), math.ceil(16 / cfg.cluster[1])
+        if 2 * rows * cols > torch.cuda.get_device_properties(dev).multi_processor_count:
+            continue
+
+        def run(rank, deal, rows_m=m):
+            out = torch.full((rows_m, n), float("nan"), device=dev, dtype=torch.bfloat16)
+            buf = torch.zeros(4096, 8, dtype=torch.int64, device=dev)
+            x = a if rows_m == m else torch.randn(rows_m, k, device=dev, dtype=torch.bfloat16)
+            try:
+                set_trace(buf.data_ptr())
+                if deal:
+                    set_deal(places.data_ptr(), state.data_ptr(), places.numel())
+                torch.ops.flux.ag_gemm_fused_(out, x, w, None, flags, rank, 2, rows_m // 2, 10000, 0, 1, 1, cid)
+            finally:
+                set_deal(0, 0, 0)
+                set_trace(0)
+            torch.cuda.synchronize()
+            return out, buf.cpu(), x
+
+        for rank in (0, 1):
+            ref, _, _ = run(rank, False)
+            assert torch.isfinite(ref).all(), f"ag:{cid}: NaN left"
+            for _ in range(2):
+                out, t, _ = run(rank, True)
+                epoch += 1
+                assert torch.equal(out, ref), f"ag:{cid} rank {rank}: the deal changed the result"
+                st = state.cpu()
+                assert int(st[0]) == epoch and int(st[1]) == 0, f"ag:{cid}: epoch {int(st[0])}, want {epoch}"
+                assert (st[2:2 + rows * cols] == epoch).all(), f"ag:{cid}: a cluster tile not claimed"
+                ran = t[t[:, 6] > 0]
+                assert len(ran) == 2 * rows * cols and int(ran[:, 6].sum()) == len(ran), f"ag:{cid}"
+                firsts = [(int(v) >> 32, int(v) & 0xFFFFFFFF) for v in ran[:, 7]]
+                assert len(set(firsts)) == len(firsts), f"ag:{cid}: two CTAs started on one tile"
+                # Where a cluster took the tile of its place: one of its CTAs runs on the SM at place
+                # 2 * slot (the leader's), the slot read along N (2x1) or along M (1x2).
+                on_place = 0
+                for sm, (tm, tn) in zip(ran[:, 0].tolist(), firsts):
+                    c = (tm // cfg.cluster[0]) * cols + tn // cfg.cluster[1]
+                    slot = c if cfg.cluster[0] == 2 else (c % cols) * rows + c // cols
+                    on_place += pos[sm] // 2 == slot
+                assert on_place >= len(firsts) // 2, f"ag:{cid}: {on_place} of {len(firsts)} CTAs on their place"
+        # Graph replay: the epoch moves on on the device.
+        out = torch.full((m, n), float("nan"), device=dev, dtype=torch.bfloat16)
+        ref, _, _ = run(0, False)
+        s = torch.cuda.Stream()
+        try:
+            set_deal(places.data_ptr(), state.data_ptr(), places.numel())
+            torch.ops.flux.ag_gemm_fused_(out, a, w, None, flags, 0, 2, m // 2, 10000, 0, 1, 1, cid)  # warm-up
+            epoch += 1
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.stream(s):
+                with torch.cuda.graph(g, stream=s):
+                    torch.ops.flux.ag_gemm_fused_(out, a, w, None, flags, 0, 2, m // 2, 10000, 0, 1, 1, cid)
+        finally:
+            set_deal(0, 0, 0)
+        for _ in range(3):
+            out.fill_(float("nan"))
+            g.replay()
+            epoch += 1
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref) and int(state[0]) == epoch, f"ag:{cid}: graph replay"
+        # Several waves: the static order, the epoch untouched.
+        big = 4 * m
+        ref_big, _, x = run(0, False, rows_m=big)
+        out = torch.full((big, n), float("nan"), device=dev, dtype=torch.bfloat16)
+        try:
+            set_deal(places.data_ptr(), state.data_ptr(), places.numel())
+            torch.ops.flux.ag_gemm_fused_(out, x, w, None, flags, 0, 2, big // 2, 10000, 0, 1, 1, cid)
+        finally:
+            set_deal(0, 0, 0)
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref_big) and int(state[0]) == epoch, f"ag:{cid}: a launch of several waves dealt"
+
+
 _UNBUILT_CHILD = r"""
 import sys, torch
 import flux  # noqa: F401  (loads flux._C)

@@ -69,6 +69,12 @@ def test_learn_never_joins_two_gpcs_and_keeps_unreached_sms():
     assert len(got) == 66
 
 
+def test_sm_places_run_gpc_by_gpc_so_a_tpc_pair_shares_a_slot():
+    places = placement.sm_places([[4, 5, 0, 1], [2, 3], [9]], 10)
+    assert places == [0, 1, 4, 5, 2, 3, -1, -1, -1, 6]
+    assert [places[sm] // 2 for sm in (0, 1, 4, 5, 2, 3)] == [0, 0, 1, 1, 2, 2]
+
+
 def test_gpc_groups_without_a_gpu_raises_naming_it(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(RuntimeError, match="gpc_groups: needs a CUDA GPU"):

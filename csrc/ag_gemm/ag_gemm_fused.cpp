@@ -17,6 +17,8 @@ std::atomic<int64_t> g_fused_trace{0};
 std::atomic<bool> g_order_set{false};  // read by every launch: the lock below only while a table is set
 std::mutex g_order_mutex;
 std::pair<int64_t, int64_t> g_fused_order{0, 0};  // (address, count)
+std::atomic<bool> g_deal_set{false};  // likewise for the deal
+FusedDeal g_fused_deal;
 }  // namespace
 
 int64_t fused_trace() { return g_fused_trace.load(std::memory_order_relaxed); }
@@ -33,6 +35,21 @@ void set_fused_order(int64_t address, int64_t count) {
   std::lock_guard<std::mutex> lock(g_order_mutex);
   g_fused_order = {address, count};
   g_order_set.store(address != 0, std::memory_order_release);
+}
+
+FusedDeal fused_deal() {
+  if (!g_deal_set.load(std::memory_order_acquire)) return {};
+  std::lock_guard<std::mutex> lock(g_order_mutex);
+  return g_fused_deal;
+}
+void set_fused_deal(int64_t pos, int64_t state, int64_t sms) {
+  FLUX_CHECK((pos == 0 && state == 0 && sms == 0) || (pos != 0 && state != 0 && sms > 0 && sms <= AgDealMaxSms),
+             "set_fused_deal", "the places of 1 to ", AgDealMaxSms, " SMs and the claims' buffer, or 0, 0, 0 (got ",
+             pos, ", ", state, ", ", sms, ")");
+  FLUX_CHECK(state % 8 == 0, "set_fused_deal", "the claims' buffer must be 8-byte aligned");
+  std::lock_guard<std::mutex> lock(g_order_mutex);
+  g_fused_deal = {pos, state, sms};
+  g_deal_set.store(pos != 0, std::memory_order_release);
 }
 
 bool fused_pdl() { return g_fused_pdl.load(std::memory_order_relaxed); }
@@ -83,6 +100,10 @@ void ag_gemm_fused_(at::Tensor& out, const at::Tensor& a_full, const at::Tensor&
   const auto [order, order_count] = fused_order();
   a.order = reinterpret_cast<const int32_t*>(order);
   a.order_count = static_cast<int>(order_count);
+  const FusedDeal deal = fused_deal();
+  a.deal_pos = reinterpret_cast<const int32_t*>(deal.pos);
+  a.deal_state = reinterpret_cast<uint32_t*>(deal.state);
+  a.deal_sms = static_cast<int>(deal.sms);
   check_fused_built(ag_fused_dispatch((int)config, dtype, a), op, config, dtype);
 }
 

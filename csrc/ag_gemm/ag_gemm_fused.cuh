@@ -26,7 +26,21 @@ struct AgFusedArgs : FusedGemmLaunch {
   uint64_t* trace = nullptr;  // the diagnostic trace (fused_trace), or nullptr
   const int32_t* order = nullptr;  // the diagnostic tile permutation (fused_order), or nullptr
   int order_count = 0;
+  const int32_t* deal_pos = nullptr;  // the diagnostic deal by GPC (fused_deal), or nullptr
+  uint32_t* deal_state = nullptr;
+  int deal_sms = 0;
 };
+
+// The diagnostic deal of the AG fused kernels' cluster tiles by GPC at run time, for their next launches
+// (process-wide, default none; ag_tile_scheduler.hpp, AgWaitArguments::deal_pos): device addresses of
+// sms int32 places of the SMs and of the zeroed claims (at least AgDeal::words(sms) uint32, 8-byte
+// aligned), or 0, 0, 0.
+constexpr int AgDealMaxSms = 1024;
+struct FusedDeal {
+  int64_t pos = 0, state = 0, sms = 0;
+};
+FusedDeal fused_deal();
+void set_fused_deal(int64_t pos, int64_t state, int64_t sms);
 
 // The diagnostic trace buffer of the AG fused kernels' next launches (process-wide, default none):
 // a device address of at least grid-size x 8 uint64 (ag_tile_scheduler.hpp, AgTrace), or 0.
@@ -79,6 +93,9 @@ void set_ag_wait(typename G::Gemm::Arguments& args, const AgFusedArgs& a) {
   args.scheduler.trace = a.trace;
   args.scheduler.order = a.order;
   args.scheduler.order_count = a.order_count;
+  args.scheduler.deal_pos = a.deal_pos;  // read by the persistent scheduler only
+  args.scheduler.deal_state = a.deal_state;
+  args.scheduler.deal_sms = a.deal_sms;
 }
 
 template <class G>

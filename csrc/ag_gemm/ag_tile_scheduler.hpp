@@ -54,6 +54,29 @@ struct AgWaitArguments {
   // what is computed: an experiment on placement (bench/probe_pdl_trace.py --orders).
   const int32_t* order = nullptr;
   int order_count = 0;
+  // A diagnostic (torch.ops.flux.set_fused_deal; nullptr, the default, changes nothing): the persistent
+  // scheduler's cluster tiles dealt at run time by the GPC each 2-CTA cluster landed in, on launches of
+  // one wave (one cluster tile per cluster). deal_pos[sm] is the SM's place in an order of the SMs
+  // GPC by GPC (flux/autotune/placement.py; -1 unknown), for deal_sms SMs; deal_state (zeroed once,
+  // AgDeal's layout) holds the claims. A cluster claims the cluster tile at its leader SM's place
+  // divided by 2 (consecutive tiles along the operand the cluster does not multicast: a GPC's
+  // clusters share it), or, where that one is taken or beyond the tiles, the first one free; every
+  // tile is claimed by exactly one cluster whatever the placement.
+  const int32_t* deal_pos = nullptr;
+  uint32_t* deal_state = nullptr;
+  int deal_sms = 0;
+};
+
+// deal_state's layout, for deal_sms = S SMs: [0] the epoch of the last launch that dealt (each launch
+// claims with epoch + 1 and the last of its CTAs to finish moves the epoch on), [1] its CTAs finished,
+// [2, 2 + S) each cluster tile's claim (the epoch of the launch that owns it), then, 8-byte aligned,
+// S mailboxes (epoch << 32 | claimed tile), one per cluster, from its leader to every thread of it.
+struct AgDeal {
+  CUTLASS_HOST_DEVICE static size_t words(int sms) { return size_t(2 + sms + (sms & 1)) + 2 * size_t(sms); }
+  CUTLASS_DEVICE static uint32_t* owner(uint32_t* state) { return state + 2; }
+  CUTLASS_DEVICE static uint64_t* mail(uint32_t* state, int sms) {
+    return reinterpret_cast<uint64_t*>(state + 2 + sms + (sms & 1));
+  }
 };
 
 // The trace's slots per CTA, %globaltimer ns where a time: the SM, when the CTA's scheduler is built
@@ -235,6 +258,7 @@ class AgTileScheduler
   CUTLASS_HOST_DEVICE AgTileScheduler() {}
   CUTLASS_DEVICE explicit AgTileScheduler(Params const& params) : HandOut(params), ag_(params) {
     ag_.trace_built();
+    if (ag_.deal_state != nullptr) dealt_ = deal();
   }
 
   // The ping-pong kernel moves on with advance_to_next_work(); get_current_work(): that path
@@ -245,6 +269,124 @@ class AgTileScheduler
  private:
   Params ag_;
   mutable uint32_t seen_ = 0;  // AgRowWait::wait_for_tile_rows
+  // The diagnostic deal (AgWaitArguments::deal_pos): the cluster tile this cluster claimed (-1: none,
+  // the static order), the one it was launched for (after the rotation), the launch's claim value.
+  int dealt_ = -1;
+  mutable int launched_ = -1;
+  uint32_t claim_ = 0;
+
+  CUTLASS_DEVICE static uint64_t ld_acquire_gpu_u64(const uint64_t* p) {
+    uint64_t v;
+    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+  }
+  CUTLASS_DEVICE static void st_release_gpu_u64(uint64_t* p, uint64_t v) {
+    asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+  }
+
+  // Every thread of the CTA, at the scheduler's construction (before the kernel's roles split). The
+  // decision to deal is the same in every CTA (2-CTA clusters, one wave of exactly the cluster tiles);
+  // the claims are made after the preceding grids have finished (their last CTA moved the epoch on).
+  // The leader CTA's first warp claims; every other warp of the cluster reads its mailbox.
+  CUTLASS_DEVICE int deal() {
+    const int count = ag_.cluster_rows * ag_.cluster_cols;
+    const int csize = ag_.cluster_m * ag_.cluster_n;
+    const int ctas = int(gridDim.x * gridDim.y * gridDim.z);
+    if (csize != 2 || ctas != 2 * count || ag_.deal_sms <= 0 || ag_.deal_sms > AgDealMaxSms ||
+        count > ag_.deal_sms) {
+      return -1;
+    }
+    cutlass::arch::wait_on_dependent_grids();
+    uint32_t* state = ag_.deal_state;
+    const uint32_t epoch = *reinterpret_cast<volatile uint32_t*>(state);
+    claim_ = epoch + 1;
+    uint32_t* owner = AgDeal::owner(state);
+    const dim3 cid = cute::cluster_id_in_grid();
+    const dim3 ncl = cute::cluster_grid_dims();
+    uint64_t* mail = AgDeal::mail(state, ag_.deal_sms) + (cid.x + ncl.x * (cid.y + ncl.y * cid.z));
+    const int lane = int(threadIdx.x & 31);
+    int got = -1;
+    if (cute::block_rank_in_cluster() == 0 && threadIdx.x < 32) {
+      int want = -1;
+      if (lane == 0) {
+        uint32_t sm;
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+        const int pos = int(sm) < ag_.deal_sms ? ag_.deal_pos[sm] : -1;
+        want = pos >= 0 && pos / 2 < count ? pos / 2 : -1;
+        if (want >= 0 && atomicMax(owner + want, claim_) < claim_) got = want;
+      }
+      got = __shfl_sync(0xffffffffu, got, 0);
+      // Taken, or beyond the tiles: the first free one. Every failed attempt is a tile another cluster
+      // now owns, so there are at most count rounds; with as many clusters as tiles one is left.
+      for (int round = 0; got < 0 && round <= count; ++round) {
+        int free_slot = -1;
+        for (int t = lane; t < count; t += 32) {
+          if (*reinterpret_cast<volatile uint32_t*>(owner + t) < claim_) {
+            free_slot = t;
+            break;
+          }
+        }
+        const uint32_t has = __ballot_sync(0xffffffffu, free_slot >= 0);
+        if (has == 0) break;
+        const int who = __ffs(has) - 1;
+        const int t = __shfl_sync(0xffffffffu, free_slot, who);
+        if (lane == 0 && atomicMax(owner + t, claim_) < claim_) got = t;
+        got = __shfl_sync(0xffffffffu, got, 0);
+      }
+      if (got < 0) __trap();  // cannot happen: as many clusters as cluster tiles
+      if (lane == 0) st_release_gpu_u64(mail, (uint64_t(claim_) << 32) | uint32_t(got));
+    } else {
+      if (lane == 0) {
+        const uint64_t start = globaltimer_ns();
+        uint64_t m = ld_acquire_gpu_u64(mail);
+        while (uint32_t(m >> 32) != claim_) {
+          __nanosleep(32);
+          if (ag_.timeout_ns != 0 && globaltimer_ns() - start > ag_.timeout_ns) {
+            // The leader is a CTA of this same cluster, co-scheduled with this one: only a fault
+            // gets here. Recorded as this rank waiting on itself.
+            if (ag_.error != nullptr) {
+              ag_.error[1] = uint32_t(ag_.rank);
+              __threadfence_system();
+              ag_.error[0] = uint32_t(ag_.rank) + 1u;
+              __threadfence_system();
+            }
+            __trap();
+          }
+          m = ld_acquire_gpu_u64(mail);
+        }
+        got = int(uint32_t(m));
+      }
+      got = __shfl_sync(0xffffffffu, got, 0);
+    }
+    // The claimed place as a cluster tile: along N where the cluster multicasts the weight (2x1: the
+    // GPC's clusters share rows of A), along M where it multicasts A (1x2).
+    if (ag_.cluster_m == 2) return got;
+    return (got % ag_.cluster_rows) * ag_.cluster_cols + got / ag_.cluster_rows;
+  }
+
+  // The launch's last CTA to finish (its producer out of tiles) moves the epoch on: every CTA read it
+  // at its start, and the next launch reads it after this grid has finished.
+  CUTLASS_DEVICE void deal_finished() const {
+    if (dealt_ < 0 || threadIdx.x != 0) return;
+    uint32_t* state = ag_.deal_state;
+    const uint32_t ctas = gridDim.x * gridDim.y * gridDim.z;
+    if (atomicAdd(state + 1, 1u) == ctas - 1) {
+      atomicExch(state + 1, 0u);
+      atomicExch(state, claim_);
+    }
+  }
+
+  // The cluster tile holding w's tile replaced: the launched one (after the rotation) by the dealt one
+  // (to_dealt), or back (from_dealt); the tile keeps its place inside the cluster tile.
+  CUTLASS_DEVICE void redeal(WorkTileInfo& w, bool to_dealt) const {
+    const int cm = w.M_idx / ag_.cluster_m, cn = w.N_idx / ag_.cluster_n;
+    if (cm >= ag_.cluster_rows || cn >= ag_.cluster_cols) return;
+    const int c = cm * ag_.cluster_cols + cn;
+    if (to_dealt) launched_ = c;
+    const int to = to_dealt ? dealt_ : (c == dealt_ ? launched_ : c);
+    w.M_idx = to / ag_.cluster_cols * ag_.cluster_m + w.M_idx % ag_.cluster_m;
+    w.N_idx = to % ag_.cluster_cols * ag_.cluster_n + w.N_idx % ag_.cluster_n;
+  }
 
   // The diagnostic permutation (or its inverse, `table` = order + count) of the cluster tile holding
   // w's tile; the tile keeps its place inside the cluster tile. Tiles of the band padding beyond the
@@ -260,7 +402,8 @@ class AgTileScheduler
   // The static scheduler never continues a tile (no split-K): a tile handed back only advances.
   CUTLASS_DEVICE WorkTileInfo taken_back(WorkTileInfo w) const {
     if (!w.is_valid()) return w;
-    if (ag_.order != nullptr) permute(w, ag_.order + ag_.order_count);
+    if (dealt_ >= 0) redeal(w, false);
+    else if (ag_.order != nullptr) permute(w, ag_.order + ag_.order_count);
     w.M_idx = (w.M_idx - ag_.offset_tiles + ag_.tiles_m) % ag_.tiles_m;
     return w;
   }
@@ -268,10 +411,12 @@ class AgTileScheduler
   CUTLASS_DEVICE WorkTileInfo handed_out(WorkTileInfo w) const {
     if (!w.is_valid()) {
       ag_.trace_handed_out(false, 0, 0);
+      deal_finished();
       return w;
     }
     w.M_idx = (w.M_idx + ag_.offset_tiles) % ag_.tiles_m;
-    if (ag_.order != nullptr) permute(w, ag_.order);
+    if (dealt_ >= 0) redeal(w, true);
+    else if (ag_.order != nullptr) permute(w, ag_.order);
     ag_.wait_for_tile_rows(w.M_idx, seen_);
     ag_.trace_handed_out(true, w.M_idx, w.N_idx);
     return w;

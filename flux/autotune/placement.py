@@ -92,3 +92,31 @@ def gpc_groups(device: Optional[int] = None) -> List[List[int]]:
                 raise
         _learnt[device] = learn(record, props.multi_processor_count)
     return [list(g) for g in _learnt[device]]
+
+
+def sm_places(groups: Sequence[Sequence[int]], sm_count: int) -> List[int]:
+    """Each SM's place in an order of the SMs GPC by GPC (the groups as given, largest first, each SM
+    in ascending order; -1 for an SM in no group): what the fused AG kernel's deal by GPC reads
+    (torch.ops.flux.set_fused_deal), where a 2-CTA cluster whose first CTA runs at place p takes the
+    cluster tile p // 2, so that the clusters of a GPC take consecutive tiles."""
+    places = [-1] * sm_count
+    p = 0
+    for g in groups:
+        for sm in sorted(g):
+            if 0 <= sm < sm_count:
+                places[sm] = p
+                p += 1
+    return places
+
+
+def deal_buffers(device: Optional[int] = None):
+    """(places, claims): the int32 tensors torch.ops.flux.set_fused_deal takes for CUDA device
+    ``device``, the places from :func:`gpc_groups`, the claims zeroed (4 words per SM and 4 more, at
+    least what csrc/ag_gemm/ag_tile_scheduler.hpp AgDeal lays out). The caller keeps both alive
+    while the deal is set."""
+    groups = gpc_groups(device)
+    dev = torch.device("cuda", torch.cuda.current_device() if device is None else int(device))
+    n = torch.cuda.get_device_properties(dev).multi_processor_count
+    places = torch.tensor(sm_places(groups, n), dtype=torch.int32, device=dev)
+    return places, torch.zeros(4 * n + 4, dtype=torch.int32, device=dev)
+
