@@ -358,6 +358,9 @@ class AgTileScheduler
       }
       got = __shfl_sync(0xffffffffu, got, 0);
     }
+    // Every thread of the CTA has read the epoch before any leaves (so before its producer can finish
+    // and, in the launch's last CTA, move the epoch on); the roles have not split yet, all are here.
+    __syncthreads();
     // The claimed place as a cluster tile: along N where the cluster multicasts the weight (2x1: the
     // GPC's clusters share rows of A), along M where it multicasts A (1x2).
     if (ag_.cluster_m == 2) return got;
