@@ -54,6 +54,22 @@ def test_learn_recovers_every_gpc_of_a_made_up_gpu():
     assert [len(g) for g in got] == sorted((len(g) for g in gpcs), reverse=True)
 
 
+def test_learn_reaches_the_sms_a_fixed_placement_leaves_idle():
+    """Launches that always fill a GPC from its first SMs leave its last ones idle at every size that
+    divides 16: an 18-SM GPC's last TPC is joined only by a size such as 9."""
+    gpcs = _machine()
+
+    def record(size, rounds):
+        launch = []
+        for g in gpcs:
+            for i in range(len(g) // size):
+                launch += g[i * size:(i + 1) * size]
+        return [launch] * rounds
+    assert sorted(placement.learn(record, 132)) == sorted(gpcs)
+    partial = placement.learn(record, 132, sizes=(16, 8, 4, 2))
+    assert len(partial) == 10 and sorted(len(g) for g in partial)[:2] == [2, 2]
+
+
 def test_learn_never_joins_two_gpcs_and_keeps_unreached_sms():
     """With clusters of 2 only, launched on TPC pairs, nothing crosses a TPC: every SM is still in
     exactly one group, no group spans two GPCs."""
@@ -114,7 +130,7 @@ def test_gpu_gpc_groups_partition_the_sms_and_hold_every_cluster():
 
 @gpu
 def test_gpu_cluster_sms_checks_its_arguments():
-    for args, msg in (((0, 1, 0), "cluster size must be 1 to 16"), ((2, 0, 0), "rounds must be 1 to 64"),
+    for args, msg in (((0, 1, 0), "the cluster size must be 1 to 16"), ((2, 0, 0), "rounds must be 1 to 64"),
                       ((2, 1, 99), "no CUDA device 99")):
         with pytest.raises(RuntimeError, match=f"flux.cluster_sms: {msg}"):
             torch.ops.flux.cluster_sms(*args)

@@ -6,14 +6,17 @@ read the same rows of A sit decides how much of its traffic reaches the L2 slice
 (docs/performance.md §9, "A lone launch at cuBLAS's speed"). The SM numbers do not tell the GPCs
 (they interleave them), so :func:`gpc_groups` learns them from launches of clusters
 (``torch.ops.flux.cluster_sms``): every cluster's SMs are joined, clusters of 16 CTAs where the GPU
-allows them and then of 8, 4 and 2, a few launches each. SMs that no cluster joined to another stay
+allows them and then of 9 down to 2 (``SIZES``), a few launches each. SMs that no cluster joined to another stay
 groups of their own, so a group is never larger than its GPC, only possibly smaller.
 """
 from typing import Dict, Iterable, List, Optional, Sequence
 
 import torch
 
-SIZES = (16, 8, 4, 2)  # cluster sizes launched, largest first
+# Cluster sizes launched, largest first. Launches of one CTA per SM leave the same SMs of a GPC idle
+# each time (on an H100, 16-CTA clusters cover 16 of a GPC's 18 SMs, 8-CTA ones too): sizes that do not
+# divide one another (9 covers 18, 7 and 5 leave other remainders) reach them.
+SIZES = (16, 9, 8, 7, 6, 5, 4, 3, 2)
 ROUNDS = 4  # launches per size
 
 _learnt: Dict[int, List[List[int]]] = {}
