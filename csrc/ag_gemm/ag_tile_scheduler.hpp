@@ -275,15 +275,6 @@ class AgTileScheduler
   mutable int launched_ = -1;
   uint32_t claim_ = 0;
 
-  CUTLASS_DEVICE static uint64_t ld_acquire_gpu_u64(const uint64_t* p) {
-    uint64_t v;
-    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-    return v;
-  }
-  CUTLASS_DEVICE static void st_release_gpu_u64(uint64_t* p, uint64_t v) {
-    asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-  }
-
   // Every thread of the CTA, at the scheduler's construction (before the kernel's roles split). The
   // decision to deal is the same in every CTA (2-CTA clusters, one wave of exactly the cluster tiles);
   // the claims are made after the preceding grids have finished (their last CTA moved the epoch on).
