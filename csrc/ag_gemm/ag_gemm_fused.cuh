@@ -33,8 +33,8 @@ struct AgFusedArgs : FusedGemmLaunch {
 
 // The diagnostic deal of the AG fused kernels' cluster tiles by GPC at run time, for their next launches
 // (process-wide, default none; ag_tile_scheduler.hpp, AgWaitArguments::deal_pos): device addresses of
-// sms int32 places of the SMs and of the zeroed claims (at least AgDeal::words(sms) uint32, 8-byte
-// aligned), or 0, 0, 0.
+// sms int32 places of the SMs and of the zeroed claims (at least 3 * sms + 3 uint32, AgDeal's layout;
+// flux.autotune.placement.deal_buffers makes 4 * sms + 4; 8-byte aligned), or 0, 0, 0.
 constexpr int AgDealMaxSms = 1024;
 struct FusedDeal {
   int64_t pos = 0, state = 0, sms = 0;

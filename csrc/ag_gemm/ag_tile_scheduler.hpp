@@ -72,7 +72,6 @@ struct AgWaitArguments {
 // [2, 2 + S) each cluster tile's claim (the epoch of the launch that owns it), then, 8-byte aligned,
 // S mailboxes (epoch << 32 | claimed tile), one per cluster, from its leader to every thread of it.
 struct AgDeal {
-  CUTLASS_HOST_DEVICE static size_t words(int sms) { return size_t(2 + sms + (sms & 1)) + 2 * size_t(sms); }
   CUTLASS_DEVICE static uint32_t* owner(uint32_t* state) { return state + 2; }
   CUTLASS_DEVICE static uint64_t* mail(uint32_t* state, int sms) {
     return reinterpret_cast<uint64_t*>(state + 2 + sms + (sms & 1));
