@@ -307,7 +307,7 @@ def main(argv=None):
     switch = torch.ops.flux.set_fused_pdl
     results = []
     from flux.autotune import placement as learnt
-    deal = None  # (places, claims) for the deal order, made at its first run
+    deal = None  # (table, claims, sms) for the deal order, made at its first run
     try:  # the GPCs learnt from clustered launches; the clusters traced below join in
         machine = learnt.gpc_groups()
     except RuntimeError as e:
@@ -370,7 +370,7 @@ def main(argv=None):
             if order is not None and order[0] == "deal":
                 if deal is None:
                     deal = learnt.deal_buffers()
-                torch.ops.flux.set_fused_deal(deal[0].data_ptr(), deal[1].data_ptr(), deal[0].numel())
+                torch.ops.flux.set_fused_deal(deal[0].data_ptr(), deal[1].data_ptr(), deal[2])
             try:
                 r = dict(op=args.op, m=m, n=n, k=k, variant=name, pdl=pdl, **trace_variant(fns, args.calls))
                 if order is not None:

@@ -433,9 +433,10 @@ def test_gpu_ag_order_permutes_cluster_tiles():
 def test_gpu_ag_deal_by_gpc_claims_each_cluster_tile_once():
     """The diagnostic deal by GPC (torch.ops.flux.set_fused_deal): on one wave of 2-CTA clusters (2x1 and
     1x2 where built), on rank 0 and rank 1, the result is bitwise that of the static order launch after
-    launch and in CUDA-graph replay; every cluster tile is claimed once per launch (the claims' epoch
-    moves on on the device, once a launch); the CTAs start on distinct tiles, most clusters on the tile
-    of their leader SM's place; a launch of several waves keeps the static order and the epoch."""
+    launch and in CUDA-graph replay; every slot is claimed once per launch (the claims' epoch moves on
+    on the device, once a launch, and the groups' counters account for every cluster); the CTAs start on
+    distinct tiles, most clusters on a slot of their GPC's run; a launch of several waves keeps the
+    static order and the epoch."""
     from flux.autotune import placement
 
     built = sorted(t for t in _BUILT if t[0] == "ag" and t[2] == "bf16" and fc.config("ag", t[1]).splits == 1
@@ -446,8 +447,8 @@ def test_gpu_ag_deal_by_gpc_claims_each_cluster_tile_once():
     set_trace, set_deal = _op_or_skip("set_fused_trace"), _op_or_skip("set_fused_deal")
     with pytest.raises(RuntimeError, match="set_fused_deal"):
         set_deal(0, 0, 5)
-    places, state = placement.deal_buffers()
-    pos = places.tolist()
+    places, state, sms = placement.deal_buffers()
+    per_sm, groups = places.tolist()[:sms], places.tolist()[sms:]
     picks = {}
     for t in built:
         picks.setdefault(fc.config("ag", t[1]).cluster, t)
@@ -466,7 +467,7 @@ def test_gpu_ag_deal_by_gpc_claims_each_cluster_tile_once():
             try:
                 set_trace(buf.data_ptr())
                 if deal:
-                    set_deal(places.data_ptr(), state.data_ptr(), places.numel())
+                    set_deal(places.data_ptr(), state.data_ptr(), sms)
                 torch.ops.flux.ag_gemm_fused_(out, x, w, None, flags, rank, 2, rows_m // 2, 10000, 0, 1, 1, cid)
             finally:
                 set_deal(0, 0, 0)
@@ -483,25 +484,37 @@ def test_gpu_ag_deal_by_gpc_claims_each_cluster_tile_once():
                 assert torch.equal(out, ref), f"ag:{cid} rank {rank}: the deal changed the result"
                 st = state.cpu()
                 assert int(st[0]) == epoch and int(st[1]) == 0, f"ag:{cid}: epoch {int(st[0])}, want {epoch}"
-                assert (st[2:2 + rows * cols] == epoch).all(), f"ag:{cid}: a cluster tile not claimed"
+                # Each group's claims (bottom + top counts, its launch's tag on top) cover its run's
+                # slots that are tiles; the runs' good claims are one per cluster.
+                words = st.view(torch.int64).tolist()
+                good = 0
+                for g, word in enumerate(groups):
+                    base, cap = word & 0xFFFF, word >> 16
+                    fit, c = min(cap, max(rows * cols - base, 0)), words[1 + g]
+                    claims = (c & 0xFFFF) + ((c >> 16) & 0xFFFF) if c >> 32 == epoch else 0
+                    good += min(claims, fit)
+                assert good == rows * cols, f"ag:{cid}: {good} slots claimed of {rows * cols}"
+                mails = words[1 + len(groups):1 + len(groups) + rows * cols]
+                assert all(m >> 32 == epoch for m in mails), f"ag:{cid}: a cluster's mailbox not written"
                 ran = t[t[:, 6] > 0]
                 assert len(ran) == 2 * rows * cols and int(ran[:, 6].sum()) == len(ran), f"ag:{cid}"
                 firsts = [(int(v) >> 32, int(v) & 0xFFFFFFFF) for v in ran[:, 7]]
                 assert len(set(firsts)) == len(firsts), f"ag:{cid}: two CTAs started on one tile"
-                # Where a cluster took the tile of its place: one of its CTAs runs on the SM at place
-                # 2 * slot (the leader's), the slot read along N (2x1) or along M (1x2).
-                on_place = 0
+                # Where a cluster took a slot of its GPC's run: the slot (read along N for 2x1, along M
+                # for 1x2) lies in the run of the group of the SM its CTAs run on.
+                on_run = 0
                 for sm, (tm, tn) in zip(ran[:, 0].tolist(), firsts):
                     c = (tm // cfg.cluster[0]) * cols + tn // cfg.cluster[1]
                     slot = c if cfg.cluster[0] == 2 else (c % cols) * rows + c // cols
-                    on_place += pos[sm] // 2 == slot
-                assert on_place >= len(firsts) // 2, f"ag:{cid}: {on_place} of {len(firsts)} CTAs on their place"
+                    w = per_sm[sm]
+                    on_run += w >= 0 and (w >> 16) <= slot < (w >> 16) + ((w >> 6) & 1023)
+                assert on_run >= len(firsts) // 2, f"ag:{cid}: {on_run} of {len(firsts)} CTAs on their run"
         # Graph replay: the epoch moves on on the device.
         out = torch.full((m, n), float("nan"), device=dev, dtype=torch.bfloat16)
         ref, _, _ = run(0, False)
         s = torch.cuda.Stream()
         try:
-            set_deal(places.data_ptr(), state.data_ptr(), places.numel())
+            set_deal(places.data_ptr(), state.data_ptr(), sms)
             torch.ops.flux.ag_gemm_fused_(out, a, w, None, flags, 0, 2, m // 2, 10000, 0, 1, 1, cid)  # warm-up
             epoch += 1
             g = torch.cuda.CUDAGraph()
@@ -521,7 +534,7 @@ def test_gpu_ag_deal_by_gpc_claims_each_cluster_tile_once():
         ref_big, _, x = run(0, False, rows_m=big)
         out = torch.full((big, n), float("nan"), device=dev, dtype=torch.bfloat16)
         try:
-            set_deal(places.data_ptr(), state.data_ptr(), places.numel())
+            set_deal(places.data_ptr(), state.data_ptr(), sms)
             torch.ops.flux.ag_gemm_fused_(out, x, w, None, flags, 0, 2, big // 2, 10000, 0, 1, 1, cid)
         finally:
             set_deal(0, 0, 0)

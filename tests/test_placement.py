@@ -85,10 +85,19 @@ def test_learn_never_joins_two_gpcs_and_keeps_unreached_sms():
     assert len(got) == 66
 
 
-def test_sm_places_run_gpc_by_gpc_so_a_tpc_pair_shares_a_slot():
-    places = placement.sm_places([[4, 5, 0, 1], [2, 3], [9]], 10)
-    assert places == [0, 1, 4, 5, 2, 3, -1, -1, -1, 6]
-    assert [places[sm] // 2 for sm in (0, 1, 4, 5, 2, 3)] == [0, 0, 1, 1, 2, 2]
+def test_deal_table_gives_each_group_a_run_of_slots_and_the_rest_to_one_more():
+    words = placement.deal_table([[4, 5, 0, 1], [2, 3, 7], [9], [11]], 10)
+    per_sm, groups = words[:10], words[10:]
+    assert len(groups) == placement.MAX_GROUPS
+    # Group 0 holds two clusters (slots 0-1), group 1 one (slot 2: 3 SMs hold one 2-CTA cluster); a
+    # lone SM holds none, and SM 11 is beyond the GPU.
+    g0, g1 = 0 | 2 << 6 | 0 << 16, 1 | 1 << 6 | 2 << 16
+    assert per_sm == [g0, g0, g1, g1, g0, g0, -1, g1, -1, -1]
+    assert groups[:3] == [0 | 2 << 16, 2 | 1 << 16, 3 | 7 << 16]  # the rest: from slot 3 on
+    assert groups[3:] == [0] * (placement.MAX_GROUPS - 3)
+    many = placement.deal_table([[2 * i, 2 * i + 1] for i in range(100)], 200)
+    assert max(w & 63 for w in many[:200] if w >= 0) == placement.MAX_GROUPS - 2 and many[199] == -1
+    assert many[200 + placement.MAX_GROUPS - 1] == 63 | (200 - 63) << 16  # the rest after 63 runs
 
 
 def test_gpc_groups_without_a_gpu_raises_naming_it(monkeypatch):

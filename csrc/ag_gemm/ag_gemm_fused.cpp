@@ -44,7 +44,7 @@ FusedDeal fused_deal() {
 }
 void set_fused_deal(int64_t pos, int64_t state, int64_t sms) {
   FLUX_CHECK((pos == 0 && state == 0 && sms == 0) || (pos != 0 && state != 0 && sms > 0 && sms <= AgDealMaxSms),
-             "set_fused_deal", "the places of 1 to ", AgDealMaxSms, " SMs and the claims' buffer, or 0, 0, 0 (got ",
+             "set_fused_deal", "the groups of 1 to ", AgDealMaxSms, " SMs and the claims' buffer, or 0, 0, 0 (got ",
              pos, ", ", state, ", ", sms, ")");
   FLUX_CHECK(state % 8 == 0, "set_fused_deal", "the claims' buffer must be 8-byte aligned");
   std::lock_guard<std::mutex> lock(g_order_mutex);

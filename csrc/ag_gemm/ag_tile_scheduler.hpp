@@ -56,25 +56,33 @@ struct AgWaitArguments {
   int order_count = 0;
   // A diagnostic (torch.ops.flux.set_fused_deal; nullptr, the default, changes nothing): the persistent
   // scheduler's cluster tiles dealt at run time by the GPC each 2-CTA cluster landed in, on launches of
-  // one wave (one cluster tile per cluster). deal_pos[sm] is the SM's place in an order of the SMs
-  // GPC by GPC (flux/autotune/placement.py; -1 unknown), for deal_sms SMs; deal_state (zeroed once,
-  // AgDeal's layout) holds the claims. A cluster claims the cluster tile at its leader SM's place
-  // divided by 2 (consecutive tiles along the operand the cluster does not multicast: a GPC's
-  // clusters share it), or, where that one is taken or beyond the tiles, the first one free; every
-  // tile is claimed by exactly one cluster whatever the placement.
+  // one wave (one cluster tile per cluster). The SMs' groups (GPCs, flux/autotune/placement.py) own runs
+  // of consecutive slots, each group a run as long as the 2-CTA clusters it holds; slot s is the s-th
+  // cluster tile along the operand the cluster does not multicast, so a group's clusters share it.
+  // A cluster's leader takes the next slot of its group's run from the bottom; where the run is full
+  // or beyond the tiles (a misfit), the next free one of another group's run from its top. Each run
+  // has one counter (bottom and top claims in one word), so no two clusters meet on a slot and every
+  // slot below the tile count is taken once, whatever the placement. The claims need no wait for the
+  // preceding grids (AgDeal). deal_pos: deal_sms words, SM sm's group g | cap << 6 | base << 16 (its
+  // run's first slot and length; -1 no group), then AgDealMaxGroups words, group g's base | cap << 16.
   const int32_t* deal_pos = nullptr;
   uint32_t* deal_state = nullptr;
   int deal_sms = 0;
 };
 
-// deal_state's layout, for deal_sms = S SMs: [0] the epoch of the last launch that dealt (each launch
-// claims with epoch + 1 and the last of its CTAs to finish moves the epoch on), [1] its CTAs finished,
-// [2, 2 + S) each cluster tile's claim (the epoch of the launch that owns it), then, 8-byte aligned,
-// S mailboxes (epoch << 32 | claimed tile), one per cluster, from its leader to every thread of it.
+// deal_state's layout (zeroed once; 8-byte aligned), 64-bit words: [0] the epoch of the last launch
+// that dealt (low half) and that launch's CTAs dealt so far (high half); [1, 1 + AgDealMaxGroups) the
+// groups' counters, then deal_sms mailboxes, one per cluster, from its leader to its other CTA. A
+// counter or mailbox carries its launch's claim (epoch + 1) in its top 32 bits; a claim first raises
+// the counter's tag (atomicMax, which also clears the counts of an older launch) and then adds one to
+// the bottom (bits 0-15) or top (16-31) count. Every CTA reads the epoch as it starts, without
+// waiting for the preceding grids: the launch's last CTA to have dealt moves the epoch on before it
+// goes on, and a dependent launch starts only after every CTA of this one has passed its mainloop's
+// first tile (CUTLASS's launch_dependent_grids), long after its deal.
 struct AgDeal {
-  CUTLASS_DEVICE static uint32_t* owner(uint32_t* state) { return state + 2; }
-  CUTLASS_DEVICE static uint64_t* mail(uint32_t* state, int sms) {
-    return reinterpret_cast<uint64_t*>(state + 2 + sms + (sms & 1));
+  CUTLASS_DEVICE static uint64_t* counter(uint32_t* state, int g) { return reinterpret_cast<uint64_t*>(state) + 1 + g; }
+  CUTLASS_DEVICE static uint64_t* mail(uint32_t* state, int cluster) {
+    return reinterpret_cast<uint64_t*>(state) + 1 + AgDealMaxGroups + cluster;
   }
 };
 
@@ -269,15 +277,30 @@ class AgTileScheduler
   Params ag_;
   mutable uint32_t seen_ = 0;  // AgRowWait::wait_for_tile_rows
   // The diagnostic deal (AgWaitArguments::deal_pos): the cluster tile this cluster claimed (-1: none,
-  // the static order), the one it was launched for (after the rotation), the launch's claim value.
+  // the static order), the one it was launched for (after the rotation).
   int dealt_ = -1;
   mutable int launched_ = -1;
-  uint32_t claim_ = 0;
 
-  // Every thread of the CTA, at the scheduler's construction (before the kernel's roles split). The
-  // decision to deal is the same in every CTA (2-CTA clusters, one wave of exactly the cluster tiles);
-  // the claims are made after the preceding grids have finished (their last CTA moved the epoch on).
-  // The leader CTA's first warp claims; every other warp of the cluster reads its mailbox.
+  // A claim on group g's counter (AgDeal), for launch `claim`: the slot it got, or -1 (the run full).
+  // Bottom and top claims add to one word, so they are ordered: the k-th claim of the launch is good
+  // while k < cap, a bottom one then taking base + (bottom count), a top one base + cap - 1 - (top
+  // count); no two good claims get one slot (whichever came later counted the other).
+  CUTLASS_DEVICE static int claim_run(uint64_t* counter, uint32_t claim, int base, int cap, bool top) {
+    const uint64_t tag = uint64_t(claim) << 32;
+    atomicMax(reinterpret_cast<unsigned long long*>(counter), tag);  // same address: ordered before the add
+    const uint64_t old = atomicAdd(reinterpret_cast<unsigned long long*>(counter), top ? 0x10000ull : 1ull);
+    if ((old >> 32) != claim) return -1;  // cannot happen: the counter carries this launch's tag
+    const int bottom = int(old & 0xFFFF), topped = int((old >> 16) & 0xFFFF);
+    if (bottom + topped >= cap) return -1;
+    return top ? base + cap - 1 - topped : base + bottom;
+  }
+
+  // Every thread of the CTA, at the scheduler's construction (before the kernel's roles split), with
+  // no wait for the preceding grids (AgDeal). The decision to deal is the same in every CTA (2-CTA
+  // clusters, one wave of exactly the cluster tiles). Each CTA's first lane counts the CTA as dealt
+  // and reads the epoch in one atomic; the launch's last moves the epoch on. The leader CTA's first
+  // warp claims and posts the slot to the other CTA's first lane (a mailbox); each CTA's first lane
+  // passes it to the CTA's threads at barriers, which no thread passes before the epoch has moved on.
   CUTLASS_DEVICE int deal() {
     const int count = ag_.cluster_rows * ag_.cluster_cols;
     const int csize = ag_.cluster_m * ag_.cluster_n;
@@ -286,50 +309,68 @@ class AgTileScheduler
         count > ag_.deal_sms) {
       return -1;
     }
-    cutlass::arch::wait_on_dependent_grids();
     uint32_t* state = ag_.deal_state;
-    const uint32_t epoch = *reinterpret_cast<volatile uint32_t*>(state);
-    claim_ = epoch + 1;
-    uint32_t* owner = AgDeal::owner(state);
-    const dim3 cid = cute::cluster_id_in_grid();
-    const dim3 ncl = cute::cluster_grid_dims();
-    uint64_t* mail = AgDeal::mail(state, ag_.deal_sms) + (cid.x + ncl.x * (cid.y + ncl.y * cid.z));
-    const int lane = int(threadIdx.x & 31);
-    int got = -1;
-    if (cute::block_rank_in_cluster() == 0 && threadIdx.x < 32) {
-      int want = -1;
+    int got = 0;
+    if (threadIdx.x < 32) {
+      const int lane = int(threadIdx.x);
+      const bool leader = cute::block_rank_in_cluster() == 0;
+      uint32_t sm;
+      asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+      const int packed = leader && lane == 0 && int(sm) < ag_.deal_sms ? ag_.deal_pos[sm] : -1;
+      uint32_t claim = 0;
       if (lane == 0) {
-        uint32_t sm;
-        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-        const int pos = int(sm) < ag_.deal_sms ? ag_.deal_pos[sm] : -1;
-        want = pos >= 0 && pos / 2 < count ? pos / 2 : -1;
-        if (want >= 0 && atomicMax(owner + want, claim_) < claim_) got = want;
-      }
-      got = __shfl_sync(0xffffffffu, got, 0);
-      // Taken, or beyond the tiles: the first free one. Every failed attempt is a tile another cluster
-      // now owns, so there are at most count rounds; with as many clusters as tiles one is left.
-      for (int round = 0; got < 0 && round <= count; ++round) {
-        int free_slot = -1;
-        for (int t = lane; t < count; t += 32) {
-          if (*reinterpret_cast<volatile uint32_t*>(owner + t) < claim_) {
-            free_slot = t;
-            break;
-          }
+        unsigned long long* word = reinterpret_cast<unsigned long long*>(state);
+        const unsigned long long old = atomicAdd(word, 1ull << 32);
+        claim = uint32_t(old) + 1;
+        if (int(old >> 32) == ctas - 1) {  // the launch's last CTA to deal: every other has read the epoch
+          atomicExch(word, static_cast<unsigned long long>(claim));
+          __threadfence();
         }
-        const uint32_t has = __ballot_sync(0xffffffffu, free_slot >= 0);
-        if (has == 0) break;
-        const int who = __ffs(has) - 1;
-        const int t = __shfl_sync(0xffffffffu, free_slot, who);
-        if (lane == 0 && atomicMax(owner + t, claim_) < claim_) got = t;
-        got = __shfl_sync(0xffffffffu, got, 0);
       }
-      if (got < 0) __trap();  // cannot happen: as many clusters as cluster tiles
-      if (lane == 0) st_release_gpu_u64(mail, (uint64_t(claim_) << 32) | uint32_t(got));
-    } else {
-      if (lane == 0) {
+      claim = __shfl_sync(0xffffffffu, claim, 0);
+      const dim3 cid = cute::cluster_id_in_grid();
+      const dim3 ncl = cute::cluster_grid_dims();
+      uint64_t* mail = AgDeal::mail(state, int(cid.x + ncl.x * (cid.y + ncl.y * cid.z)));
+      if (leader) {
+        got = -1;
+        if (lane == 0 && packed >= 0) {
+          const int g = packed & 63, cap = (packed >> 6) & 1023, base = packed >> 16;
+          const int fit = cute::min(cap, cute::max(count - base, 0));  // the run's slots that are tiles
+          if (fit > 0) got = claim_run(AgDeal::counter(state, g), claim, base, fit, false);
+        }
+        got = __shfl_sync(0xffffffffu, got, 0);
+        // A misfit: a group whose run had room when read, the first from a start spread by the SM
+        // number; a failed claim means that run filled meanwhile. As many clusters as slots below
+        // count, and the groups' runs cover them all (the last group has the rest): this ends.
+        const int32_t* groups = ag_.deal_pos + ag_.deal_sms;
+        for (int round = 0; got < 0 && round <= count + AgDealMaxGroups; ++round) {
+          uint64_t room = 0;
+          for (int j = 0; j < AgDealMaxGroups / 32; ++j) {
+            const int g = lane + 32 * j, word = groups[g];
+            const int base = word & 0xFFFF, fit = cute::min(word >> 16, cute::max(count - base, 0));
+            bool free_slot = false;
+            if (fit > 0) {
+              const uint64_t c = *reinterpret_cast<volatile uint64_t*>(AgDeal::counter(state, g));
+              free_slot = (c >> 32) != claim || int(c & 0xFFFF) + int((c >> 16) & 0xFFFF) < fit;
+            }
+            room |= uint64_t(__ballot_sync(0xffffffffu, free_slot)) << (32 * j);
+          }
+          if (room == 0) continue;
+          const int start = int(sm + uint32_t(round)) % AgDealMaxGroups;
+          const uint64_t turned = start == 0 ? room : (room >> start) | (room << (AgDealMaxGroups - start));
+          const int g = (start + __ffsll(static_cast<long long>(turned)) - 1) % AgDealMaxGroups;
+          if (lane == 0) {
+            const int word = groups[g], base = word & 0xFFFF;
+            got = claim_run(AgDeal::counter(state, g), claim, base, cute::min(word >> 16, count - base), true);
+          }
+          got = __shfl_sync(0xffffffffu, got, 0);
+        }
+        if (got < 0) __trap();  // cannot happen (above)
+        if (lane == 0) st_release_gpu_u64(mail, (uint64_t(claim) << 32) | uint32_t(got));
+      } else if (lane == 0) {
         const uint64_t start = globaltimer_ns();
         uint64_t m = ld_acquire_gpu_u64(mail);
-        while (uint32_t(m >> 32) != claim_) {
+        while (uint32_t(m >> 32) != claim) {
           __nanosleep(32);
           if (ag_.timeout_ns != 0 && globaltimer_ns() - start > ag_.timeout_ns) {
             // The leader is a CTA of this same cluster, co-scheduled with this one: only a fault
@@ -346,27 +387,15 @@ class AgTileScheduler
         }
         got = int(uint32_t(m));
       }
-      got = __shfl_sync(0xffffffffu, got, 0);
     }
-    // Every thread of the CTA has read the epoch before any leaves (so before its producer can finish
-    // and, in the launch's last CTA, move the epoch on); the roles have not split yet, all are here.
-    __syncthreads();
-    // The claimed place as a cluster tile: along N where the cluster multicasts the weight (2x1: the
-    // GPC's clusters share rows of A), along M where it multicasts A (1x2).
-    if (ag_.cluster_m == 2) return got;
-    return (got % ag_.cluster_rows) * ag_.cluster_cols + got / ag_.cluster_rows;
-  }
-
-  // The launch's last CTA to finish (its producer out of tiles) moves the epoch on: every CTA read it
-  // at its start, and the next launch reads it after this grid has finished.
-  CUTLASS_DEVICE void deal_finished() const {
-    if (dealt_ < 0 || threadIdx.x != 0) return;
-    uint32_t* state = ag_.deal_state;
-    const uint32_t ctas = gridDim.x * gridDim.y * gridDim.z;
-    if (atomicAdd(state + 1, 1u) == ctas - 1) {
-      atomicExch(state + 1, 0u);
-      atomicExch(state, claim_);
-    }
+    // The slot to every thread, a bit at a time (slot < count <= AgDealMaxSms = 2^10): the kernel's
+    // shared memory is all CUTLASS's.
+    int slot = 0;
+    for (int bit = 0; bit < 10; ++bit) slot |= __syncthreads_or(threadIdx.x == 0 && ((got >> bit) & 1)) << bit;
+    // The slot as a cluster tile: along N where the cluster multicasts the weight (2x1: the group's
+    // clusters share rows of A), along M where it multicasts A (1x2).
+    if (ag_.cluster_m == 2) return slot;
+    return (slot % ag_.cluster_rows) * ag_.cluster_cols + slot / ag_.cluster_rows;
   }
 
   // The cluster tile holding w's tile replaced: the launched one (after the rotation) by the dealt one
@@ -404,7 +433,6 @@ class AgTileScheduler
   CUTLASS_DEVICE WorkTileInfo handed_out(WorkTileInfo w) const {
     if (!w.is_valid()) {
       ag_.trace_handed_out(false, 0, 0);
-      deal_finished();
       return w;
     }
     w.M_idx = (w.M_idx + ag_.offset_tiles) % ag_.tiles_m;

@@ -97,29 +97,42 @@ def gpc_groups(device: Optional[int] = None) -> List[List[int]]:
     return [list(g) for g in _learnt[device]]
 
 
-def sm_places(groups: Sequence[Sequence[int]], sm_count: int) -> List[int]:
-    """Each SM's place in an order of the SMs GPC by GPC (the groups as given, largest first, each SM
-    in ascending order; -1 for an SM in no group): what the fused AG kernel's deal by GPC reads
-    (torch.ops.flux.set_fused_deal), where a 2-CTA cluster whose first CTA runs at place p takes the
-    cluster tile p // 2, so that the clusters of a GPC take consecutive tiles."""
-    places = [-1] * sm_count
-    p = 0
-    for g in groups:
-        for sm in sorted(g):
-            if 0 <= sm < sm_count:
-                places[sm] = p
-                p += 1
-    return places
+MAX_GROUPS = 64  # csrc/ag_gemm/ag_gemm_fused.cuh AgDealMaxGroups
+
+
+def deal_table(groups: Sequence[Sequence[int]], sm_count: int) -> List[int]:
+    """The int32 words the fused AG kernel's deal by GPC reads (``torch.ops.flux.set_fused_deal``):
+    ``sm_count`` words, one per SM, then ``MAX_GROUPS``, one per group. The groups (as given, each
+    holding ``len // 2`` 2-CTA clusters) own runs of consecutive slots, one slot per cluster, in
+    order; a cluster takes the next slot of its group's run, and one that finds no room there takes
+    a free slot of another run. SM ``sm`` of group ``g`` (run of ``cap`` slots from ``base``) reads
+    ``g | cap << 6 | base << 16``, an SM in no group (or in one too small for a cluster) -1; group
+    ``g``'s word is ``base | cap << 16``, and one more group, after the last, holds the slots beyond
+    all runs, so that every slot belongs to a run. Groups past ``MAX_GROUPS - 1`` are left out (their
+    clusters take free slots)."""
+    per_sm = [-1] * sm_count
+    table = [0] * MAX_GROUPS
+    base = 0
+    runs = [sorted(sm for sm in g if 0 <= sm < sm_count) for g in groups]
+    runs = [g for g in runs if len(g) >= 2][:MAX_GROUPS - 1]
+    for i, g in enumerate(runs):
+        cap = len(g) // 2
+        for sm in g:
+            per_sm[sm] = i | cap << 6 | base << 16
+        table[i] = base | cap << 16
+        base += cap
+    table[len(runs)] = base | max(sm_count - base, 0) << 16
+    return per_sm + table
 
 
 def deal_buffers(device: Optional[int] = None):
-    """(places, claims): the int32 tensors torch.ops.flux.set_fused_deal takes for CUDA device
-    ``device``, the places from :func:`gpc_groups`, the claims zeroed (4 words per SM and 4 more, at
-    least what csrc/ag_gemm/ag_tile_scheduler.hpp AgDeal lays out). The caller keeps both alive
-    while the deal is set."""
+    """(table, claims, sms): what torch.ops.flux.set_fused_deal takes for CUDA device ``device``
+    (the tensors' addresses and its SM count), the table from :func:`gpc_groups` (:func:`deal_table`), the claims
+    zeroed (two words per SM and per group and two more: csrc/ag_gemm/ag_tile_scheduler.hpp AgDeal's
+    layout). The caller keeps both alive while the deal is set."""
     groups = gpc_groups(device)
     dev = torch.device("cuda", torch.cuda.current_device() if device is None else int(device))
     n = torch.cuda.get_device_properties(dev).multi_processor_count
-    places = torch.tensor(sm_places(groups, n), dtype=torch.int32, device=dev)
-    return places, torch.zeros(4 * n + 4, dtype=torch.int32, device=dev)
+    table = torch.tensor(deal_table(groups, n), dtype=torch.int32, device=dev)
+    return table, torch.zeros(2 * (1 + MAX_GROUPS + n), dtype=torch.int32, device=dev), n
 
