@@ -215,7 +215,7 @@ def test_probe_pdl_trace_runs_every_order_with_the_gpu_parts_stubbed(tmp_path, m
     from flux.autotune import placement
     monkeypatch.setattr(placement, "gpc_groups", lambda device=None: [[0, 1], [2, 3]])
     monkeypatch.setattr(placement, "deal_buffers", lambda device=None: (torch.zeros(72, dtype=torch.int32),
-                                                                         torch.zeros(146, dtype=torch.int32), 8))
+                                                                         torch.zeros(130, dtype=torch.int32), 8))
     monkeypatch.setattr(probe, "order_table", lambda perm: probe.torch.tensor(perm + perm, dtype=probe.torch.int32))
     monkeypatch.setattr(probe, "trace_variant", lambda fns, calls: (
         traced.append((fns[0], len(set_orders) and set_orders[-1])),

@@ -33,9 +33,9 @@ struct AgFusedArgs : FusedGemmLaunch {
 
 // The diagnostic deal of the AG fused kernels' cluster tiles by GPC at run time, for their next launches
 // (process-wide, default none; ag_tile_scheduler.hpp, AgWaitArguments::deal_pos): device addresses of
-// the SMs' groups (sms + AgDealMaxGroups int32) and of the zeroed claims (AgDeal's layout, at least
-// 2 * (1 + AgDealMaxGroups + sms) int32, 8-byte aligned; flux.autotune.placement.deal_buffers makes
-// both), or 0, 0, 0.
+// the SMs' groups (sms + AgDealMaxGroups int32) and of the zeroed claims (AgDeal's layout,
+// 2 * (1 + AgDealMaxGroups) int32, 8-byte aligned; flux.autotune.placement.deal_buffers makes both),
+// or 0, 0, 0.
 constexpr int AgDealMaxSms = 1024;
 constexpr int AgDealMaxGroups = 64;
 struct FusedDeal {

@@ -56,34 +56,33 @@ struct AgWaitArguments {
   int order_count = 0;
   // A diagnostic (torch.ops.flux.set_fused_deal; nullptr, the default, changes nothing): the persistent
   // scheduler's cluster tiles dealt at run time by the GPC each 2-CTA cluster landed in, on launches of
-  // one wave (one cluster tile per cluster). The SMs' groups (GPCs, flux/autotune/placement.py) own runs
-  // of consecutive slots, each group a run as long as the 2-CTA clusters it holds; slot s is the s-th
-  // cluster tile along the operand the cluster does not multicast, so a group's clusters share it.
-  // A cluster's leader takes the next slot of its group's run from the bottom; where the run is full
-  // or beyond the tiles (a misfit), the next free one of another group's run from its top. Each run
-  // has one counter (bottom and top claims in one word), so no two clusters meet on a slot and every
-  // slot below the tile count is taken once, whatever the placement. The claims need no wait for the
-  // preceding grids (AgDeal). deal_pos: deal_sms words, SM sm's group g | cap << 6 | base << 16 (its
-  // run's first slot and length; -1 no group), then AgDealMaxGroups words, group g's base | cap << 16.
+  // one wave (one cluster tile per cluster). Slot s is the s-th cluster tile along the operand the
+  // cluster does not multicast. The SMs' groups (GPCs, flux/autotune/placement.py) own runs of
+  // consecutive slots, each as long as the clusters the group holds, scaled to the launch's tiles
+  // where it has fewer than the groups hold (the hardware spreads clusters over the GPCs), so that a
+  // group's clusters share that operand. A cluster's leader takes the next slot of its group's run
+  // from the bottom; where the run is full (a misfit), the next free one of another run from its top.
+  // Each run has one counter (bottom and top claims in one word), so no two clusters meet on a slot
+  // and every slot is taken once, whatever the placement. The claims need no wait for the preceding
+  // grids (AgDeal). deal_pos: deal_sms words, SM sm's group g | cap << 6 | base << 16 (its run's
+  // first slot and length unscaled; -1 no group), then AgDealMaxGroups words, group g's base |
+  // cap << 16, the last group (AgDealMaxGroups - 1) holding the slots beyond all runs from T, the
+  // groups' total.
   const int32_t* deal_pos = nullptr;
   uint32_t* deal_state = nullptr;
   int deal_sms = 0;
 };
 
 // deal_state's layout (zeroed once; 8-byte aligned), 64-bit words: [0] the epoch of the last launch
-// that dealt (low half) and that launch's CTAs dealt so far (high half); [1, 1 + AgDealMaxGroups) the
-// groups' counters, then deal_sms mailboxes, one per cluster, from its leader to its other CTA. A
-// counter or mailbox carries its launch's claim (epoch + 1) in its top 32 bits; a claim first raises
-// the counter's tag (atomicMax, which also clears the counts of an older launch) and then adds one to
-// the bottom (bits 0-15) or top (16-31) count. Every CTA reads the epoch as it starts, without
-// waiting for the preceding grids: the launch's last CTA to have dealt moves the epoch on before it
-// goes on, and a dependent launch starts only after every CTA of this one has passed its mainloop's
-// first tile (CUTLASS's launch_dependent_grids), long after its deal.
+// that dealt (low half) and that launch's clusters dealt so far (high half); [1, 1 + AgDealMaxGroups)
+// the groups' counters, each with its launch's claim (epoch + 1) in the top 32 bits: a claim first
+// raises the tag (atomicMax, which also clears an older launch's counts) and then adds one to the
+// bottom (bits 0-15) or top (16-31) count. Each cluster's leader reads the epoch as it starts, without
+// waiting for the preceding grids, in the atomic that counts it: the launch's last moves the epoch on
+// before its CTA goes on, and a dependent launch starts only after every CTA of this one has passed
+// its construction of the scheduler (CUTLASS's launch_dependent_grids comes after).
 struct AgDeal {
   CUTLASS_DEVICE static uint64_t* counter(uint32_t* state, int g) { return reinterpret_cast<uint64_t*>(state) + 1 + g; }
-  CUTLASS_DEVICE static uint64_t* mail(uint32_t* state, int cluster) {
-    return reinterpret_cast<uint64_t*>(state) + 1 + AgDealMaxGroups + cluster;
-  }
 };
 
 // The trace's slots per CTA, %globaltimer ns where a time: the SM, when the CTA's scheduler is built
@@ -283,24 +282,37 @@ class AgTileScheduler
 
   // A claim on group g's counter (AgDeal), for launch `claim`: the slot it got, or -1 (the run full).
   // Bottom and top claims add to one word, so they are ordered: the k-th claim of the launch is good
-  // while k < cap, a bottom one then taking base + (bottom count), a top one base + cap - 1 - (top
+  // while k < fit, a bottom one then taking base + (bottom count), a top one base + fit - 1 - (top
   // count); no two good claims get one slot (whichever came later counted the other).
-  CUTLASS_DEVICE static int claim_run(uint64_t* counter, uint32_t claim, int base, int cap, bool top) {
+  CUTLASS_DEVICE static int claim_run(uint64_t* counter, uint32_t claim, int base, int fit, bool top) {
     const uint64_t tag = uint64_t(claim) << 32;
     atomicMax(reinterpret_cast<unsigned long long*>(counter), tag);  // same address: ordered before the add
     const uint64_t old = atomicAdd(reinterpret_cast<unsigned long long*>(counter), top ? 0x10000ull : 1ull);
     if ((old >> 32) != claim) return -1;  // cannot happen: the counter carries this launch's tag
     const int bottom = int(old & 0xFFFF), topped = int((old >> 16) & 0xFFFF);
-    if (bottom + topped >= cap) return -1;
-    return top ? base + cap - 1 - topped : base + bottom;
+    if (bottom + topped >= fit) return -1;
+    return top ? base + fit - 1 - topped : base + bottom;
   }
 
-  // Every thread of the CTA, at the scheduler's construction (before the kernel's roles split), with
-  // no wait for the preceding grids (AgDeal). The decision to deal is the same in every CTA (2-CTA
-  // clusters, one wave of exactly the cluster tiles). Each CTA's first lane counts the CTA as dealt
-  // and reads the epoch in one atomic; the launch's last moves the epoch on. The leader CTA's first
-  // warp claims and posts the slot to the other CTA's first lane (a mailbox); each CTA's first lane
-  // passes it to the CTA's threads at barriers, which no thread passes before the epoch has moved on.
+  // A group's run for a launch of `count` cluster tiles (`total`: the groups' slots): scaled to the
+  // tiles where there are fewer (the runs then cover [0, count) exactly), else as given (the last
+  // group's run then covers [total, count)); `base` becomes its first slot, the length is returned.
+  CUTLASS_DEVICE static int run_of(int& base, int cap, int count, int total) {
+    int end = base + cap;
+    if (count <= total && total > 0) {
+      base = base * count / total;
+      end = end * count / total;
+    }
+    return cute::max(cute::min(end, count) - base, 0);
+  }
+
+  // Every thread of the CTA, at the scheduler's construction, between the kernel's cluster arrive and
+  // wait (before the roles split), with no wait for the preceding grids (AgDeal). The decision to deal
+  // is the same in every CTA (2-CTA clusters, one wave of exactly the cluster tiles). The leader CTA's
+  // first warp claims; its first lane posts the slot into both CTAs' shared memory (the last word of
+  // the kernel's, in its tile buffers, which no load writes before the kernel's cluster wait), between
+  // cluster barriers: the kernel's arrive, a wait (every CTA of the cluster has started), the post,
+  // an arrive and wait, every thread's read, and an arrive for the kernel's wait.
   CUTLASS_DEVICE int deal() {
     const int count = ag_.cluster_rows * ag_.cluster_cols;
     const int csize = ag_.cluster_m * ag_.cluster_n;
@@ -310,92 +322,82 @@ class AgTileScheduler
       return -1;
     }
     uint32_t* state = ag_.deal_state;
-    int got = 0;
-    if (threadIdx.x < 32) {
+    const bool leader = cute::block_rank_in_cluster() == 0;
+    int got = -1;
+    if (leader && threadIdx.x < 32) {
       const int lane = int(threadIdx.x);
-      const bool leader = cute::block_rank_in_cluster() == 0;
       uint32_t sm;
       asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-      const int packed = leader && lane == 0 && int(sm) < ag_.deal_sms ? ag_.deal_pos[sm] : -1;
+      const int32_t* groups = ag_.deal_pos + ag_.deal_sms;
+      const int packed = lane == 0 && int(sm) < ag_.deal_sms ? ag_.deal_pos[sm] : -1;
+      const int total = groups[AgDealMaxGroups - 1] & 0xFFFF;
       uint32_t claim = 0;
       if (lane == 0) {
         unsigned long long* word = reinterpret_cast<unsigned long long*>(state);
         const unsigned long long old = atomicAdd(word, 1ull << 32);
         claim = uint32_t(old) + 1;
-        if (int(old >> 32) == ctas - 1) {  // the launch's last CTA to deal: every other has read the epoch
+        if (int(old >> 32) == count - 1) {  // the launch's last cluster: every other has read the epoch
           atomicExch(word, static_cast<unsigned long long>(claim));
           __threadfence();
         }
+        if (packed >= 0) {
+          int base = packed >> 16;
+          const int fit = run_of(base, (packed >> 6) & 1023, count, total);
+          if (fit > 0) got = claim_run(AgDeal::counter(state, packed & 63), claim, base, fit, false);
+        }
       }
       claim = __shfl_sync(0xffffffffu, claim, 0);
-      const dim3 cid = cute::cluster_id_in_grid();
-      const dim3 ncl = cute::cluster_grid_dims();
-      uint64_t* mail = AgDeal::mail(state, int(cid.x + ncl.x * (cid.y + ncl.y * cid.z)));
-      if (leader) {
-        got = -1;
-        if (lane == 0 && packed >= 0) {
-          const int g = packed & 63, cap = (packed >> 6) & 1023, base = packed >> 16;
-          const int fit = cute::min(cap, cute::max(count - base, 0));  // the run's slots that are tiles
-          if (fit > 0) got = claim_run(AgDeal::counter(state, g), claim, base, fit, false);
+      got = __shfl_sync(0xffffffffu, got, 0);
+      // A misfit: a group whose run had room when read, the first from a start spread by the SM
+      // number; a failed claim means that run filled meanwhile. As many clusters as slots, and the
+      // runs cover them all: this ends.
+      for (int round = 0; got < 0 && round <= count + AgDealMaxGroups; ++round) {
+        uint64_t room = 0;
+        for (int j = 0; j < AgDealMaxGroups / 32; ++j) {
+          const int g = lane + 32 * j, word = groups[g];
+          int base = word & 0xFFFF;
+          const int fit = run_of(base, word >> 16, count, total);
+          bool free_slot = false;
+          if (fit > 0) {
+            const uint64_t c = *reinterpret_cast<volatile uint64_t*>(AgDeal::counter(state, g));
+            free_slot = (c >> 32) != claim || int(c & 0xFFFF) + int((c >> 16) & 0xFFFF) < fit;
+          }
+          room |= uint64_t(__ballot_sync(0xffffffffu, free_slot)) << (32 * j);
+        }
+        if (room == 0) continue;
+        const int start = int(sm + uint32_t(round)) % AgDealMaxGroups;
+        const uint64_t turned = start == 0 ? room : (room >> start) | (room << (AgDealMaxGroups - start));
+        const int g = (start + __ffsll(static_cast<long long>(turned)) - 1) % AgDealMaxGroups;
+        if (lane == 0) {
+          const int word = groups[g];
+          int base = word & 0xFFFF;
+          const int fit = run_of(base, word >> 16, count, total);
+          got = claim_run(AgDeal::counter(state, g), claim, base, fit, true);
         }
         got = __shfl_sync(0xffffffffu, got, 0);
-        // A misfit: a group whose run had room when read, the first from a start spread by the SM
-        // number; a failed claim means that run filled meanwhile. As many clusters as slots below
-        // count, and the groups' runs cover them all (the last group has the rest): this ends.
-        const int32_t* groups = ag_.deal_pos + ag_.deal_sms;
-        for (int round = 0; got < 0 && round <= count + AgDealMaxGroups; ++round) {
-          uint64_t room = 0;
-          for (int j = 0; j < AgDealMaxGroups / 32; ++j) {
-            const int g = lane + 32 * j, word = groups[g];
-            const int base = word & 0xFFFF, fit = cute::min(word >> 16, cute::max(count - base, 0));
-            bool free_slot = false;
-            if (fit > 0) {
-              const uint64_t c = *reinterpret_cast<volatile uint64_t*>(AgDeal::counter(state, g));
-              free_slot = (c >> 32) != claim || int(c & 0xFFFF) + int((c >> 16) & 0xFFFF) < fit;
-            }
-            room |= uint64_t(__ballot_sync(0xffffffffu, free_slot)) << (32 * j);
-          }
-          if (room == 0) continue;
-          const int start = int(sm + uint32_t(round)) % AgDealMaxGroups;
-          const uint64_t turned = start == 0 ? room : (room >> start) | (room << (AgDealMaxGroups - start));
-          const int g = (start + __ffsll(static_cast<long long>(turned)) - 1) % AgDealMaxGroups;
-          if (lane == 0) {
-            const int word = groups[g], base = word & 0xFFFF;
-            got = claim_run(AgDeal::counter(state, g), claim, base, cute::min(word >> 16, count - base), true);
-          }
-          got = __shfl_sync(0xffffffffu, got, 0);
-        }
-        if (got < 0) __trap();  // cannot happen (above)
-        if (lane == 0) st_release_gpu_u64(mail, (uint64_t(claim) << 32) | uint32_t(got));
-      } else if (lane == 0) {
-        const uint64_t start = globaltimer_ns();
-        uint64_t m = ld_acquire_gpu_u64(mail);
-        while (uint32_t(m >> 32) != claim) {
-          __nanosleep(32);
-          if (ag_.timeout_ns != 0 && globaltimer_ns() - start > ag_.timeout_ns) {
-            // The leader is a CTA of this same cluster, co-scheduled with this one: only a fault
-            // gets here. Recorded as this rank waiting on itself.
-            if (ag_.error != nullptr) {
-              ag_.error[1] = uint32_t(ag_.rank);
-              __threadfence_system();
-              ag_.error[0] = uint32_t(ag_.rank) + 1u;
-              __threadfence_system();
-            }
-            __trap();
-          }
-          m = ld_acquire_gpu_u64(mail);
-        }
-        got = int(uint32_t(m));
       }
+      if (got < 0) __trap();  // cannot happen (above)
     }
-    // The slot to every thread, a bit at a time (slot < count <= AgDealMaxSms = 2^10): the kernel's
-    // shared memory is all CUTLASS's.
-    int slot = 0;
-    for (int bit = 0; bit < 10; ++bit) slot |= __syncthreads_or(threadIdx.x == 0 && ((got >> bit) & 1)) << bit;
+    extern __shared__ char ag_deal_smem[];
+    uint32_t smem_bytes;
+    asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_bytes));
+    const uint32_t post = cute::cast_smem_ptr_to_uint(ag_deal_smem) + smem_bytes - 4;
+    cute::cluster_wait();  // the kernel's arrive: the other CTA has started
+    if (leader && threadIdx.x == 0) {
+      uint32_t remote;
+      asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(post), "r"(1));
+      asm volatile("st.shared::cluster.u32 [%0], %1;" ::"r"(remote), "r"(uint32_t(got)) : "memory");
+      asm volatile("st.shared.u32 [%0], %1;" ::"r"(post), "r"(uint32_t(got)) : "memory");
+    }
+    cute::cluster_arrive();  // release: the posts
+    cute::cluster_wait();
+    uint32_t slot;
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(slot) : "r"(post) : "memory");
+    cute::cluster_arrive_relaxed();  // the kernel's cluster wait pairs with this
     // The slot as a cluster tile: along N where the cluster multicasts the weight (2x1: the group's
     // clusters share rows of A), along M where it multicasts A (1x2).
-    if (ag_.cluster_m == 2) return slot;
-    return (slot % ag_.cluster_rows) * ag_.cluster_cols + slot / ag_.cluster_rows;
+    if (ag_.cluster_m == 2) return int(slot);
+    return int(slot % ag_.cluster_rows) * ag_.cluster_cols + int(slot / ag_.cluster_rows);
   }
 
   // The cluster tile holding w's tile replaced: the launched one (after the rotation) by the dealt one

@@ -104,12 +104,12 @@ def deal_table(groups: Sequence[Sequence[int]], sm_count: int) -> List[int]:
     """The int32 words the fused AG kernel's deal by GPC reads (``torch.ops.flux.set_fused_deal``):
     ``sm_count`` words, one per SM, then ``MAX_GROUPS``, one per group. The groups (as given, each
     holding ``len // 2`` 2-CTA clusters) own runs of consecutive slots, one slot per cluster, in
-    order; a cluster takes the next slot of its group's run, and one that finds no room there takes
-    a free slot of another run. SM ``sm`` of group ``g`` (run of ``cap`` slots from ``base``) reads
-    ``g | cap << 6 | base << 16``, an SM in no group (or in one too small for a cluster) -1; group
-    ``g``'s word is ``base | cap << 16``, and one more group, after the last, holds the slots beyond
-    all runs, so that every slot belongs to a run. Groups past ``MAX_GROUPS - 1`` are left out (their
-    clusters take free slots)."""
+    order (the kernel scales them to a launch with fewer tiles); a cluster takes the next slot of its
+    group's run, and one that finds no room there a free slot of another run. SM ``sm`` of group
+    ``g`` (run of ``cap`` slots from ``base``) reads ``g | cap << 6 | base << 16``, an SM in no group
+    (or in one too small for a cluster) -1; group ``g``'s word is ``base | cap << 16``, and the last
+    group (``MAX_GROUPS - 1``) holds the slots beyond all runs, from their total on. Groups past
+    ``MAX_GROUPS - 1`` are left out (their clusters take free slots)."""
     per_sm = [-1] * sm_count
     table = [0] * MAX_GROUPS
     base = 0
@@ -121,18 +121,17 @@ def deal_table(groups: Sequence[Sequence[int]], sm_count: int) -> List[int]:
             per_sm[sm] = i | cap << 6 | base << 16
         table[i] = base | cap << 16
         base += cap
-    table[len(runs)] = base | max(sm_count - base, 0) << 16
+    table[MAX_GROUPS - 1] = base | max(sm_count - base, 0) << 16
     return per_sm + table
 
 
 def deal_buffers(device: Optional[int] = None):
     """(table, claims, sms): what torch.ops.flux.set_fused_deal takes for CUDA device ``device``
     (the tensors' addresses and its SM count), the table from :func:`gpc_groups` (:func:`deal_table`), the claims
-    zeroed (two words per SM and per group and two more: csrc/ag_gemm/ag_tile_scheduler.hpp AgDeal's
-    layout). The caller keeps both alive while the deal is set."""
+    zeroed (two words per group and two more: csrc/ag_gemm/ag_tile_scheduler.hpp AgDeal's layout). The caller keeps both alive while the deal is set."""
     groups = gpc_groups(device)
     dev = torch.device("cuda", torch.cuda.current_device() if device is None else int(device))
     n = torch.cuda.get_device_properties(dev).multi_processor_count
     table = torch.tensor(deal_table(groups, n), dtype=torch.int32, device=dev)
-    return table, torch.zeros(2 * (1 + MAX_GROUPS + n), dtype=torch.int32, device=dev), n
+    return table, torch.zeros(2 * (1 + MAX_GROUPS), dtype=torch.int32, device=dev), n
 
