@@ -127,8 +127,9 @@ def deal_table(groups: Sequence[Sequence[int]], sm_count: int) -> List[int]:
 
 def deal_buffers(device: Optional[int] = None):
     """(table, claims, sms): what torch.ops.flux.set_fused_deal takes for CUDA device ``device``
-    (the tensors' addresses and its SM count), the table from :func:`gpc_groups` (:func:`deal_table`), the claims
-    zeroed (two words per group and two more: csrc/ag_gemm/ag_tile_scheduler.hpp AgDeal's layout). The caller keeps both alive while the deal is set."""
+    (the tensors' addresses and its SM count): the table from :func:`gpc_groups` (:func:`deal_table`),
+    the claims zeroed (two words per group and two more: csrc/ag_gemm/ag_tile_scheduler.hpp AgDeal's
+    layout). The caller keeps both tensors alive while the deal is set."""
     groups = gpc_groups(device)
     dev = torch.device("cuda", torch.cuda.current_device() if device is None else int(device))
     n = torch.cuda.get_device_properties(dev).multi_processor_count
