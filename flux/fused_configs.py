@@ -40,6 +40,9 @@ class FusedConfig(NamedTuple):
     scheduler: str = "persistent"  # "persistent" | "streamk" | "streamk-all" (cooperative only) | "splitk"
     splits: int = 1  # slices of K ("splitk" only)
     loads: str = "cutlass"  # "cutlass": A then B each stage; "multicast-first": the multicast one first
+    # "auto": CUTLASS's epilogue, its buffers as EpiPick sizes them; "prefetch" (rs only): the whole next
+    # tile's source (the peer's partial) loaded during its mainloop (csrc/common/fused_gemm.cuh SourcePrefetch)
+    source: str = "auto"
 
     @property
     def tile_m(self):
@@ -54,7 +57,8 @@ class FusedConfig(NamedTuple):
         sk = {"persistent": "", "streamk": ", stream-K", "streamk-all": ", stream-K always",
               "splitk": f", split-K into {self.splits}"}[self.scheduler]
         lo = "" if self.loads == "cutlass" else ", multicast load first"
-        return f"{m}x{n}x{k} tile, cluster {self.cluster[0]}x{self.cluster[1]}, {self.schedule}{sk}{lo}"
+        src = "" if self.source == "auto" else ", source prefetched a tile ahead"
+        return f"{m}x{n}x{k} tile, cluster {self.cluster[0]}x{self.cluster[1]}, {self.schedule}{sk}{lo}{src}"
 
     def applies(self, m, n, k):
         """Whether this configuration runs an m x n x k problem: split-K cuts K into equal slices
@@ -276,10 +280,17 @@ CONFIGS = {
         # rank): the best configuration on 8 of 36 shapes in graph timing; against mm then add, shapes not
         # faster 6 -> 4 (128 x 14336 x 8192: 1.048 -> 0.974, 256 x 3584 x 4096: 1.026 -> 0.930).
         C(37, (64, 128, 64), (2, 1), "pingpong", BF16),
+        # RS 0 and 6 with the next tile's source (the peer's partial) loaded during its mainloop: CUTLASS's
+        # epilogue, its buffers shared by the source's loads and the output's stores, fetches 2 of a tile's 8
+        # source subtiles ahead and the rest while the consumers wait (csrc/common/fused_gemm.cuh
+        # SourcePrefetch); RS 0's twin keeps 3 mainloop stages of 4, RS 6's 5 of 6.
+        C(38, (128, 256, 64), (2, 1), "cooperative", (), source="prefetch"),
+        C(39, (128, 128, 64), (2, 1), "pingpong", (), source="prefetch"),
     ),
 }
 OPS = tuple(CONFIGS)
 SCHEDULERS = ("persistent", "streamk", "streamk-all", "splitk")
+SOURCES = ("auto", "prefetch")
 MAX_SPLITS = 16
 SPLIT_K_MAX_PARTIALS = 1 << 30  # bytes
 
@@ -317,15 +328,18 @@ def _check_schedulers():
         for c in cfgs:  # CUTLASS's sm90 ping-pong kernel has no stream-K variant
             if c.scheduler not in SCHEDULERS or (c.scheduler.startswith("streamk") and c.schedule != "cooperative"):
                 raise ValueError(f"flux.fused_configs: {op} configuration {c.id}: bad scheduler {c.scheduler!r}")
+            if c.source not in SOURCES or (c.source == "prefetch" and (op != "rs" or c.scheduler == "splitk")):
+                raise ValueError(f"flux.fused_configs: {op} configuration {c.id}: source {c.source!r} (\"prefetch\": "
+                                 f"rs configurations that add the source in their epilogue)")
             if (c.scheduler == "splitk") != (c.splits > 1) or not 1 <= c.splits <= MAX_SPLITS:
                 raise ValueError(f"flux.fused_configs: {op} configuration {c.id}: splits {c.splits} "
                                  f"with scheduler {c.scheduler!r} (split-K: 2..{MAX_SPLITS} slices)")
-        # Tuned choices name a configuration by tile, cluster, schedule and scheduler
+        # Tuned choices name a configuration by tile, cluster, schedule, scheduler and source
         # (flux.autotune.kernel_configs.KernelConfig.desc), not by how its mainloop issues its loads:
         # two configurations alike in those would share cached choices.
         seen = {}
         for c in cfgs:
-            key = (c.tile, c.cluster, c.schedule, c.scheduler, c.splits)
+            key = (c.tile, c.cluster, c.schedule, c.scheduler, c.splits, c.source)
             if key in seen:
                 raise ValueError(f"flux.fused_configs: {op} configurations {seen[key]} and {c.id} differ only in "
                                  f"their loads ({c.loads!r}); cached choices could not tell them apart")

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from flux import fused_configs as fc
+from flux.autotune import kernel_configs as KC
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -67,6 +68,26 @@ def test_select_and_parse():
             fc._check_schedulers()
         finally:
             fc.CONFIGS["ag"] = fc.CONFIGS["ag"][:-1]
+    # The source prefetched a tile ahead: RS only, not under split-K (its reduction adds the source),
+    # and a choice made for it names it (twins of one tile coexist).
+    for op, bad in (("ag", fc.FusedConfig(999, (128, 128, 64), (1, 1), "cooperative", (), source="prefetch")),
+                    ("rs", fc.FusedConfig(999, (128, 128, 64), (1, 1), "cooperative", (), "splitk", 2,
+                                          source="prefetch")),
+                    ("rs", fc.FusedConfig(999, (128, 96, 64), (1, 1), "cooperative", (), source="early"))):
+        with pytest.raises(ValueError, match="source"):
+            fc.CONFIGS[op] += (bad,)
+            try:
+                fc._check_schedulers()
+            finally:
+                fc.CONFIGS[op] = fc.CONFIGS[op][:-1]
+    pf = [c for c in fc.CONFIGS["rs"] if c.source == "prefetch"]
+    assert pf and all("source prefetched" in c.describe() for c in pf)
+    twins = {c.id: next(t for t in fc.CONFIGS["rs"] if t.source == "auto" and t.tile == c.tile
+                        and t.cluster == c.cluster and t.schedule == c.schedule and t.scheduler == c.scheduler)
+             for c in pf}
+    for cid, twin in twins.items():
+        descs = [KC.KernelConfig.of("rs", x, (("bf16", "bf16"),)).desc for x in (fc.config("rs", cid), twin)]
+        assert descs[0] == descs[1] + "/pf", descs
     assert len(fc.select("all")) == sum(len(v) for v in fc.CONFIGS.values()) * len(fc.DTYPES)
     assert fc.select("minimal") == [("ag", 0, "bf16"), ("rs", 0, "bf16")]
     assert fc.select("ag:2") == [("ag", 2, d) for d in fc.DTYPES]

@@ -132,6 +132,28 @@ struct ScheduleOf<MulticastFirst<S>> {
   static constexpr bool kMulticastFirst = true;
 };
 
+// An epilogue schedule tag: CUTLASS's `Schedule` with the source C (RS: the peer's partial) loaded a
+// whole tile ahead. The TMA epilogue with C and D of one type shares StagesC shared-memory buffers
+// between C's loads and D's stores, and a buffer whose store may still be in flight (StagesD - 1 of
+// them) is released only by the next tile's epilogue: the producer's load warp can fetch just
+// StagesC - StagesD + 1 subtiles of the next tile's C during its mainloop, and loads the rest while
+// the consumers wait in the epilogue (RS 0: 2 of 8). With it, StagesD = 2 and StagesC = the tile's
+// subtiles + 1 where the mainloop keeps 3 stages (bf16 and fp16 outputs; fewer for fp32): the whole
+// next tile's C arrives during its mainloop, which keeps the stages the rest of the shared memory
+// leaves. The configurations whose `source` is "prefetch" (flux/fused_configs.py) use it.
+template <class Schedule>
+struct SourcePrefetch {};
+template <class S>
+struct EpilogueOf {
+  using type = S;
+  static constexpr bool kPrefetchSource = false;
+};
+template <class S>
+struct EpilogueOf<SourcePrefetch<S>> {
+  using type = S;
+  static constexpr bool kPrefetchSource = true;
+};
+
 // CUTLASS's sm90 TMA warp-specialized mainloop `Base` with its producer's two loads per stage in
 // the other order where only B is multicast (Base's own load otherwise); all else is Base's.
 template <class Base>
@@ -195,7 +217,7 @@ struct FusedTypes<kFp16Fp32> { using In = cutlass::half_t; using Out = float; };
 // D [M, N] row-major ElementOut (the input dtype or fp32), fp32 accumulation;
 // D = acc (+ C, ElementOut, where HasSource) + bias per column (ElementOut), rounded once.
 template <class ElementIn, class ElementOut, class TileShape_, class ClusterShape_, class KernelSchedule,
-          class EpilogueSchedule, bool HasSource, template <class> class EpilogueWrap, class Scheduler,
+          class EpilogueScheduleTag, bool HasSource, template <class> class EpilogueWrap, class Scheduler,
           int StreamKMode = 0>
 struct Sm90FusedGemm {
   // 0: a persistent scheduler; 1: CUTLASS's stream-K scheduler, its heuristic deciding between
@@ -215,6 +237,7 @@ struct Sm90FusedGemm {
   using TileShape = TileShape_;
   using ClusterShape = ClusterShape_;
   static constexpr int kTileM = cute::size<0>(TileShape{});
+  using EpilogueSchedule = typename EpilogueOf<EpilogueScheduleTag>::type;
 
   using Fusion = cutlass::epilogue::fusion::LinCombPerColBias<ElementD, float, ElementD, ElementD, float>;
   // The mainloop's stages fill the shared memory that the epilogue `Epi` leaves.
@@ -241,24 +264,52 @@ struct Sm90FusedGemm {
     static constexpr bool kReuseC =
         cute::sizeof_bits_v<ElementC> == cute::sizeof_bits_v<ElementD> && cute::sizeof_bits_v<ElementD> > 8;
     static constexpr bool kDelayStore = cute::is_void_v<ElementC>;
-    template <int StagesD>
-    using At = typename cutlass::epilogue::collective::detail::Sm90TmaBuilderImpl<
+    template <int StagesC, int StagesD>
+    using AtCD = typename cutlass::epilogue::collective::detail::Sm90TmaBuilderImpl<
         TileShape, EpiTile, ElementAcc, float, ElementC, LayoutD, kAlignD, ElementD, LayoutD, kAlignD, Fusion,
-        cutlass::epilogue::Sm90TmaWarpSpecialized<
-            kReuseC ? cute::max(cute::min(kSubtiles, 4), StagesD + 1) : cute::min(kSubtiles, 4), StagesD, kFragment,
-            kReuseC, kDelayStore>>::CollectiveOp;
+        cutlass::epilogue::Sm90TmaWarpSpecialized<StagesC, StagesD, kFragment, kReuseC, kDelayStore>>::CollectiveOp;
+    template <int StagesD>
+    using At = AtCD<kReuseC ? cute::max(cute::min(kSubtiles, 4), StagesD + 1) : cute::min(kSubtiles, 4), StagesD>;
+    // The mainloop's stages beside epilogue E: CUTLASS's count (its builder's, for MainloopFor), without
+    // instantiating a mainloop that would have fewer than 2.
+    template <class E>
+    static constexpr int stages_beside() {
+      return cutlass::gemm::collective::detail::compute_stage_count_or_override<
+          cutlass::gemm::collective::detail::sm90_smem_capacity_bytes, ElementIn, ElementIn, TileShape>(
+          cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename EpilogueWrap<E>::SharedStorage))>{});
+    }
     static constexpr int kDefault = cute::min(kSubtiles, 2);
-    static constexpr int kStages = MainloopFor<At<kDefault>>::DispatchPolicy::Stages;
+    static constexpr int kStages = stages_beside<At<kDefault>>();
     template <int D, bool = (D <= kDefault)>
     struct Largest {
-      static constexpr int value = MainloopFor<At<D>>::DispatchPolicy::Stages == kStages ? D : Largest<D - 1>::value;
+      static constexpr int value = stages_beside<At<D>>() == kStages ? D : Largest<D - 1>::value;
     };
     template <int D>
     struct Largest<D, true> {
       static constexpr int value = kDefault;
     };
     static constexpr int kStagesD = Largest<cute::min(kSubtiles, 8)>::value;
-    using type = At<kStagesD>;
+    static_assert(!EpilogueOf<EpilogueScheduleTag>::kPrefetchSource || (kReuseC && !cute::is_void_v<ElementC>),
+                  "SourcePrefetch: for a source C of the output's type");
+    // SourcePrefetch: StagesD = 2 and the most StagesC up to the tile's subtiles + 1 that leaves the
+    // mainloop 3 stages.
+    template <int C, bool = (C <= 3)>
+    struct Fit {
+      static constexpr int value = stages_beside<AtCD<C, 2>>() >= 3 ? C : Fit<C - 1>::value;
+    };
+    template <int C>
+    struct Fit<C, true> {
+      static constexpr int value = 3;
+    };
+    template <bool Prefetch, int = 0>
+    struct Pick {
+      using type = At<kStagesD>;
+    };
+    template <int Unused>
+    struct Pick<true, Unused> {
+      using type = AtCD<Fit<kSubtiles + 1>::value, 2>;
+    };
+    using type = typename Pick<EpilogueOf<EpilogueScheduleTag>::kPrefetchSource>::type;
   };
   using BaseEpilogue = typename EpiPick::type;
   using CollectiveEpilogue = EpilogueWrap<BaseEpilogue>;

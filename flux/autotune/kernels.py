@@ -461,10 +461,7 @@ def _allowed(spec: str, dtype, out_dtype) -> Dict[str, Dict[int, KernelConfig]]:
     ids = {(op, cid) for op, cid, d in table.select(spec) if d == variant}
     out: Dict[str, Dict[int, KernelConfig]] = {op: {} for op in OPS}
     for op, cid in sorted(ids):
-        c = table.config(op, cid)
-        (tm, tn, tk), (cm, cn) = c.tile, c.cluster
-        out[op][cid] = KernelConfig(op, cid, tm, tn, tk, cm, cn, c.schedule, ((_dt(dtype), _dt(out_dtype)),),
-                                    c.scheduler, c.splits)
+        out[op][cid] = KernelConfig.of(op, table.config(op, cid), ((_dt(dtype), _dt(out_dtype)),))
     return out
 
 
