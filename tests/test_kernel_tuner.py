@@ -351,17 +351,20 @@ SHIPPED_FROM = ("fused_gemm-h200-models.json", "fused_gemm-h200-ag.json",
 
 
 # The bench JSONs the shipped H100 choices were chosen from: AG at 256 / 1024 rows, 14 of the 18 AG
-# shapes of 4096 rows and 71 of the 72 RS shapes, every configuration of the default build. The other
-# shapes (AG at 16384 rows, the rest of 4096, one RS) get the analytic default there.
-SHIPPED_FROM_H100 = ("fused_gemm-h100-ag-small.json", "fused_gemm-h100-ag-4096.json", "fused_gemm-h100-rs.json")
+# shapes of 4096 rows and 71 of the 72 RS shapes, every configuration of the default build; then the
+# other four AG shapes of 4096 rows and the last RS one, and AG at 16384 rows (the configurations and
+# bands that serve them on the H200, and the analytic default's).
+SHIPPED_FROM_H100 = ("fused_gemm-h100-ag-small.json", "fused_gemm-h100-ag-4096.json", "fused_gemm-h100-rs.json",
+                     "fused_gemm-h100-ag-4096-405b.json", "fused_gemm-h100-rs-2048x6656.json",
+                     "fused_gemm-h100-ag-16384.json")
 
 
-@pytest.mark.parametrize("gpu,files,whole", [("H200", SHIPPED_FROM, True), ("H100", SHIPPED_FROM_H100, False)])
+@pytest.mark.parametrize("gpu,files,whole", [("H200", SHIPPED_FROM, True), ("H100", SHIPPED_FROM_H100, True)])
 def test_shipped_choices_are_served_and_built(monkeypatch, gpu, files, whole):
     """On the GPU a shipped file was made for, every model-grid shape it holds gets its tuned choice,
     made from the bench JSONs listed (a later file wins a shape) among the default build's
     configurations, and that configuration is built; a shape it does not hold gets the analytic
-    default. The H200 file holds the whole grid."""
+    default. Both files hold the whole grid."""
     entries = {}
     for name in files:
         bench = os.path.join(REPO, "bench", "results", name)

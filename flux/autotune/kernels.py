@@ -87,6 +87,13 @@ STREAM_K_FIXED_S = 8e-6
 # 15 TB/s by this count); the bound does not depend on the band, whose choice the weight's re-reads
 # from HBM and the clock decide (``_traffic``, ``_power``).
 L2_SM_BW = 8.5e12
+# A ping-pong tile of 128 rows and 144-192 columns (one consumer warpgroup's whole tile, fewer operand
+# bytes per MMA than the 128x256 cooperative tile's two groups): this share of the wide tiles' mainloop
+# rate. Fitted over both GPUs' bench files: at 1.0 the analytic choice took the ping-pong tile with bands
+# of 2-4 where the tuned one, the 128x256 tile, ran 1.06-1.39x faster on the H100 at 4096-16384 rows
+# (bench/results/fused_gemm-h100-ag-16384.json; on the H200 within 5%); 0.98 put 6 fewer H100 shapes
+# and 1 fewer H200 shape over 5% of the tuned time (0.97 and 0.99: fewer on the H100, more on the H200).
+PINGPONG_WIDE_EFF = 0.98
 # Split-K's reduction pass, beyond its HBM traffic: a second launch, mostly hidden behind the
 # GEMM's tail under programmatic dependent launch.
 SPLIT_K_FIXED_S = 2e-6
@@ -98,9 +105,10 @@ def _tile_eff(c: KernelConfig, tiles_m: int = 0) -> float:
     tile's width per K step; fitted to bench/results/fused_gemm-h200-ag.json: the 224-wide tile
     is the fastest on 9-10 of the 72 AG shapes); a cooperative 128x128 halves each warpgroup's MMA;
     a ping-pong 128x128 gives each warpgroup a whole tile (less operand reuse than 128x256), and
-    ping-pong tiles 144-192 wide rate as the wide cooperative ones, their epilogue then overlapped
-    (AG 72-74, bench/results/fused_gemm-h200-ag-pingpong.json: the fastest on 34 of its 72 AG shapes;
-    the analytic choice's time over the tuned one's went from 1.025 / 1.030 to 1.016 / 1.021); a
+    ping-pong tiles 144-192 wide rate just below the wide cooperative ones (PINGPONG_WIDE_EFF), their
+    epilogue then overlapped (AG 72-74, bench/results/fused_gemm-h200-ag-pingpong.json: the fastest on
+    34 of its 72 AG shapes; the analytic choice's time over the tuned one's went from 1.025 / 1.030 to
+    1.016 / 1.021); a
     ping-pong 64x256 as a cooperative 128x128 (RS 4 is the best configuration only on some shapes
     of 1024+ rows per rank and deep K, bench/results/fused_gemm-h200-rs-swizzle.json, and 1.2-1.5x
     the tuned choice's time where K is 4096 or less: the tuner picks it, the model does not); 64-row
@@ -114,8 +122,9 @@ def _tile_eff(c: KernelConfig, tiles_m: int = 0) -> float:
         # tile rows (``tiles_m``), multicasting B along a 2x1 cluster ran 1.3-1.7x faster than A along
         # 1x2; over one tile row (32, 64 rows) the 2x1 cluster's second CTA has no rows, and 1x2 won.
         return 0.65 if weight_multicast else 0.45
-    if area >= 128 * 256 or (c.schedule == "cooperative" and area >= 128 * 192) or (
-            c.schedule == "pingpong" and c.tile_m == 128 and c.tile_n > 128):
+    if c.schedule == "pingpong" and c.tile_m == 128 and c.tile_n > 128:
+        return PINGPONG_WIDE_EFF
+    if area >= 128 * 256 or (c.schedule == "cooperative" and area >= 128 * 192):
         return 1.0
     if c.tile_m == 64 and area >= 128 * 128:
         return 0.88
