@@ -40,8 +40,10 @@ class FusedConfig(NamedTuple):
     scheduler: str = "persistent"  # "persistent" | "streamk" | "streamk-all" (cooperative only) | "splitk"
     splits: int = 1  # slices of K ("splitk" only)
     loads: str = "cutlass"  # "cutlass": A then B each stage; "multicast-first": the multicast one first
-    # "auto": CUTLASS's epilogue, its buffers as EpiPick sizes them; "prefetch" (rs only): the whole next
-    # tile's source (the peer's partial) loaded during its mainloop (csrc/common/fused_gemm.cuh SourcePrefetch)
+    # "auto": CUTLASS's epilogue, its buffers as EpiPick sizes them; rs only: "prefetch", the whole next
+    # tile's source (the peer's partial) loaded during its mainloop, at the cost of mainloop stages;
+    # "ahead", as much of it as the shared memory beside the mainloop's stages holds
+    # (csrc/common/fused_gemm.cuh SourcePrefetch, SourceAhead)
     source: str = "auto"
 
     @property
@@ -57,7 +59,8 @@ class FusedConfig(NamedTuple):
         sk = {"persistent": "", "streamk": ", stream-K", "streamk-all": ", stream-K always",
               "splitk": f", split-K into {self.splits}"}[self.scheduler]
         lo = "" if self.loads == "cutlass" else ", multicast load first"
-        src = "" if self.source == "auto" else ", source prefetched a tile ahead"
+        src = {"auto": "", "prefetch": ", source prefetched a tile ahead",
+               "ahead": ", source loaded ahead in the stages' spare memory"}[self.source]
         return f"{m}x{n}x{k} tile, cluster {self.cluster[0]}x{self.cluster[1]}, {self.schedule}{sk}{lo}{src}"
 
     def applies(self, m, n, k):
@@ -286,11 +289,16 @@ CONFIGS = {
         # SourcePrefetch); RS 0's twin keeps 3 mainloop stages of 4, RS 6's 5 of 6.
         C(38, (128, 256, 64), (2, 1), "cooperative", (), source="prefetch"),
         C(39, (128, 128, 64), (2, 1), "pingpong", (), source="prefetch"),
+        # RS 0 and 6 with StagesD = 2 and the source buffers that fit beside their mainloop's stages (4 and
+        # 6): 3 and 7 of the next tile's 8 source subtiles loaded during its mainloop, where RS 0 and 6
+        # load 2 (SourceAhead).
+        C(40, (128, 256, 64), (2, 1), "cooperative", (), source="ahead"),
+        C(41, (128, 128, 64), (2, 1), "pingpong", (), source="ahead"),
     ),
 }
 OPS = tuple(CONFIGS)
 SCHEDULERS = ("persistent", "streamk", "streamk-all", "splitk")
-SOURCES = ("auto", "prefetch")
+SOURCES = ("auto", "prefetch", "ahead")
 MAX_SPLITS = 16
 SPLIT_K_MAX_PARTIALS = 1 << 30  # bytes
 
@@ -328,9 +336,9 @@ def _check_schedulers():
         for c in cfgs:  # CUTLASS's sm90 ping-pong kernel has no stream-K variant
             if c.scheduler not in SCHEDULERS or (c.scheduler.startswith("streamk") and c.schedule != "cooperative"):
                 raise ValueError(f"flux.fused_configs: {op} configuration {c.id}: bad scheduler {c.scheduler!r}")
-            if c.source not in SOURCES or (c.source == "prefetch" and (op != "rs" or c.scheduler == "splitk")):
-                raise ValueError(f"flux.fused_configs: {op} configuration {c.id}: source {c.source!r} (\"prefetch\": "
-                                 f"rs configurations that add the source in their epilogue)")
+            if c.source not in SOURCES or (c.source != "auto" and (op != "rs" or c.scheduler == "splitk")):
+                raise ValueError(f"flux.fused_configs: {op} configuration {c.id}: source {c.source!r} (\"prefetch\", "
+                                 f"\"ahead\": rs configurations that add the source in their epilogue)")
             if (c.scheduler == "splitk") != (c.splits > 1) or not 1 <= c.splits <= MAX_SPLITS:
                 raise ValueError(f"flux.fused_configs: {op} configuration {c.id}: splits {c.splits} "
                                  f"with scheduler {c.scheduler!r} (split-K: 2..{MAX_SPLITS} slices)")

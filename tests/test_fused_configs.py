@@ -80,14 +80,16 @@ def test_select_and_parse():
                 fc._check_schedulers()
             finally:
                 fc.CONFIGS[op] = fc.CONFIGS[op][:-1]
-    pf = [c for c in fc.CONFIGS["rs"] if c.source == "prefetch"]
-    assert pf and all("source prefetched" in c.describe() for c in pf)
+    pf = [c for c in fc.CONFIGS["rs"] if c.source != "auto"]
+    assert {c.source for c in pf} == set(fc.SOURCES) - {"auto"}
+    assert all(("source prefetched" in c.describe()) == (c.source == "prefetch") and
+               ("source loaded ahead" in c.describe()) == (c.source == "ahead") for c in pf)
     twins = {c.id: next(t for t in fc.CONFIGS["rs"] if t.source == "auto" and t.tile == c.tile
                         and t.cluster == c.cluster and t.schedule == c.schedule and t.scheduler == c.scheduler)
              for c in pf}
     for cid, twin in twins.items():
         descs = [KC.KernelConfig.of("rs", x, (("bf16", "bf16"),)).desc for x in (fc.config("rs", cid), twin)]
-        assert descs[0] == descs[1] + "/pf", descs
+        assert descs[0] == descs[1] + {"prefetch": "/pf", "ahead": "/sa"}[fc.config("rs", cid).source], descs
     assert len(fc.select("all")) == sum(len(v) for v in fc.CONFIGS.values()) * len(fc.DTYPES)
     assert fc.select("minimal") == [("ag", 0, "bf16"), ("rs", 0, "bf16")]
     assert fc.select("ag:2") == [("ag", 2, d) for d in fc.DTYPES]

@@ -140,18 +140,27 @@ struct ScheduleOf<MulticastFirst<S>> {
 // the consumers wait in the epilogue (RS 0: 2 of 8). With it, StagesD = 2 and StagesC = the tile's
 // subtiles + 1 where the mainloop keeps 3 stages (bf16 and fp16 outputs; fewer for fp32): the whole
 // next tile's C arrives during its mainloop, which keeps the stages the rest of the shared memory
-// leaves. The configurations whose `source` is "prefetch" (flux/fused_configs.py) use it.
+// leaves. SourceAhead: StagesD = 2 and as many C buffers as leave the mainloop its stages (RS 6, a
+// ping-pong 128x128 tile: 7 of 8 subtiles ahead). The configurations whose `source` is "prefetch" or
+// "ahead" (flux/fused_configs.py) use them.
 template <class Schedule>
 struct SourcePrefetch {};
+template <class Schedule>
+struct SourceAhead {};
 template <class S>
 struct EpilogueOf {
   using type = S;
-  static constexpr bool kPrefetchSource = false;
+  static constexpr int kSourceAhead = 0;  // 0: CUTLASS's buffers as EpiPick sizes them; 1: SourcePrefetch; 2: SourceAhead
 };
 template <class S>
 struct EpilogueOf<SourcePrefetch<S>> {
   using type = S;
-  static constexpr bool kPrefetchSource = true;
+  static constexpr int kSourceAhead = 1;
+};
+template <class S>
+struct EpilogueOf<SourceAhead<S>> {
+  using type = S;
+  static constexpr int kSourceAhead = 2;
 };
 
 // CUTLASS's sm90 TMA warp-specialized mainloop `Base` with its producer's two loads per stage in
@@ -289,8 +298,8 @@ struct Sm90FusedGemm {
       static constexpr int value = kDefault;
     };
     static constexpr int kStagesD = Largest<cute::min(kSubtiles, 8)>::value;
-    static_assert(!EpilogueOf<EpilogueScheduleTag>::kPrefetchSource || (kReuseC && !cute::is_void_v<ElementC>),
-                  "SourcePrefetch: for a source C of the output's type");
+    static_assert(EpilogueOf<EpilogueScheduleTag>::kSourceAhead == 0 || (kReuseC && !cute::is_void_v<ElementC>),
+                  "SourcePrefetch / SourceAhead: for a source C of the output's type");
     // SourcePrefetch: StagesD = 2 and the most StagesC up to the tile's subtiles + 1 that leaves the
     // mainloop 3 stages.
     template <int C, bool = (C <= 3)>
@@ -301,15 +310,29 @@ struct Sm90FusedGemm {
     struct Fit<C, true> {
       static constexpr int value = 3;
     };
-    template <bool Prefetch, int = 0>
+    // SourceAhead: StagesD = 2 and the most StagesC up to the tile's subtiles + 1 that keeps the
+    // mainloop's kStages (at least 3).
+    template <int C, bool = (C <= 3)>
+    struct Keep {
+      static constexpr int value = stages_beside<AtCD<C, 2>>() == kStages ? C : Keep<C - 1>::value;
+    };
+    template <int C>
+    struct Keep<C, true> {
+      static constexpr int value = 3;
+    };
+    template <int Ahead, int = 0>
     struct Pick {
       using type = At<kStagesD>;
     };
     template <int Unused>
-    struct Pick<true, Unused> {
+    struct Pick<1, Unused> {
       using type = AtCD<Fit<kSubtiles + 1>::value, 2>;
     };
-    using type = typename Pick<EpilogueOf<EpilogueScheduleTag>::kPrefetchSource>::type;
+    template <int Unused>
+    struct Pick<2, Unused> {
+      using type = AtCD<Keep<kSubtiles + 1>::value, 2>;
+    };
+    using type = typename Pick<EpilogueOf<EpilogueScheduleTag>::kSourceAhead>::type;
   };
   using BaseEpilogue = typename EpiPick::type;
   using CollectiveEpilogue = EpilogueWrap<BaseEpilogue>;
