@@ -164,8 +164,8 @@ def _generate_fused_sources(with_sm90):
         kernel_sched, epi_sched = _SCHEDULES[cfg.schedule]
         if cfg.loads == "multicast-first":  # csrc/common/fused_gemm.cuh
             kernel_sched = f"flux::MulticastFirst<{kernel_sched}>"
-        if cfg.source != "auto":  # csrc/common/fused_gemm.cuh
-            epi_sched = f"flux::{ {'prefetch': 'SourcePrefetch', 'ahead': 'SourceAhead'}[cfg.source]}<{epi_sched}>"
+        if cfg.source == "ahead":  # csrc/common/fused_gemm.cuh
+            epi_sched = f"flux::SourceAhead<{epi_sched}>"
         src_in, src_out = table["DTYPE_IO"][dtype]
         shapes = (f"cute::Shape<cute::_{tm}, cute::_{tn}, cute::_{tk}>,\n"
                   f"      cute::Shape<cute::_{cm}, cute::_{cn}, cute::_1>, {kernel_sched}, {epi_sched}")

@@ -40,10 +40,9 @@ class FusedConfig(NamedTuple):
     scheduler: str = "persistent"  # "persistent" | "streamk" | "streamk-all" (cooperative only) | "splitk"
     splits: int = 1  # slices of K ("splitk" only)
     loads: str = "cutlass"  # "cutlass": A then B each stage; "multicast-first": the multicast one first
-    # "auto": CUTLASS's epilogue, its buffers as EpiPick sizes them; rs only: "prefetch", the whole next
-    # tile's source (the peer's partial) loaded during its mainloop, at the cost of mainloop stages;
-    # "ahead", as much of it as the shared memory beside the mainloop's stages holds
-    # (csrc/common/fused_gemm.cuh SourcePrefetch, SourceAhead)
+    # "auto": CUTLASS's epilogue, its buffers as EpiPick sizes them; "ahead" (rs only): more of the next
+    # tile's source (the peer's partial) loaded during its mainloop, in the buffers the mainloop's stages
+    # leave (csrc/common/fused_gemm.cuh SourceAhead)
     source: str = "auto"
 
     @property
@@ -59,8 +58,7 @@ class FusedConfig(NamedTuple):
         sk = {"persistent": "", "streamk": ", stream-K", "streamk-all": ", stream-K always",
               "splitk": f", split-K into {self.splits}"}[self.scheduler]
         lo = "" if self.loads == "cutlass" else ", multicast load first"
-        src = {"auto": "", "prefetch": ", source prefetched a tile ahead",
-               "ahead": ", source loaded ahead in the stages' spare memory"}[self.source]
+        src = "" if self.source == "auto" else ", source loaded ahead"
         return f"{m}x{n}x{k} tile, cluster {self.cluster[0]}x{self.cluster[1]}, {self.schedule}{sk}{lo}{src}"
 
     def applies(self, m, n, k):
@@ -232,7 +230,10 @@ CONFIGS = {
         # >= 2048, 1.00-1.04x against RS 6's 0.99-1.10x, faster on 9 of those 10 shapes (the epilogue
         # is a small share there); 1.09-1.62x RS 6's time where K <= 2048 (the cooperative epilogue,
         # adding the peer's partial, does not overlap the MMAs). Built by default since then.
-        C(0, (128, 256, 64), (2, 1), "cooperative", BF16),
+        # Its epilogue loads 3 of the next tile's 8 source subtiles during the mainloop, CUTLASS's buffers 2
+        # (source="ahead": 0.97x the time over the RS shapes of 512-8192 rows per rank on an H100, 0.90-1.02
+        # per shape and band; bench/results/fused_gemm-h100-rs-ahead.json, as id 40).
+        C(0, (128, 256, 64), (2, 1), "cooperative", BF16, source="ahead"),
         C(1, (256, 128, 64), (2, 1), "cooperative", ()),
         C(2, (256, 128, 64), (1, 2), "cooperative", ()),  # cuBLAS's shape on big GEMMs
         C(3, (128, 128, 64), (1, 1), "cooperative", F),  # the general-purpose one
@@ -283,22 +284,15 @@ CONFIGS = {
         # rank): the best configuration on 8 of 36 shapes in graph timing; against mm then add, shapes not
         # faster 6 -> 4 (128 x 14336 x 8192: 1.048 -> 0.974, 256 x 3584 x 4096: 1.026 -> 0.930).
         C(37, (64, 128, 64), (2, 1), "pingpong", BF16),
-        # RS 0 and 6 with the next tile's source (the peer's partial) loaded during its mainloop: CUTLASS's
-        # epilogue, its buffers shared by the source's loads and the output's stores, fetches 2 of a tile's 8
-        # source subtiles ahead and the rest while the consumers wait (csrc/common/fused_gemm.cuh
-        # SourcePrefetch); RS 0's twin keeps 3 mainloop stages of 4, RS 6's 5 of 6.
-        C(38, (128, 256, 64), (2, 1), "cooperative", (), source="prefetch"),
-        C(39, (128, 128, 64), (2, 1), "pingpong", (), source="prefetch"),
-        # RS 0 and 6 with StagesD = 2 and the source buffers that fit beside their mainloop's stages (4 and
-        # 6): 3 and 7 of the next tile's 8 source subtiles loaded during its mainloop, where RS 0 and 6
-        # load 2 (SourceAhead).
-        C(40, (128, 256, 64), (2, 1), "cooperative", (), source="ahead"),
-        C(41, (128, 128, 64), (2, 1), "pingpong", (), source="ahead"),
+        # Ids 38-41 named twins of RS 0 and 6 whose epilogue loads more of the next tile's source during its
+        # mainloop, measured and removed (bench/results/fused_gemm-h100-rs-prefetch.json, -rs-ahead.json):
+        # all 8 subtiles at the cost of a mainloop stage (38, 39: 0.99x and 1.02x their twins' time), or
+        # those the stages leave room for (40, 41: 0.97x and 0.99x). RS 0 took the last (source="ahead").
     ),
 }
 OPS = tuple(CONFIGS)
 SCHEDULERS = ("persistent", "streamk", "streamk-all", "splitk")
-SOURCES = ("auto", "prefetch", "ahead")
+SOURCES = ("auto", "ahead")
 MAX_SPLITS = 16
 SPLIT_K_MAX_PARTIALS = 1 << 30  # bytes
 
@@ -337,20 +331,21 @@ def _check_schedulers():
             if c.scheduler not in SCHEDULERS or (c.scheduler.startswith("streamk") and c.schedule != "cooperative"):
                 raise ValueError(f"flux.fused_configs: {op} configuration {c.id}: bad scheduler {c.scheduler!r}")
             if c.source not in SOURCES or (c.source != "auto" and (op != "rs" or c.scheduler == "splitk")):
-                raise ValueError(f"flux.fused_configs: {op} configuration {c.id}: source {c.source!r} (\"prefetch\", "
-                                 f"\"ahead\": rs configurations that add the source in their epilogue)")
+                raise ValueError(f"flux.fused_configs: {op} configuration {c.id}: source {c.source!r} (\"ahead\": "
+                                 f"rs configurations that add the source in their epilogue)")
             if (c.scheduler == "splitk") != (c.splits > 1) or not 1 <= c.splits <= MAX_SPLITS:
                 raise ValueError(f"flux.fused_configs: {op} configuration {c.id}: splits {c.splits} "
                                  f"with scheduler {c.scheduler!r} (split-K: 2..{MAX_SPLITS} slices)")
-        # Tuned choices name a configuration by tile, cluster, schedule, scheduler and source
-        # (flux.autotune.kernel_configs.KernelConfig.desc), not by how its mainloop issues its loads:
-        # two configurations alike in those would share cached choices.
+        # Tuned choices name a configuration by tile, cluster, schedule and scheduler
+        # (flux.autotune.kernel_configs.KernelConfig.desc), not by how its mainloop issues its loads or its
+        # epilogue stages the source: two configurations alike in those would share cached choices.
         seen = {}
         for c in cfgs:
-            key = (c.tile, c.cluster, c.schedule, c.scheduler, c.splits, c.source)
+            key = (c.tile, c.cluster, c.schedule, c.scheduler, c.splits)
             if key in seen:
                 raise ValueError(f"flux.fused_configs: {op} configurations {seen[key]} and {c.id} differ only in "
-                                 f"their loads ({c.loads!r}); cached choices could not tell them apart")
+                                 f"their loads ({c.loads!r}) or source ({c.source!r}); cached choices could not tell "
+                                 f"them apart")
             seen[key] = c.id
 
 

@@ -68,28 +68,22 @@ def test_select_and_parse():
             fc._check_schedulers()
         finally:
             fc.CONFIGS["ag"] = fc.CONFIGS["ag"][:-1]
-    # The source prefetched a tile ahead: RS only, not under split-K (its reduction adds the source),
-    # and a choice made for it names it (twins of one tile coexist).
-    for op, bad in (("ag", fc.FusedConfig(999, (128, 128, 64), (1, 1), "cooperative", (), source="prefetch")),
+    # The source loaded ahead (an epilogue's buffers, not a new tile): RS only, not under split-K (its
+    # reduction adds the source), and no twin of a configuration differing only in it (cached choices
+    # name tile, cluster, schedule and scheduler).
+    for op, bad in (("ag", fc.FusedConfig(999, (128, 128, 64), (1, 1), "cooperative", (), source="ahead")),
                     ("rs", fc.FusedConfig(999, (128, 128, 64), (1, 1), "cooperative", (), "splitk", 2,
-                                          source="prefetch")),
-                    ("rs", fc.FusedConfig(999, (128, 96, 64), (1, 1), "cooperative", (), source="early"))):
+                                          source="ahead")),
+                    ("rs", fc.FusedConfig(999, (128, 96, 64), (1, 1), "cooperative", (), source="early")),
+                    ("rs", fc.FusedConfig(999, (128, 256, 64), (2, 1), "cooperative", ()))):
         with pytest.raises(ValueError, match="source"):
             fc.CONFIGS[op] += (bad,)
             try:
                 fc._check_schedulers()
             finally:
                 fc.CONFIGS[op] = fc.CONFIGS[op][:-1]
-    pf = [c for c in fc.CONFIGS["rs"] if c.source != "auto"]
-    assert {c.source for c in pf} == set(fc.SOURCES) - {"auto"}
-    assert all(("source prefetched" in c.describe()) == (c.source == "prefetch") and
-               ("source loaded ahead" in c.describe()) == (c.source == "ahead") for c in pf)
-    twins = {c.id: next(t for t in fc.CONFIGS["rs"] if t.source == "auto" and t.tile == c.tile
-                        and t.cluster == c.cluster and t.schedule == c.schedule and t.scheduler == c.scheduler)
-             for c in pf}
-    for cid, twin in twins.items():
-        descs = [KC.KernelConfig.of("rs", x, (("bf16", "bf16"),)).desc for x in (fc.config("rs", cid), twin)]
-        assert descs[0] == descs[1] + {"prefetch": "/pf", "ahead": "/sa"}[fc.config("rs", cid).source], descs
+    assert fc.config("rs", 0).source == "ahead" and "source loaded ahead" in fc.config("rs", 0).describe()
+    assert KC.KernelConfig.of("rs", fc.config("rs", 0), (("bf16", "bf16"),)).desc == "128x256x64/2x1/coop"
     assert len(fc.select("all")) == sum(len(v) for v in fc.CONFIGS.values()) * len(fc.DTYPES)
     assert fc.select("minimal") == [("ag", 0, "bf16"), ("rs", 0, "bf16")]
     assert fc.select("ag:2") == [("ag", 2, d) for d in fc.DTYPES]

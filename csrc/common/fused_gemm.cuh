@@ -132,35 +132,25 @@ struct ScheduleOf<MulticastFirst<S>> {
   static constexpr bool kMulticastFirst = true;
 };
 
-// An epilogue schedule tag: CUTLASS's `Schedule` with the source C (RS: the peer's partial) loaded a
-// whole tile ahead. The TMA epilogue with C and D of one type shares StagesC shared-memory buffers
-// between C's loads and D's stores, and a buffer whose store may still be in flight (StagesD - 1 of
-// them) is released only by the next tile's epilogue: the producer's load warp can fetch just
-// StagesC - StagesD + 1 subtiles of the next tile's C during its mainloop, and loads the rest while
-// the consumers wait in the epilogue (RS 0: 2 of 8). With it, StagesD = 2 and StagesC = the tile's
-// subtiles + 1 where the mainloop keeps 3 stages (bf16 and fp16 outputs; fewer for fp32): the whole
-// next tile's C arrives during its mainloop, which keeps the stages the rest of the shared memory
-// leaves. SourceAhead: StagesD = 2 and as many C buffers as leave the mainloop its stages (RS 6, a
-// ping-pong 128x128 tile: 7 of 8 subtiles ahead). The configurations whose `source` is "prefetch" or
-// "ahead" (flux/fused_configs.py) use them.
-template <class Schedule>
-struct SourcePrefetch {};
+// An epilogue schedule tag: CUTLASS's `Schedule` with more of the source C (RS: the peer's partial)
+// loaded ahead. The TMA epilogue with C and D of one type shares StagesC shared-memory buffers between
+// C's loads and D's stores, and a buffer whose store may still be in flight (StagesD - 1 of them) is
+// released only by the next tile's epilogue: the producer's load warp can fetch just
+// StagesC - StagesD + 1 subtiles of the next tile's C during its mainloop and loads the rest while the
+// consumers wait in the epilogue (RS 0 with EpiPick's StagesD: 2 of 8). With it, StagesD = 2 and as many
+// C buffers as leave the mainloop its stages (RS 0: 3 of 8 ahead, 0.97x the time on an H100,
+// docs/performance.md §9). The configurations whose `source` is "ahead" (flux/fused_configs.py) use it.
 template <class Schedule>
 struct SourceAhead {};
 template <class S>
 struct EpilogueOf {
   using type = S;
-  static constexpr int kSourceAhead = 0;  // 0: CUTLASS's buffers as EpiPick sizes them; 1: SourcePrefetch; 2: SourceAhead
-};
-template <class S>
-struct EpilogueOf<SourcePrefetch<S>> {
-  using type = S;
-  static constexpr int kSourceAhead = 1;
+  static constexpr bool kSourceAhead = false;
 };
 template <class S>
 struct EpilogueOf<SourceAhead<S>> {
   using type = S;
-  static constexpr int kSourceAhead = 2;
+  static constexpr bool kSourceAhead = true;
 };
 
 // CUTLASS's sm90 TMA warp-specialized mainloop `Base` with its producer's two loads per stage in
@@ -298,18 +288,8 @@ struct Sm90FusedGemm {
       static constexpr int value = kDefault;
     };
     static constexpr int kStagesD = Largest<cute::min(kSubtiles, 8)>::value;
-    static_assert(EpilogueOf<EpilogueScheduleTag>::kSourceAhead == 0 || (kReuseC && !cute::is_void_v<ElementC>),
-                  "SourcePrefetch / SourceAhead: for a source C of the output's type");
-    // SourcePrefetch: StagesD = 2 and the most StagesC up to the tile's subtiles + 1 that leaves the
-    // mainloop 3 stages.
-    template <int C, bool = (C <= 3)>
-    struct Fit {
-      static constexpr int value = stages_beside<AtCD<C, 2>>() >= 3 ? C : Fit<C - 1>::value;
-    };
-    template <int C>
-    struct Fit<C, true> {
-      static constexpr int value = 3;
-    };
+    static_assert(!EpilogueOf<EpilogueScheduleTag>::kSourceAhead || (kReuseC && !cute::is_void_v<ElementC>),
+                  "SourceAhead: for a source C of the output's type");
     // SourceAhead: StagesD = 2 and the most StagesC up to the tile's subtiles + 1 that keeps the
     // mainloop's kStages (at least 3).
     template <int C, bool = (C <= 3)>
@@ -320,16 +300,12 @@ struct Sm90FusedGemm {
     struct Keep<C, true> {
       static constexpr int value = 3;
     };
-    template <int Ahead, int = 0>
+    template <bool Ahead, int = 0>
     struct Pick {
       using type = At<kStagesD>;
     };
     template <int Unused>
-    struct Pick<1, Unused> {
-      using type = AtCD<Fit<kSubtiles + 1>::value, 2>;
-    };
-    template <int Unused>
-    struct Pick<2, Unused> {
+    struct Pick<true, Unused> {
       using type = AtCD<Keep<kSubtiles + 1>::value, 2>;
     };
     using type = typename Pick<EpilogueOf<EpilogueScheduleTag>::kSourceAhead>::type;

@@ -53,12 +53,11 @@ class KernelConfig:
     dtypes: Tuple[Tuple[str, str], ...] = (("bf16", "bf16"),)
     scheduler: str = "persistent"
     splits: int = 1
-    source: str = "auto"  # rs: "prefetch" / "ahead", the next tile's source loaded during its mainloop
 
     @classmethod
     def of(cls, op: str, c: "table.FusedConfig", dtypes: Tuple[Tuple[str, str], ...]) -> "KernelConfig":
         """The configuration ``c`` of the table (flux/fused_configs.py) built for ``dtypes``."""
-        return cls(op, c.id, *c.tile, *c.cluster, c.schedule, dtypes, c.scheduler, c.splits, c.source)
+        return cls(op, c.id, *c.tile, *c.cluster, c.schedule, dtypes, c.scheduler, c.splits)
 
     def __post_init__(self):
         if self.op not in OPS or self.id < 0 or self.schedule not in ("cooperative", "pingpong"):
@@ -67,8 +66,6 @@ class KernelConfig:
             raise ValueError(f"KernelConfig: bad scheduler (stream-K is cooperative only): {self}")
         if (self.scheduler == "splitk") != (self.splits > 1) or not 1 <= self.splits <= table.MAX_SPLITS:
             raise ValueError(f"KernelConfig: split-K needs 2..{table.MAX_SPLITS} splits, and only it: {self}")
-        if self.source not in table.SOURCES or (self.source != "auto" and (self.op != "rs" or self.splits > 1)):
-            raise ValueError(f"KernelConfig: a source loaded ahead is for rs configurations without split-K: {self}")
         if min(self.tile_m, self.tile_n, self.tile_k) < 16 or self.cluster_m * self.cluster_n not in (1, 2, 4):
             raise ValueError(f"KernelConfig: bad tile or cluster: {self}")
 
@@ -83,12 +80,10 @@ class KernelConfig:
 
     @property
     def desc(self) -> str:
-        """As cached choices name it: a choice applies only to the same tile, cluster, schedule, scheduler
-        and source."""
+        """As cached choices name it: a choice applies only to the same tile, cluster, schedule and scheduler."""
         tag = f"/k{self.splits}" if self.scheduler == "splitk" else _SCHED_TAG[self.scheduler]
-        src = {"auto": "", "prefetch": "/pf", "ahead": "/sa"}[self.source]
         return (f"{self.tile_m}x{self.tile_n}x{self.tile_k}/{self.cluster_m}x{self.cluster_n}/"
-                f"{'pp' if self.schedule == 'pingpong' else 'coop'}{tag}{src}")
+                f"{'pp' if self.schedule == 'pingpong' else 'coop'}{tag}")
 
 
 def _built():
