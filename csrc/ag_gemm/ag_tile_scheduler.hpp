@@ -306,6 +306,14 @@ class AgTileScheduler
     return cute::max(cute::min(end, count) - base, 0);
   }
 
+  // Group g's run for the launch from its table word (deal_pos's groups): `base` its first slot, the
+  // length returned (run_of).
+  CUTLASS_DEVICE static int group_run(const int32_t* groups, int g, int& base, int count, int total) {
+    const int word = groups[g];
+    base = word & 0xFFFF;
+    return run_of(base, word >> 16, count, total);
+  }
+
   // Every thread of the CTA, at the scheduler's construction, between the kernel's cluster arrive and
   // wait (before the roles split), with no wait for the preceding grids (AgDeal). The decision to deal
   // is the same in every CTA (2-CTA clusters, one wave of exactly the cluster tiles). The leader CTA's
@@ -354,9 +362,9 @@ class AgTileScheduler
       for (int round = 0; got < 0 && round <= count + AgDealMaxGroups; ++round) {
         uint64_t room = 0;
         for (int j = 0; j < AgDealMaxGroups / 32; ++j) {
-          const int g = lane + 32 * j, word = groups[g];
-          int base = word & 0xFFFF;
-          const int fit = run_of(base, word >> 16, count, total);
+          const int g = lane + 32 * j;
+          int base;
+          const int fit = group_run(groups, g, base, count, total);
           bool free_slot = false;
           if (fit > 0) {
             const uint64_t c = *reinterpret_cast<volatile uint64_t*>(AgDeal::counter(state, g));
@@ -369,9 +377,8 @@ class AgTileScheduler
         const uint64_t turned = start == 0 ? room : (room >> start) | (room << (AgDealMaxGroups - start));
         const int g = (start + __ffsll(static_cast<long long>(turned)) - 1) % AgDealMaxGroups;
         if (lane == 0) {
-          const int word = groups[g];
-          int base = word & 0xFFFF;
-          const int fit = run_of(base, word >> 16, count, total);
+          int base;
+          const int fit = group_run(groups, g, base, count, total);
           got = claim_run(AgDeal::counter(state, g), claim, base, fit, true);
         }
         got = __shfl_sync(0xffffffffu, got, 0);

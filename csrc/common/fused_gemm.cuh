@@ -115,6 +115,19 @@ namespace flux {
 template <class Epilogue>
 using PlainEpilogue = Epilogue;
 
+// A schedule `S` as given (kTagged false) or wrapped in the tag template `Tag` (kTagged true), and the
+// CUTLASS schedule inside: how the kernel and epilogue schedule tags below are read.
+template <template <class> class Tag, class S>
+struct Untag {
+  using type = S;
+  static constexpr bool kTagged = false;
+};
+template <template <class> class Tag, class S>
+struct Untag<Tag, Tag<S>> {
+  using type = S;
+  static constexpr bool kTagged = true;
+};
+
 // A kernel schedule tag: CUTLASS's `Schedule` with the mainloop below, whose producer issues each
 // stage's multicast load before the other operand's (CUTLASS issues A, then B), as cuBLAS's kernels
 // on the narrow layers do. The configurations whose `loads` is "multicast-first" (flux/fused_configs.py:
@@ -122,15 +135,7 @@ using PlainEpilogue = Epilogue;
 template <class Schedule>
 struct MulticastFirst {};
 template <class S>
-struct ScheduleOf {
-  using type = S;
-  static constexpr bool kMulticastFirst = false;
-};
-template <class S>
-struct ScheduleOf<MulticastFirst<S>> {
-  using type = S;
-  static constexpr bool kMulticastFirst = true;
-};
+using ScheduleOf = Untag<MulticastFirst, S>;
 
 // An epilogue schedule tag: CUTLASS's `Schedule` with more of the source C (RS: the peer's partial)
 // loaded ahead. The TMA epilogue with C and D of one type shares StagesC shared-memory buffers between
@@ -143,15 +148,7 @@ struct ScheduleOf<MulticastFirst<S>> {
 template <class Schedule>
 struct SourceAhead {};
 template <class S>
-struct EpilogueOf {
-  using type = S;
-  static constexpr bool kSourceAhead = false;
-};
-template <class S>
-struct EpilogueOf<SourceAhead<S>> {
-  using type = S;
-  static constexpr bool kSourceAhead = true;
-};
+using EpilogueOf = Untag<SourceAhead, S>;
 
 // CUTLASS's sm90 TMA warp-specialized mainloop `Base` with its producer's two loads per stage in
 // the other order where only B is multicast (Base's own load otherwise); all else is Base's.
@@ -288,7 +285,7 @@ struct Sm90FusedGemm {
       static constexpr int value = kDefault;
     };
     static constexpr int kStagesD = Largest<cute::min(kSubtiles, 8)>::value;
-    static_assert(!EpilogueOf<EpilogueScheduleTag>::kSourceAhead || (kReuseC && !cute::is_void_v<ElementC>),
+    static_assert(!EpilogueOf<EpilogueScheduleTag>::kTagged || (kReuseC && !cute::is_void_v<ElementC>),
                   "SourceAhead: for a source C of the output's type");
     // SourceAhead: StagesD = 2 and the most StagesC up to the tile's subtiles + 1 that keeps the
     // mainloop's kStages (at least 3).
@@ -308,11 +305,11 @@ struct Sm90FusedGemm {
     struct Pick<true, Unused> {
       using type = AtCD<Keep<kSubtiles + 1>::value, 2>;
     };
-    using type = typename Pick<EpilogueOf<EpilogueScheduleTag>::kSourceAhead>::type;
+    using type = typename Pick<EpilogueOf<EpilogueScheduleTag>::kTagged>::type;
   };
   using BaseEpilogue = typename EpiPick::type;
   using CollectiveEpilogue = EpilogueWrap<BaseEpilogue>;
-  using CollectiveMainloop = std::conditional_t<ScheduleOf<KernelSchedule>::kMulticastFirst,
+  using CollectiveMainloop = std::conditional_t<ScheduleOf<KernelSchedule>::kTagged,
                                                 MulticastFirstMainloop<MainloopFor<BaseEpilogue>>,
                                                 MainloopFor<BaseEpilogue>>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, CollectiveMainloop,
