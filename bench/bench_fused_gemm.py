@@ -4,7 +4,9 @@
 Shapes are the kernel's own MxKxN (flux/autotune/model_grid.py): --grid models (default) = every AG
 (QKV, FC1) and RS (O-proj, FC2) GEMM of Llama-3 8B/70B/405B at TP 2/4/8, M in {256 .. 16384}; ag
 runs all M gathered rows, rs one rank's block of M/TP rows adding the peer's partial (random) in its
-epilogue. Baselines: torch.mm into the output dtype ('cublas'); rs also mm then the add ('cublas_add').
+epilogue. Baselines: torch.mm into the output dtype ('cublas'); rs also mm then the add ('cublas_add') and,
+output in the input dtype, cuBLAS adding into its output in place ('cublas_beta1': out.addmm_, beta = 1; a
+diagnostic of what reading the partial costs cuBLAS).
 Protocol: correctness first (random data, NaN-poisoned output, relative error of sampled rows vs an
 fp32 reference; above max(2 x cuBLAS's error, 1e-3) a config is reported, never timed); then all
 calls interleaved round by round (each round starting one variant further; from 0.5 ms a call, each
@@ -24,7 +26,8 @@ No GPU: one line, exit 1.
 JSON (--out, stable): {"format": 1, "command", "commit", "device", "sm_count", "torch", "cuda",
  "dtype", "ag_world", "out_dtype", "timings": ["loop", "graph", "spin"], "configs": {op: {"source", "list": [{"id",
  "tile" (".../sk": stream-K, ".../k4": split-K into 4), "scheduler", "describe", "dtypes"}]}}, "results": [{"op", "m", "n", "k",
- "layers", "flop", "input_sets", "calls_per_sample", "rounds", "tolerance", "cublas" (rs: and "cublas_add"):
+ "layers", "flop", "input_sets", "calls_per_sample", "rounds", "tolerance", "cublas" (rs: and "cublas_add",
+ "cublas_beta1" where the output is in the input dtype):
  {"ms": {timing: ms}, "tflops": {timing: TFLOP/s}, "rel_err"}, "own" (the analytic default): {"label", "ms", "tflops",
  "vs_cublas": {timing: ratio}}, "served" (choose_config's label: tuned cache, else analytic), "best":
  {timing: {"label", "ms", "vs_cublas"}}, "variants": {"c<id>/r<raster>/s<swizzle>": {"config",
@@ -175,8 +178,11 @@ def bench_shape(rec, args, dtype, out_dtype, sm, device=None):
     base = {"cublas": prob.cublas()}
     if op == "rs":
         base["cublas_add"] = prob.cublas(add=True)
+        if out_dtype == dtype:
+            base["cublas_beta1"] = prob.cublas_beta1()
     out = dict(rec, flop=prob.flop, input_sets=prob.n_sets, served=served)
-    errs = {name: prob.rel_err(fns, with_partial=name != "cublas") for name, fns in base.items()}
+    errs = {name: prob.rel_err(prob.cublas_beta1(check=True) if name == "cublas_beta1" else fns,
+                               with_partial=name != "cublas") for name, fns in base.items()}
     tol = max(2 * max(errs.values()), 1e-3)
     out["tolerance"] = tol
     desc = {c.id: c.desc for c in built}

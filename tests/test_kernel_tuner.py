@@ -450,7 +450,9 @@ def test_bench_shape_on_fakes(fake_gpu, op):
     r = bench.bench_shape(rec, args, torch.bfloat16, torch.bfloat16, 132, torch.device("cpu"))
     assert r["input_sets"] >= 2
     assert set(r["cublas"]["ms"]) == {"loop", "graph", "spin"} and r["cublas"]["rel_err"] < 1e-2
-    assert ("cublas_add" in r) == (op == "rs")
+    assert ("cublas_add" in r) == ("cublas_beta1" in r) == (op == "rs")
+    if op == "rs":  # in place, checked from the partial: the sum's error, cuBLAS-sized
+        assert r["cublas_beta1"]["rel_err"] < 1e-2 and r["cublas_beta1"]["ms"]["loop"] > 0
     labels = set(r["variants"])
     assert r["own"]["label"] in labels and r["served"] in labels
     wrong = {lab for lab, v in r["variants"].items() if not v["ok"]}

@@ -110,6 +110,20 @@ class KernelProblem:
                 fns.append(mm)
         return fns
 
+    def cublas_beta1(self, check: bool = False) -> List[Callable[[], None]]:
+        """rs, output in the input dtype: cuBLAS's GEMM adding into its output (``out.addmm_``, beta =
+        1), which reads and writes the output as the fused epilogue reads the partial and writes the
+        sum, with no separate pass: a diagnostic of what the source costs cuBLAS. The output
+        accumulates call after call; ``check``: the output first set to the peer's partial (for the
+        error check, untimed)."""
+        fns = []
+        for s in self.sets:
+            if check:
+                fns.append(lambda s=s: s["out"].copy_(s["src"]).addmm_(s["a"], s["w"].t()))
+            else:
+                fns.append(lambda s=s: s["out"].addmm_(s["a"], s["w"].t()))
+        return fns
+
     def _mm_out_dtype(self) -> bool:
         s = self.sets[0]
         try:
