@@ -76,6 +76,16 @@ def ratios(timed, lab, base, timings=TIMINGS):
     return out
 
 
+def beta1_over_mm(timed, timings=TIMINGS):
+    """{timing: cuBLAS adding into its output / mm} from the latest of ``timed`` that timed both;
+    None where none did."""
+    r = next((r for r, _ in timed if r.get("cublas_beta1")), None)
+    if r is None:
+        return None
+    return {t: (r["cublas_beta1"]["ms"].get(t) / r["cublas"]["ms"][t]
+                if r["cublas_beta1"]["ms"].get(t) and r["cublas"]["ms"].get(t) else None) for t in timings}
+
+
 def alone_choice(timed):
     """The label of least spin time against cuBLAS's among the default build's configurations that the
     shape's latest file timed correctly (one run, as the tuned choice); None where it timed none."""
@@ -104,7 +114,9 @@ def scoreboard(paths, how="shipped", timings=TIMINGS, against="tuned"):
         mine, best = ratios(timed, lab, "cublas", timings), ratios(timed, other, "cublas", timings)
         vs = ({t: mine[t] / best[t] if mine[t] and best[t] else None for t in timings} if mine and best else None)
         rows.append({"op": op, "m": m, "n": n, "k": k, "choice": lab, "vs_cublas": mine,
-                     "vs_cublas_add": ratios(timed, lab, "cublas_add", timings) if op == "rs" else None, key: vs})
+                     "vs_cublas_add": ratios(timed, lab, "cublas_add", timings) if op == "rs" else None,
+                     "vs_cublas_beta1": ratios(timed, lab, "cublas_beta1", timings) if op == "rs" else None,
+                     "beta1_vs_cublas": beta1_over_mm(timed, timings) if op == "rs" else None, key: vs})
     untimed = [f"{x['op']} {x['m']}x{x['n']}x{x['k']}" for x in rows if x["vs_cublas"] is None]
     out = {"files": list(paths), "choice": how, "against": against, "shapes": len(rows), "untimed": untimed,
            "timings": {}}
@@ -120,7 +132,15 @@ def scoreboard(paths, how="shipped", timings=TIMINGS, against="tuned"):
             "ag_within_5pct_at_256": over("ag", 256, 256, 1.05),
             "ag_geomean": math.exp(sum(map(math.log, ag)) / len(ag)) if ag else None,
             "rs_faster_than_mm_add_from_128": over("rs", 128, 1 << 40, 1.0 - 1e-12, "vs_cublas_add"),
-            "rs_within_2pct_of_mm_from_1024": over("rs", 1024, 1 << 40, 1.02)}
+            "rs_within_2pct_of_mm_from_1024": over("rs", 1024, 1 << 40, 1.02),
+            # Diagnostics where the files time cuBLAS adding into its output (cublas_beta1): that
+            # GEMM's time over mm's, and the choice's over it, from 1024 rows per rank.
+            "rs_beta1_over_mm_from_1024": over("rs", 1024, 1 << 40, 1.02, "beta1_vs_cublas"),
+            "rs_within_2pct_of_beta1_from_1024": over("rs", 1024, 1 << 40, 1.02, "vs_cublas_beta1")}
+        for name in ("rs_beta1_over_mm_from_1024", "rs_within_2pct_of_beta1_from_1024"):
+            src = "beta1_vs_cublas" if name.startswith("rs_beta1") else "vs_cublas_beta1"
+            xs = [x[src][t] for x in rows if x["op"] == "rs" and x["m"] >= 1024 and x[src] and x[src][t]]
+            out["timings"][t][name]["geomean"] = math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
         sel = [x for x in rows if x[key] and x[key][t]]
         vt = [x[key][t] for x in sel]
         out["timings"][t][key] = {
@@ -140,9 +160,13 @@ def text(s):
         parts = [f"{label}: {v[key]['missed']} of {v[key]['shapes']}" for key, label in names]
         vt = v[f"vs_{s['against']}"]
         gm = v["ag_geomean"]
+        b1, vb1 = v["rs_beta1_over_mm_from_1024"], v["rs_within_2pct_of_beta1_from_1024"]
         lines.append(f"{t}: " + "; ".join(parts) + (f"; AG geometric mean {gm:.3f}" if gm is not None else "")
                      + (f"; over the {s['against']} choice: geometric mean {vt['geomean']:.3f}, {vt['over_5pct']} "
-                        f"of {vt['shapes']} over 5%, max {vt['max']:.2f}" if vt["shapes"] else ""))
+                        f"of {vt['shapes']} over 5%, max {vt['max']:.2f}" if vt["shapes"] else "")
+                     + (f"; cuBLAS adding into its output (beta = 1), >= 1024 rows: {b1['geomean']:.3f} x mm "
+                        f"({b1['missed']} of {b1['shapes']} over 2%), RS {vb1['geomean']:.3f} x it ({vb1['missed']} "
+                        f"over 2%)" if b1["shapes"] and vb1["shapes"] else ""))
     return "\n".join(lines)
 
 

@@ -353,10 +353,11 @@ SHIPPED_FROM = ("fused_gemm-h200-models.json", "fused_gemm-h200-ag.json",
 # The bench JSONs the shipped H100 choices were chosen from: AG at 256 / 1024 rows, 14 of the 18 AG
 # shapes of 4096 rows and 71 of the 72 RS shapes, every configuration of the default build; then the
 # other four AG shapes of 4096 rows and the last RS one, and AG at 16384 rows (the configurations and
-# bands that serve them on the H200, and the analytic default's).
+# bands that serve them on the H200, and the analytic default's); then RS from 512 rows per rank again
+# (RS 0, 3 and 6, bands 1-8) with RS 0's SourceAhead epilogue.
 SHIPPED_FROM_H100 = ("fused_gemm-h100-ag-small.json", "fused_gemm-h100-ag-4096.json", "fused_gemm-h100-rs.json",
                      "fused_gemm-h100-ag-4096-405b.json", "fused_gemm-h100-rs-2048x6656.json",
-                     "fused_gemm-h100-ag-16384.json")
+                     "fused_gemm-h100-ag-16384.json", "fused_gemm-h100-rs-retune.json")
 
 
 @pytest.mark.parametrize("gpu,files,whole", [("H200", SHIPPED_FROM, True), ("H100", SHIPPED_FROM_H100, True)])
@@ -593,17 +594,19 @@ def test_fused_scoreboard(tmp_path):
     def doc(results):
         return {"device": "GPU X", "sm_count": 132, "dtype": "bf16", "out_dtype": "bf16", "results": results}
 
-    def res(op, m, ms, served, base=1.0, add=None):
+    def res(op, m, ms, served, base=1.0, add=None, beta1=None):
         r = {"op": op, "m": m, "n": 64, "k": 64, "served": served, "cublas": {"ms": {"loop": base, "graph": base}},
              "variants": {lab: {"ok": True, "config": 0, "tile": "t", "ms": {"loop": v, "graph": v}} for lab, v in ms.items()}}
         if add is not None:
             r["cublas_add"] = {"ms": {"loop": add, "graph": add}}
+        if beta1 is not None:
+            r["cublas_beta1"] = {"ms": {"loop": beta1, "graph": beta1}}
         return r
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.write_text(json.dumps(doc([res("ag", 1024, {"c0/r1/s1": 1.5}, "c0/r1/s1"),
                                  res("ag", 256, {"c0/r1/s1": 1.04}, "c0/r1/s1")])))
     b.write_text(json.dumps(doc([res("ag", 1024, {"c0/r1/s1": 1.01, "c2/r1/s1": 0.9}, "c0/r1/s1"),
-                                 res("rs", 2048, {"c3/r1/s1": 1.03}, "c3/r1/s1", add=1.2)])))
+                                 res("rs", 2048, {"c3/r1/s1": 1.03}, "c3/r1/s1", add=1.2, beta1=1.1)])))
     s = S.scoreboard([str(a), str(b)], "served")
     t = s["timings"]["loop"]
     assert s["shapes"] == 3 and not s["untimed"]
@@ -613,6 +616,11 @@ def test_fused_scoreboard(tmp_path):
     assert t["rs_faster_than_mm_add_from_128"]["missed"] == 0  # 1.03 < 1.2
     assert t["rs_within_2pct_of_mm_from_1024"]["missed"] == 1  # 1.03 > 1.02
     assert "1.030" in t["rs_within_2pct_of_mm_from_1024"]["which"][0]
+    # cuBLAS adding into its output: 1.1 x mm, the choice 1.03 / 1.1 x it
+    b1, vb1 = t["rs_beta1_over_mm_from_1024"], t["rs_within_2pct_of_beta1_from_1024"]
+    assert b1["missed"] == 1 and abs(b1["geomean"] - 1.1) < 1e-9
+    assert vb1["missed"] == 0 and abs(vb1["geomean"] - 1.03 / 1.1) < 1e-9
+    assert "beta = 1" in S.text(s)
     # A label the later file did not time is read from the latest file that did, as its ratio to that
     # file's cuBLAS (c9 only in c.json: 1.2 / 2.0), and a label no file timed leaves the shape untimed.
     c, d = tmp_path / "c.json", tmp_path / "d.json"
