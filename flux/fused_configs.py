@@ -70,7 +70,7 @@ class FusedConfig(NamedTuple):
 
 
 C = FusedConfig
-F = ("bf16", "fp16", "bf16_fp32")  # the dtypes of each op's general-purpose configuration (ag 2, rs 3)
+F = ("bf16", "fp16", "bf16_fp32")  # the dtypes of each op's general-purpose configurations (ag 0 and 2, rs 3)
 # Ids keep their meaning across releases; new shapes get new ids.
 # The default set (25 fused units, about a CPU-minute of nvcc each; the split-K configurations of
 # one tile share a unit) is the greedy choice over an H200 measurement of every bf16 persistent
@@ -96,21 +96,25 @@ F = ("bf16", "fp16", "bf16_fp32")  # the dtypes of each op's general-purpose con
 # Then RS 27 and 28 (64x64 ping-pong): see their entries. Then AG 72-75 (ping-pong, 80-192 wide; see
 # their entries) in place of AG 9 (128x64 ping-pong), AG 25 (128x160 cooperative) and RS 4, which the
 # shipped H200 choices then no longer named (re-made without them: the same choice on every shape).
-# Then RS 37 (64x128 ping-pong, 2x1) and RS 0 (128x256 cooperative, 2x1): see their entries.
+# Then RS 37 (64x128 ping-pong, 2x1) and RS 0 (128x256 cooperative, 2x1): see their entries. Then AG 0
+# and 2 in fp16 and with fp32 output in place of AG 5 and 14 (bf16): see AG 0.
 # The others are built with FLUX_KERNELS=all or by name ("streamk" / "splitk": every one, bf16).
 CONFIGS = {
     "ag": (
-        C(0, (128, 256, 64), (2, 1), "cooperative", BF16),
+        # AG 0 and 2 are built in fp16 and with fp32 output too: such calls get the analytic choice between
+        # them (no tuned entries). AG 0 alone held those dtypes before: on an H100, timed at each band, AG 0
+        # alone ran 1.30 / 1.32x cuBLAS (loop / graph) in fp16 over the AG grid, AG 2 alone 1.24 / 1.25
+        # (faster at 256-1024 rows, slower from 4096), the analytic choice between the two 1.155 / 1.166;
+        # with fp32 output 1.29 / 1.32, 1.23 / 1.24 and 1.161 / 1.177
+        # (bench/results/fused_gemm-h100-ag-general-fp16.json, -fp32out.json). Their two more units
+        # replace AG 5 and 14 in the default build, the bf16 configurations whose absence costs least
+        # (0.04-0.09% and 0-0.07% of the best built configuration's geometric mean over the grid files).
+        C(0, (128, 256, 64), (2, 1), "cooperative", F),
         C(1, (256, 128, 64), (2, 1), "cooperative", ()),
-        # The general-purpose one (fp16 in, fp32 out: the analytic choice among what is built, this by
-        # default): over the bf16 grid files, the one configuration of least geometric mean against
-        # cuBLAS (each shape at its best band) among the default build's on the H200, 1.14x (AG 0, which
-        # held these dtypes before: 1.28x; 1.41 against 1.86 at 256 rows), 1.22x against AG 0's 1.42 on
-        # the 50 H100 shapes that timed both.
         C(2, (128, 128, 64), (2, 1), "pingpong", F),
         C(3, (256, 128, 64), (1, 2), "cooperative", ()),  # cuBLAS's shape on big GEMMs
         C(4, (128, 128, 64), (1, 1), "cooperative", ()),
-        C(5, (128, 192, 64), (1, 1), "cooperative", BF16),  # N = 1536, 2304, 3072: whole tiles
+        C(5, (128, 192, 64), (1, 1), "cooperative", ()),  # N = 1536, 2304, 3072: whole tiles
         C(6, (128, 256, 64), (1, 2), "cooperative", ()),
         C(7, (64, 128, 64), (1, 1), "pingpong", ()),  # few rows, narrow N: 2x the tiles of 128x128
         C(8, (64, 256, 64), (1, 1), "pingpong", ()),  # few rows, wide N
@@ -120,7 +124,7 @@ CONFIGS = {
         # Stream-K: fewer tiles than SMs and deep K (256..1024 rows of the narrow layers).
         C(12, (128, 128, 64), (1, 1), "cooperative", (), "streamk"),
         C(13, (128, 256, 64), (1, 1), "cooperative", (), "streamk"),
-        C(14, (128, 128, 64), (2, 1), "cooperative", BF16, "streamk"),
+        C(14, (128, 128, 64), (2, 1), "cooperative", (), "streamk"),
         # Narrow tiles for the fewest-tile shapes (256 rows, N 768..3072: 24..96 tiles of 128x64).
         C(15, (128, 64, 64), (1, 1), "cooperative", (), "streamk"),
         # Stream-K on every shape: CUTLASS's heuristic keeps whole tiles where the last wave is at

@@ -54,8 +54,8 @@ def test_pruning():
     # Configurations with one CTA per cluster along M: bands of 8 tiles of 128 rows.
     assert why_invalid(Candidate.of("fused", config=3, segments=8, swizzle=8), big("gemm_rs", m=2048)) is None
     assert why_invalid(Candidate.of("fused", config=3, segments=8, swizzle=8), big("gemm_rs", m=1024)) is not None
-    assert why_invalid(Candidate.of("fused", config=5, swizzle=8), big("ag_gemm", m=1024)) is None
-    assert why_invalid(Candidate.of("fused", config=5, swizzle=8), big("ag_gemm", m=512)) is not None
+    assert why_invalid(Candidate.of("fused", config=32, swizzle=8), big("ag_gemm", m=1024)) is None
+    assert why_invalid(Candidate.of("fused", config=32, swizzle=8), big("ag_gemm", m=512)) is not None
     assert labels(big("ag_gemm", device_type="cpu")) == ["sequential"]
     assert labels(big("gemm_rs", world=1)) == ["sequential"]
     # A wider output (fp32 from bf16) is overlapped, fused where a kernel is built for it (the

@@ -90,8 +90,8 @@ def test_configs_of_the_default_build_without_flux_c(monkeypatch):
     assert "default build" in K.config_source("ag")
     c2 = next(c for c in ag if c.id == 2)
     assert c2.schedule == "pingpong" and (c2.tile_m, c2.tile_n, c2.cluster_m) == (128, 128, 2)
-    assert [c.id for c in K.kernel_configs("ag", torch.float16)] == [2]
-    assert [c.id for c in K.kernel_configs("ag", "bf16", torch.float32)] == [2]
+    assert [c.id for c in K.kernel_configs("ag", torch.float16)] == [0, 2]
+    assert [c.id for c in K.kernel_configs("ag", "bf16", torch.float32)] == [0, 2]
     assert K.kernel_configs("ag", torch.float16, torch.float32) == []
 
 
@@ -220,26 +220,26 @@ def test_rule_stream_k_for_few_tiles_and_deep_k():
 
 
 def test_stream_k_configs_in_the_default_build():
-    """The default build holds AG's stream-K configuration 14 and split-K configurations 32-37, 41
-    and 42 (bf16) and none of RS's; for a narrow AG layer at 256 rows (20 tiles of 128x128) the analytic
+    """The default build holds AG's split-K configurations 32-37, 41 and 42 (bf16), no stream-K
+    configuration and no split-K one of RS's; for a narrow AG layer at 256 rows (20 tiles of 128x128) the analytic
     default picks split-K (128x96 tiles, K in 4 slices: 128 units on 132 SMs), and whole-K tiles where K
     does not cut into such slices; split-K not at 1024 rows (80 tiles, where CUTLASS's heuristic keeps
     whole tiles). Labels name the scheduler (stream-K, stream-K always, split-K and its slices)."""
     built = K._allowed("default", "bf16", "bf16")  # the default build's, whatever this process loaded
     ag, rs = built["ag"], built["rs"]
     ag_c, rs_c = list(ag.values()), list(rs.values())
-    assert [i for i, c in ag.items() if c.stream_k] == [14] and not [i for i, c in rs.items() if c.stream_k]
-    assert ag[14].desc == "128x128x64/2x1/coop/sk" and ag[0].desc.count("/") == 2
+    assert not [i for i, c in ag.items() if c.stream_k] and not [i for i, c in rs.items() if c.stream_k]
+    assert KC.KernelConfig.of("ag", FC.config("ag", 14), ()).desc == "128x128x64/2x1/coop/sk"
+    assert ag[0].desc.count("/") == 2
     assert KC.KernelConfig("ag", 16, 128, 128, 64, 1, 1, "cooperative", scheduler="streamk-all").desc == \
         "128x128x64/1x1/coop/ska"
     assert 8 not in ag and 12 not in ag  # 64x256 ping-pong left the default build for it
     assert [i for i, c in ag.items() if c.splits > 1] == [32, 33, 34, 35, 36, 37, 41, 42]
     assert ag[36].desc == "128x96x64/2x1/coop/k4" and not ag[36].stream_k
-    assert K.analytic_config("ag", 1024, 1280, 8192, configs=ag_c)[0] not in (14, 32, 33, 34, 35, 36, 37, 41, 42)
+    assert K.analytic_config("ag", 1024, 1280, 8192, configs=ag_c)[0] not in (32, 33, 34, 35, 36, 37, 41, 42)
     assert K.analytic_config("ag", 256, 1280, 8192, configs=ag_c)[0] == 36
     assert ag[K.analytic_config("ag", 256, 1280, 8200, configs=ag_c)[0]].splits == 1  # 8200 = 8 * 1025: no split-K applies
     assert not rs[K.analytic_config("rs", 128, 4096, 7168, configs=rs_c)[0]].stream_k
-    assert K.analytic_config("ag", 8192, 14336, 8192, configs=ag_c)[0] != 14
     with pytest.raises(ValueError, match="stream-K is cooperative only"):
         KC.KernelConfig("ag", 99, 128, 128, 64, 1, 1, "pingpong", scheduler="streamk")
 
@@ -258,20 +258,20 @@ def test_cache_round_trip_and_precedence(tmp_path, monkeypatch):
     monkeypatch.setattr(cache_mod, "SHIPPED_DIR", str(tmp_path / "shipped"))
     key, _ = K.gpu_key()  # the key choose_config reads: this machine's GPU, or the CPU's without one
     descs = {c.id: c.desc for c in K.kernel_configs("ag")}
-    desc5 = descs[5]
+    desc28 = descs[28]
     assert K.choose_config("ag", 4096, 14336, 8192) == K.analytic_config("ag", 4096, 14336, 8192)
     # shipped file (another flux version: shipped files are read regardless)
     shipped = K.KernelCache(key, str(tmp_path / "shipped"))
-    shipped.put(K.entry_key("ag", 4096, 14336, 8192, "bf16"), _entry("c5/r1/s4", desc5))
-    shipped.put(K.entry_key("ag", 1024, 14336, 8192, "bf16"), _entry("c5/r1/s1", "999x1x1/1x1/coop"))  # stale
+    shipped.put(K.entry_key("ag", 4096, 14336, 8192, "bf16"), _entry("c28/r1/s4", desc28))
+    shipped.put(K.entry_key("ag", 1024, 14336, 8192, "bf16"), _entry("c28/r1/s1", "999x1x1/1x1/coop"))  # stale
     path = shipped.save()
     assert os.path.basename(path).startswith("kernels-")
     data = json.load(open(path))
     data["flux"] = "0.0.0-other"
     json.dump(data, open(path, "w"))
     K.reset()
-    assert K.choose_config("ag", 4096, 14336, 8192) == (5, 1, 4)
-    assert K.choose_config("ag", 3000, 14336, 8192) == (5, 1, 4)  # same M bucket (4096)
+    assert K.choose_config("ag", 4096, 14336, 8192) == (28, 1, 4)
+    assert K.choose_config("ag", 3000, 14336, 8192) == (28, 1, 4)  # same M bucket (4096)
     assert K.choose_config("ag", 1024, 14336, 8192) == K.analytic_config("ag", 1024, 14336, 8192)  # stale ignored
     # the user's file wins over the shipped one, and survives a reload
     user = K.kernel_cache(key)

@@ -70,7 +70,8 @@ PADDED_TILE_PENALTY = 1.3
 # the shipped bench files of both GPUs: on the H200 (RS 0, 128x256 cooperative, in
 # bench/results/fused_gemm-h200-rs-wide.json) 1.4-2 gave the analytic choice within 5% of the tuned one
 # on 3 more shapes than 1; on the H100, where RS 0 is the tuned choice from 512 rows per rank down to
-# K = 3584 (bench/results/fused_gemm-h100-rs.json), 1.4 on 7-8 more than 2.
+# K = 3584 (bench/results/fused_gemm-h100-rs.json), 1.4 on 7-8 more than 2. Re-checked with RS 0's source
+# loaded ahead (bench/results/fused_gemm-h100-rs-retune.json): 1.2 one H100 shape fewer, two H200 more.
 RS_COOP_EPILOGUE = 1.4
 # A stream-K launch's fixed cost (its workspace memset, no PDL overlap): 7 us or more puts the analytic
 # choice at 256 x 16384 x 2304 (AG, M x K x N) on the split-K tile that both GPUs' files time fastest,
