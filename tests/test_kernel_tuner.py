@@ -279,6 +279,21 @@ def test_cache_round_trip_and_precedence(tmp_path, monkeypatch):
     user.save()
     K.reset()
     assert K.choose_config("ag", 4096, 14336, 8192) == (2, 1, 8)
+    # fp16 in / fp32 out, no entry of their own: the bf16 choice where its configuration is built for them
+    # (AG 2 is, AG 28 not: the analytic choice among AG 0 and 2); an entry of their own wins.
+    for dt, odt in ((torch.float16, None), (torch.bfloat16, torch.float32)):
+        assert K.choose_config("ag", 4096, 14336, 8192, dt, odt) == (2, 1, 8)
+    for m in (1024, 8192):  # 1024: stale bf16 entry; 8192: none
+        assert K.choose_config("ag", m, 14336, 8192, torch.float16) == \
+            K.analytic_config("ag", m, 14336, 8192, torch.float16)
+    user.put(K.entry_key("ag", 4096, 14336, 8192, "bf16"), _entry("c28/r1/s4", desc28))
+    user.put(K.entry_key("ag", 4096, 14336, 8192, "bf16", "fp32"), _entry("c0/r1/s2", descs[0]))
+    user.save()
+    K.reset()
+    assert K.choose_config("ag", 4096, 14336, 8192, torch.float16) == \
+        K.analytic_config("ag", 4096, 14336, 8192, torch.float16)
+    assert K.analytic_config("ag", 4096, 14336, 8192, torch.float16)[0] in (0, 2)
+    assert K.choose_config("ag", 4096, 14336, 8192, torch.bfloat16, torch.float32) == (0, 1, 2)
 
 
 def test_entries_from_bench_and_cli(tmp_path, monkeypatch):

@@ -370,8 +370,10 @@ def reset() -> None:
     kernel_configs_reset()
 
 
-def cached_choice(cache: TuneCache, op, m, n, k, dtype, out_dtype) -> Optional[Tuple[int, int, int]]:
-    e = cache.get(entry_key(op, m, n, k, dtype, out_dtype))
+def cached_choice(cache: TuneCache, op, m, n, k, dtype, out_dtype, entry_dtypes=None) -> Optional[Tuple[int, int, int]]:
+    """The cached choice for these dtypes (``entry_dtypes``: the entry of those, where its configuration is
+    built for these), or None."""
+    e = cache.get(entry_key(op, m, n, k, *(entry_dtypes or (dtype, out_dtype))))
     if not e:
         return None
     try:
@@ -386,14 +388,19 @@ def choose_config(op: str, m: int, n: int, k: int, dtype=torch.bfloat16, out_dty
                   device=None) -> Tuple[int, int, int]:
     """(config id, raster, swizzle) for the fused ``op`` kernel running m x n x k (m: the
     kernel's rows, ag: all gathered rows, rs: one rank's block) from ``dtype`` to ``out_dtype``
-    on ``device``: the cached tuned choice, else the analytic default. Raises ValueError when no
-    configuration is built for these dtypes (the fused strategy is then ineligible)."""
+    on ``device``: the cached tuned choice, else (other dtypes than bf16) the bf16 choice of the shape
+    where its configuration is built for these dtypes (docs/tuning.md, "fp16 inputs and fp32 output"), else
+    the analytic default. Raises ValueError when no configuration is built for these dtypes (the fused
+    strategy is then ineligible)."""
     out_dtype = out_dtype if out_dtype is not None else dtype
     key, sm = gpu_key(device)
     mb = m_bucket(m)  # the choice serves every M of its bucket
     memo = (GENERATION[0], _op(op), mb, n, k, _dt(dtype), _dt(out_dtype), key)
     if memo not in _memo:
-        got = cached_choice(kernel_cache(key), op, mb, n, k, dtype, out_dtype)
+        cache = kernel_cache(key)
+        got = cached_choice(cache, op, mb, n, k, dtype, out_dtype)
+        if got is None and (_dt(dtype), _dt(out_dtype)) != ("bf16", "bf16"):
+            got = cached_choice(cache, op, mb, n, k, dtype, out_dtype, ("bf16", "bf16"))
         _memo[memo] = got or analytic_config(op, mb, n, k, dtype, out_dtype, sm)
     return _memo[memo]
 
