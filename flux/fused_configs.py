@@ -101,8 +101,8 @@ F = ("bf16", "fp16", "bf16_fp32")  # the dtypes of each op's general-purpose con
 # The others are built with FLUX_KERNELS=all or by name ("streamk" / "splitk": every one, bf16).
 CONFIGS = {
     "ag": (
-        # AG 0 and 2 are built in fp16 and with fp32 output too: such calls get the analytic choice between
-        # them (no tuned entries). AG 0 alone held those dtypes before: on an H100, timed at each band, AG 0
+        # AG 0 and 2 are built in fp16 and with fp32 output too: such calls take their shape's bf16 choice
+        # where it is one of them, else the analytic choice between them. AG 0 alone held those dtypes before: on an H100, timed at each band, AG 0
         # alone ran 1.30 / 1.32x cuBLAS (loop / graph) in fp16 over the AG grid, AG 2 alone 1.24 / 1.25
         # (faster at 256-1024 rows, slower from 4096), the analytic choice between the two 1.155 / 1.166;
         # with fp32 output 1.29 / 1.32, 1.23 / 1.24 and 1.161 / 1.177
