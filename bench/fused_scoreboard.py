@@ -76,6 +76,10 @@ def ratios(timed, lab, base, timings=TIMINGS):
     return out
 
 
+def _geomean(xs):
+    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
+
+
 def beta1_over_mm(timed, timings=TIMINGS):
     """{timing: cuBLAS adding into its output / mm} from the latest of ``timed`` that timed both;
     None where none did."""
@@ -121,30 +125,29 @@ def scoreboard(paths, how="shipped", timings=TIMINGS, against="tuned"):
     out = {"files": list(paths), "choice": how, "against": against, "shapes": len(rows), "untimed": untimed,
            "timings": {}}
     for t in timings:
-        def over(op, rows_min, rows_max, limit, key="vs_cublas"):
+        def over(op, rows_min, rows_max, limit, key="vs_cublas", geomean=False):
             sel = [x for x in rows if x["op"] == op and rows_min <= x["m"] <= rows_max and x[key]
                    and x[key][t] is not None]
             bad = [f"{x['m']}x{x['n']}x{x['k']} {x[key][t]:.3f}" for x in sel if x[key][t] > limit]
-            return {"shapes": len(sel), "missed": len(bad), "which": bad}
-        ag = [x["vs_cublas"][t] for x in rows if x["op"] == "ag" and x["vs_cublas"] and x["vs_cublas"][t]]
+            got = {"shapes": len(sel), "missed": len(bad), "which": bad}
+            if geomean:
+                got["geomean"] = _geomean([x[key][t] for x in sel])
+            return got
         out["timings"][t] = {
             "ag_within_2pct_from_1024": over("ag", 1024, 1 << 40, 1.02),
             "ag_within_5pct_at_256": over("ag", 256, 256, 1.05),
-            "ag_geomean": math.exp(sum(map(math.log, ag)) / len(ag)) if ag else None,
+            "ag_geomean": _geomean([x["vs_cublas"][t] for x in rows
+                                    if x["op"] == "ag" and x["vs_cublas"] and x["vs_cublas"][t]]),
             "rs_faster_than_mm_add_from_128": over("rs", 128, 1 << 40, 1.0 - 1e-12, "vs_cublas_add"),
             "rs_within_2pct_of_mm_from_1024": over("rs", 1024, 1 << 40, 1.02),
             # Diagnostics where the files time cuBLAS adding into its output (cublas_beta1): that
             # GEMM's time over mm's, and the choice's over it, from 1024 rows per rank.
-            "rs_beta1_over_mm_from_1024": over("rs", 1024, 1 << 40, 1.02, "beta1_vs_cublas"),
-            "rs_within_2pct_of_beta1_from_1024": over("rs", 1024, 1 << 40, 1.02, "vs_cublas_beta1")}
-        for name in ("rs_beta1_over_mm_from_1024", "rs_within_2pct_of_beta1_from_1024"):
-            src = "beta1_vs_cublas" if name.startswith("rs_beta1") else "vs_cublas_beta1"
-            xs = [x[src][t] for x in rows if x["op"] == "rs" and x["m"] >= 1024 and x[src] and x[src][t]]
-            out["timings"][t][name]["geomean"] = math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
+            "rs_beta1_over_mm_from_1024": over("rs", 1024, 1 << 40, 1.02, "beta1_vs_cublas", True),
+            "rs_within_2pct_of_beta1_from_1024": over("rs", 1024, 1 << 40, 1.02, "vs_cublas_beta1", True)}
         sel = [x for x in rows if x[key] and x[key][t]]
         vt = [x[key][t] for x in sel]
         out["timings"][t][key] = {
-            "shapes": len(vt), "geomean": math.exp(sum(map(math.log, vt)) / len(vt)) if vt else None,
+            "shapes": len(vt), "geomean": _geomean(vt),
             "over_5pct": sum(v > 1.05 for v in vt), "max": max(vt) if vt else None,
             "which": [f"{x['op']} {x['m']}x{x['n']}x{x['k']} {x['choice']} {x[key][t]:.3f}"
                       for x in sel if x[key][t] > 1.05]}
