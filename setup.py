@@ -9,9 +9,11 @@ Environment:
   FLUX_CUDA_ARCH    semicolon-separated sm targets, default "90a" (e.g. "90a;100a")
   FLUX_KERNELS      which fused GEMM instantiations to build: "default", "all", "minimal" or a
                     list such as "default,ag:*:fp16" (flux/fused_configs.py)
+  FLUX_UNIT_KERNELS  instantiations compiled together in one translation unit, default 4 (each unit's
+                    front end costs about 45 s of one core, each instantiation in it about 6 s more)
   FLUX_BUILD_VERBOSE  "1": print every compiler command (default: one short line per file)
   CUDA_HOME         CUDA toolkit root; default /usr/local/cuda when its nvcc exists
-  MAX_JOBS          parallel compile jobs; default: the CPUs, at most one per 4 GB of free memory
+  MAX_JOBS          parallel compile jobs; default: the CPUs, at most one per 8 GB of free memory
 
 Install with ``pip install --no-build-isolation -e .`` after torch is installed:
 an isolated build environment would download a second torch.
@@ -122,18 +124,44 @@ def _write_if_changed(path, text):
 _DEFAULT_MMA_N = (8, 16, 32, 64, 96, 128, 192, 256)
 
 
-def _write_unit(name, comment, macro, header, args_t, launch, extended_mma=False, extra=""):
-    """One generated translation unit, ``void name(const args_t& a<extra>) { launch(a<extra>); }``
-    (extra: further int parameters, e.g. ", int splits, int dtype"); its path."""
-    ext = "#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED  // the tile's width (setup.py, _DEFAULT_MMA_N)\n" \
-        if extended_mma else ""
+def _kernel_fn(name, args_t, launch, extra=""):
+    """``void name(const args_t& a<extra>) { launch(a<extra>); }`` (extra: further int parameters,
+    e.g. ", int splits, int dtype")."""
     call = "".join(", " + p.split()[-1] for p in extra.split(",") if p.strip())
-    text = (f"{_HEADER}// {comment}\n#define FLUX_KERNEL_UNIT  // without ATen (csrc/common/check.h)\n"
-            f"{ext}#define {macro}\n#include \"{header}\"\n\nnamespace flux {{\n\n"
-            f"void {name}(const {args_t}& a{extra}) {{\n  {launch}(a{call});\n}}\n\n}}  // namespace flux\n")
-    rel = os.path.join(GENERATED, name + ".cu")
-    _write_if_changed(os.path.join(ROOT, rel), text)
-    return rel
+    return f"void {name}(const {args_t}& a{extra}) {{\n  {launch}(a{call});\n}}\n"
+
+
+def _unit_kernels():
+    """FLUX_UNIT_KERNELS: the instantiations compiled together in one translation unit (default 4)."""
+    value = os.environ.get("FLUX_UNIT_KERNELS", "4")
+    if not value.isdigit() or int(value) < 1:
+        raise RuntimeError(f"flux: FLUX_UNIT_KERNELS={value!r}: expected a positive integer")
+    return int(value)
+
+
+def _write_units(kernels, per_unit):
+    """The instantiations' translation units: ``kernels`` maps (file prefix, impl macro, header,
+    extended MMA) to [(comment, function text)]; each such group is cut into ceil(n / per_unit)
+    units of near-equal counts. A unit's front end (CUTLASS's headers through cudafe++, cicc and
+    the host compiler) costs about 45 s of one core and each instantiation in it about 6 s more,
+    so that four in one unit compile in about a third of the time of four units. The extended
+    MMA shapes (a macro that changes CUTLASS's builder for the whole unit) and the op's header
+    are a unit's own, hence the grouping. Returns the units' paths (relative to ROOT)."""
+    paths = []
+    for (prefix, macro, header, extended_mma), items in kernels.items():
+        count = -(-len(items) // per_unit)
+        ext = "#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED  // the tiles' widths (setup.py, _DEFAULT_MMA_N)\n" \
+            if extended_mma else ""
+        for i in range(count):
+            share = items[i::count]
+            text = (f"{_HEADER}" + "".join(f"// {comment}\n" for comment, _ in share)
+                    + f"#define FLUX_KERNEL_UNIT  // without ATen (csrc/common/check.h)\n"
+                    f"{ext}#define {macro}\n#include \"{header}\"\n\nnamespace flux {{\n\n"
+                    + "\n".join(fn for _, fn in share) + "\n}  // namespace flux\n")
+            rel = os.path.join(GENERATED, f"{prefix}{'_x' if extended_mma else ''}_{i}.cu")
+            _write_if_changed(os.path.join(ROOT, rel), text)
+            paths.append(rel)
+    return paths
 
 
 def _dispatch_fn(fn, args_t, second, count, cases):
@@ -147,20 +175,22 @@ def _dispatch_fn(fn, args_t, second, count, cases):
 
 
 def _generate_fused_sources(with_sm90):
-    """One translation unit per selected (op, config, dtype) instantiation, and the dispatch
-    over them, into build/flux_generated/; returns their paths (relative to ROOT)."""
+    """The selected (op, config, dtype) instantiations as translation units of up to
+    FLUX_UNIT_KERNELS each (_write_units), and the dispatch over them, into build/flux_generated/;
+    returns their paths (relative to ROOT)."""
     table = _fused_table()
     spec = os.environ.get("FLUX_KERNELS", "default")
     chosen = table["select"](spec) if with_sm90 else []
     out_dir = os.path.join(ROOT, GENERATED)
     os.makedirs(out_dir, exist_ok=True)
-    sources, decls, cases, names = [], {op: [] for op in _OP_CXX}, {op: [] for op in _OP_CXX}, []
-    split_units = []  # (launcher name, op) of the split-K units written
+    kernels, decls, cases, names = {}, {op: [] for op in _OP_CXX}, {op: [] for op in _OP_CXX}, []
+    split_units = []  # (launcher name, op) of the split-K GEMMs instantiated
     for op, cid, dtype in chosen:
         cfg = table["config"](op, cid)
         header, macro, args_t, launch, alias, _ = _OP_CXX[op]
         name = table["kernel_name"](op, cid, dtype)
         (tm, tn, tk), (cm, cn) = cfg.tile, cfg.cluster
+        group = kernels.setdefault((f"{op}_fused", macro, header, tn not in _DEFAULT_MMA_N), [])
         kernel_sched, epi_sched = _SCHEDULES[cfg.schedule]
         if cfg.loads == "multicast-first":  # csrc/common/fused_gemm.cuh
             kernel_sched = f"flux::MulticastFirst<{kernel_sched}>"
@@ -171,26 +201,23 @@ def _generate_fused_sources(with_sm90):
                   f"      cute::Shape<cute::_{cm}, cute::_{cn}, cute::_1>, {kernel_sched}, {epi_sched}")
         dt_index = table["DTYPES"].index(dtype)
         if cfg.scheduler == "splitk":
-            # One unit per (tile, cluster, schedule, input dtype): its fp32-output GEMM and the
-            # reduction; the configurations' slice counts and output dtypes are arguments.
+            # One instantiation per (tile, cluster, schedule, input dtype): its fp32-output GEMM
+            # and the reduction; the configurations' slice counts and output dtypes are arguments.
             split_launch, split_alias = _SPLIT_CXX[op]
             extra = ", int splits, int dtype"
             if name not in (n for n, _ in split_units):
                 split_units.append((name, op))
-                sources.append(_write_unit(
-                    name, f"{op} split-K GEMM: {cfg.describe().rsplit(',', 1)[0]}; {src_in} inputs, fp32 partials.",
-                    macro, header, args_t, f"{split_launch}<{split_alias}<{_DTYPE_ENUM[src_in]}, {shapes}>>",
-                    extended_mma=tn not in _DEFAULT_MMA_N, extra=extra))
+                group.append((f"{op} split-K GEMM: {cfg.describe().rsplit(',', 1)[0]}; {src_in} inputs, fp32 partials.",
+                              _kernel_fn(name, args_t, f"{split_launch}<{split_alias}<{_DTYPE_ENUM[src_in]}, {shapes}>>",
+                                         extra)))
                 decls[op].append(f"void {name}(const {args_t}& a{extra});")
             cases[op].append(f"    case {cid * 4 + dt_index}: {name}(a, {cfg.splits}, {dt_index}); return true;")
             names.append(f"{op}:{cid}:{dtype}")
             continue
         # the alias's StreamK mode: 0 persistent (its default), 1 stream-K by CUTLASS's heuristic, 2 always
         stream_k = {"persistent": "", "streamk": ", /*StreamK=*/1", "streamk-all": ", /*StreamK=*/2"}[cfg.scheduler]
-        sources.append(_write_unit(
-            name, f"{op} configuration {cid}: {cfg.describe()}; {src_in} inputs, {src_out} output.", macro, header,
-            args_t, f"{launch}<{alias}<{_DTYPE_ENUM[dtype]}, {shapes}{stream_k}>>",
-            extended_mma=tn not in _DEFAULT_MMA_N))
+        group.append((f"{op} configuration {cid}: {cfg.describe()}; {src_in} inputs, {src_out} output.",
+                      _kernel_fn(name, args_t, f"{launch}<{alias}<{_DTYPE_ENUM[dtype]}, {shapes}{stream_k}>>")))
         decls[op].append(f"void {name}(const {args_t}& a);")
         cases[op].append(f"    case {cid * 4 + dt_index}: {name}(a); return true;")
         names.append(f"{op}:{cid}:{dtype}")
@@ -202,11 +229,11 @@ def _generate_fused_sources(with_sm90):
         (tm, tn, tk), (cm, cn) = cfg.tile, cfg.cluster
         kind_id = table["GROUPED_KINDS"].index(kind)
         pingpong = str(cfg.schedule == "pingpong").lower()
-        sources.append(_write_unit(
-            name, f"grouped GEMM configuration {cid}: {cfg.describe()}; kind {kind}.", "FLUX_GROUPED_IMPL",
-            "moe/grouped_gemm.cuh", "GroupedGemmArgs",
-            f"launch_grouped<GroupedGemm<cute::Shape<cute::_{tm}, cute::_{tn}, cute::_{tk}>,\n"
-            f"      cute::Shape<cute::_{cm}, cute::_{cn}, cute::_1>, /*Pingpong=*/{pingpong}, {kind_id}>>"))
+        kernels.setdefault(("gmm", "FLUX_GROUPED_IMPL", "moe/grouped_gemm.cuh", False), []).append((
+            f"grouped GEMM configuration {cid}: {cfg.describe()}; kind {kind}.",
+            _kernel_fn(name, "GroupedGemmArgs",
+                       f"launch_grouped<GroupedGemm<cute::Shape<cute::_{tm}, cute::_{tn}, cute::_{tk}>,\n"
+                       f"      cute::Shape<cute::_{cm}, cute::_{cn}, cute::_1>, /*Pingpong=*/{pingpong}, {kind_id}>>")))
         g_decls.append(f"void {name}(const GroupedGemmArgs& a);\n")
         g_cases.append(f"    case {cid * 3 + kind_id}: {name}(a); return true;")
         g_names.append(f"gmm:{cid}:{kind}")
@@ -224,11 +251,12 @@ def _generate_fused_sources(with_sm90):
     body.append(f'std::string grouped_kernels_built() {{ return "{" ".join(g_names)}"; }}\n\n}}  // namespace flux\n')
     rel = os.path.join(GENERATED, "fused_dispatch.cpp")
     _write_if_changed(os.path.join(ROOT, rel), "".join(body))
+    sources = _write_units(kernels, _unit_kernels())
     for stale in glob.glob(os.path.join(out_dir, "*")):  # instantiations no longer selected
         if os.path.relpath(stale, ROOT) not in sources and not stale.endswith("fused_dispatch.cpp"):
             os.remove(stale)
-    print(f"flux: {len(chosen)} fused GEMM and {len(grouped)} grouped GEMM instantiations (FLUX_KERNELS={spec})",
-          file=sys.stderr)
+    print(f"flux: {len(chosen)} fused GEMM and {len(grouped)} grouped GEMM instantiations in {len(sources)} units "
+          f"(FLUX_KERNELS={spec}, FLUX_UNIT_KERNELS={_unit_kernels()})", file=sys.stderr)
     return [rel] + sources
 
 
@@ -260,8 +288,8 @@ def _host_units(cpp_files, units=2):
 
 
 def _default_jobs():
-    """One compiler per CPU, but no more than one per 4 GB of available memory (a CUTLASS
-    translation unit takes up to ~4 GB in nvcc's front end)."""
+    """One compiler per CPU, but no more than one per 8 GB of available memory (a unit of four
+    CUTLASS instantiations, _write_units, takes up to about 7.4 GB in nvcc's front end)."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:
@@ -269,7 +297,7 @@ def _default_jobs():
     try:
         with open("/proc/meminfo") as f:
             avail_kb = next(int(l.split()[1]) for l in f if l.startswith("MemAvailable:"))
-        cpus = min(cpus, max(1, avail_kb // (4 * 1024 * 1024)))
+        cpus = min(cpus, max(1, avail_kb // (8 * 1024 * 1024)))
     except (OSError, StopIteration, ValueError):
         pass
     return max(1, cpus)

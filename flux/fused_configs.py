@@ -72,8 +72,9 @@ class FusedConfig(NamedTuple):
 C = FusedConfig
 F = ("bf16", "fp16", "bf16_fp32")  # the dtypes of each op's general-purpose configurations (ag 0 and 2, rs 3)
 # Ids keep their meaning across releases; new shapes get new ids.
-# The default set (25 fused units, about a CPU-minute of nvcc each; the split-K configurations of
-# one tile share a unit) is the greedy choice over an H200 measurement of every bf16 persistent
+# The default set (25 fused instantiations, the split-K configurations of one tile sharing one;
+# setup.py compiles them four to a translation unit, about 45 s of a core per unit and 6 s per
+# instantiation) is the greedy choice over an H200 measurement of every bf16 persistent
 # configuration on the model grid (bench/results/fused_gemm-h200-grid-bf16.json): each
 # configuration added where it most lowered the geometric mean over the shapes of the best built
 # one's time relative to cuBLAS, in loop and in graph timing; plus AG's best stream-K configuration
@@ -106,7 +107,7 @@ CONFIGS = {
         # alone ran 1.30 / 1.32x cuBLAS (loop / graph) in fp16 over the AG grid, AG 2 alone 1.24 / 1.25
         # (faster at 256-1024 rows, slower from 4096), the analytic choice between the two 1.155 / 1.166;
         # with fp32 output 1.29 / 1.32, 1.23 / 1.24 and 1.161 / 1.177
-        # (bench/results/fused_gemm-h100-ag-general-fp16.json, -fp32out.json). Their two more units
+        # (bench/results/fused_gemm-h100-ag-general-fp16.json, -fp32out.json). Their two more instantiations
         # replace AG 5 and 14 in the default build, the bf16 configurations whose absence costs least
         # (0.04-0.09% and 0-0.07% of the best built configuration's geometric mean over the grid files).
         C(0, (128, 256, 64), (2, 1), "cooperative", F),

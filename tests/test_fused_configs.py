@@ -9,6 +9,7 @@ the same data. Instantiations not built are skipped by name; calling one fails n
 import glob
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -97,9 +98,10 @@ def test_select_and_parse():
     assert fc.parse_built("") == frozenset()
 
 
-def test_setup_generates_one_unit_per_instantiation(tmp_path, monkeypatch):
-    """setup.py's generator, run against a scratch root: a file per instantiation, a dispatch case
-    per instantiation, and the built list naming exactly them."""
+def test_setup_generates_units_of_instantiations(tmp_path, monkeypatch):
+    """setup.py's generator, run against a scratch root: every instantiation defined in exactly one
+    unit of at most FLUX_UNIT_KERNELS, units of one op's header (the grouped GEMMs apart) and of one
+    MMA-shape setting, a dispatch case per instantiation, and the built list naming exactly them."""
     src = open(os.path.join(ROOT, "setup.py")).read().split("ext_modules, cmdclass, _ = _cuda_extension()")[0]
     scope = {"__file__": os.path.join(ROOT, "setup.py"), "__name__": "flux_setup_under_test"}
     exec(compile(src, "setup.py", "exec"), scope)
@@ -109,42 +111,67 @@ def test_setup_generates_one_unit_per_instantiation(tmp_path, monkeypatch):
         (tmp_path / "flux" / "fused_configs.py").write_text(f.read())
     monkeypatch.setenv("FLUX_KERNELS", "minimal,ag:7:fp16_fp32,ag:28:bf16,rs:8:bf16,rs:12:bf16,gmm:0:kn,"
                        "ag:33:bf16,ag:34:bf16_fp32,rs:15:fp16")
+    monkeypatch.setenv("FLUX_UNIT_KERNELS", "2")
     sources = scope["_generate_fused_sources"](True)
-    names = sorted(os.path.basename(s) for s in sources)
-    assert names == ["ag_fused_c0_bf16.cu", "ag_fused_c28_bf16.cu", "ag_fused_c7_fp16_fp32.cu",
-                     "ag_split_128x64x64_1x1_pp_bf16.cu", "fused_dispatch.cpp", "gmm_c0_kn.cu", "rs_fused_c0_bf16.cu",
-                     "rs_fused_c12_bf16.cu", "rs_fused_c8_bf16.cu", "rs_split_64x128x64_1x1_pp_fp16.cu"]
-    # CUTLASS's extended MMA shapes only in the units whose tile width needs them (224 here).
-    ext = "#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED"
     gen = tmp_path / "build" / "flux_generated"
-    assert ext in (gen / "ag_fused_c28_bf16.cu").read_text()
-    assert [n for n in names if n.endswith(".cu") and ext in (gen / n).read_text()] == ["ag_fused_c28_bf16.cu"]
-    dispatch = (tmp_path / "build" / "flux_generated" / "fused_dispatch.cpp").read_text()
+    names = sorted(os.path.basename(s) for s in sources)
+    # AG: 3 instantiations in 2 units, the 224-wide tile in its own; RS: 4 in 2; the grouped GEMM.
+    assert names == ["ag_fused_0.cu", "ag_fused_1.cu", "ag_fused_x_0.cu", "fused_dispatch.cpp", "gmm_0.cu",
+                     "rs_fused_0.cu", "rs_fused_1.cu"]
+    units = {n: (gen / n).read_text() for n in names if n.endswith(".cu")}
+    defined = {}
+    for n, text in units.items():
+        fns = re.findall(r"^void (\w+)\(", text, re.M)
+        assert 1 <= len(fns) <= 2 and text.count("#include") == 1, n
+        for fn in fns:
+            assert fn not in defined, fn
+            defined[fn] = n
+    assert sorted(defined) == sorted(["ag_fused_c0_bf16", "ag_fused_c7_fp16_fp32", "ag_fused_c28_bf16",
+                                      "ag_split_128x64x64_1x1_pp_bf16", "rs_fused_c0_bf16", "rs_fused_c8_bf16",
+                                      "rs_fused_c12_bf16", "rs_split_64x128x64_1x1_pp_fp16", "gmm_c0_kn"])
+    for fn, n in defined.items():
+        assert n.startswith("gmm_" if fn.startswith("gmm") else fn[:2] + "_fused_"), (fn, n)
+        assert ("FLUX_AG_FUSED_IMPL" in units[n]) == n.startswith("ag_")
+        assert ("FLUX_RS_FUSED_IMPL" in units[n]) == n.startswith("rs_")
+    # CUTLASS's extended MMA shapes only in the units whose tile widths need them (224 here).
+    ext = "#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED"
+    assert [n for n, text in units.items() if ext in text] == ["ag_fused_x_0.cu"] == [defined["ag_fused_c28_bf16"]]
+    unit = lambda fn: units[defined[fn]].split(f"void {fn}(")[1].split("\n}")[0]  # noqa: E731
+    dispatch = (gen / "fused_dispatch.cpp").read_text()
     assert "case 0: ag_fused_c0_bf16(a); return true;" in dispatch
     assert f"case {7 * 4 + 3}: ag_fused_c7_fp16_fp32(a); return true;" in dispatch
     assert f"case {8 * 4}: rs_fused_c8_bf16(a); return true;" in dispatch
     assert '"ag:0:bf16 ag:7:fp16_fp32 ag:28:bf16 ag:33:bf16 ag:34:bf16_fp32 rs:0:bf16 rs:8:bf16 rs:12:bf16 ' \
         'rs:15:fp16"' in dispatch
-    # Split-K: one unit per tile and input dtype (its fp32-output GEMM), the slice count and the
-    # output dtype variant passed by each configuration's case.
+    # Split-K: one instantiation per tile and input dtype (its fp32-output GEMM), the slice count and
+    # the output dtype variant passed by each configuration's case.
     assert f"case {33 * 4}: ag_split_128x64x64_1x1_pp_bf16(a, 4, 0); return true;" in dispatch
     assert f"case {34 * 4 + 2}: ag_split_128x64x64_1x1_pp_bf16(a, 8, 2); return true;" in dispatch
     assert f"case {15 * 4 + 1}: rs_split_64x128x64_1x1_pp_fp16(a, 2, 1); return true;" in dispatch
-    unit = (tmp_path / "build" / "flux_generated" / "ag_split_128x64x64_1x1_pp_bf16.cu").read_text()
-    assert "launch_ag_split<AgSplitGemm<kBf16, cute::Shape<cute::_128, cute::_64, cute::_64>" in unit
-    assert "(const AgFusedArgs& a, int splits, int dtype)" in unit and "(a, splits, dtype);" in unit
-    unit = (tmp_path / "build" / "flux_generated" / "rs_split_64x128x64_1x1_pp_fp16.cu").read_text()
-    assert "launch_rs_split<RsSplitGemm<kFp16, cute::Shape<cute::_64, cute::_128, cute::_64>" in unit
+    text = unit("ag_split_128x64x64_1x1_pp_bf16")
+    assert "launch_ag_split<AgSplitGemm<kBf16, cute::Shape<cute::_128, cute::_64, cute::_64>" in text
+    assert text.startswith("const AgFusedArgs& a, int splits, int dtype)") and "(a, splits, dtype);" in text
+    text = unit("rs_split_64x128x64_1x1_pp_fp16")
+    assert "launch_rs_split<RsSplitGemm<kFp16, cute::Shape<cute::_64, cute::_128, cute::_64>" in text
     assert "case 1: gmm_c0_kn(a); return true;" in dispatch and '"gmm:0:kn"' in dispatch
-    unit = (tmp_path / "build" / "flux_generated" / "ag_fused_c7_fp16_fp32.cu").read_text()
-    assert "kFp16Fp32" in unit and "cute::_64, cute::_128, cute::_64" in unit and "Pingpong" in unit
-    assert "StreamK" not in unit  # persistent units keep their text (and their build)
-    unit = (tmp_path / "build" / "flux_generated" / "rs_fused_c8_bf16.cu").read_text()
-    assert "stream-K" in unit and "KernelTmaWarpSpecializedCooperative" in unit and "/*StreamK=*/1>>(a);" in unit
-    unit = (tmp_path / "build" / "flux_generated" / "rs_fused_c12_bf16.cu").read_text()
-    assert "stream-K always" in unit and "/*StreamK=*/2>>(a);" in unit
-    unit = (tmp_path / "build" / "flux_generated" / "gmm_c0_kn.cu").read_text()
-    assert "FLUX_GROUPED_IMPL" in unit and "cute::_64, cute::_256, cute::_64" in unit and "/*Pingpong=*/true, 1>>" in unit
+    text = unit("ag_fused_c7_fp16_fp32")
+    assert "kFp16Fp32" in text and "cute::_64, cute::_128, cute::_64" in text and "Pingpong" in text
+    assert "StreamK" not in text  # persistent instantiations keep their text
+    assert "stream-K;" in units[defined["rs_fused_c8_bf16"]]  # each instantiation's comment heads its unit
+    text = unit("rs_fused_c8_bf16")
+    assert "KernelTmaWarpSpecializedCooperative" in text and "/*StreamK=*/1>>(a);" in text
+    assert "/*StreamK=*/2>>(a);" in unit("rs_fused_c12_bf16")
+    text = unit("gmm_c0_kn")
+    assert "cute::_64, cute::_256, cute::_64" in text and "/*Pingpong=*/true, 1>>" in text
+    assert "FLUX_GROUPED_IMPL" in units[defined["gmm_c0_kn"]]
+    # One per unit as the setting's floor; anything but a positive count is refused.
+    monkeypatch.setenv("FLUX_UNIT_KERNELS", "1")
+    assert len(scope["_generate_fused_sources"](True)) == 1 + len(defined)
+    for bad in ("0", "x", "-1"):
+        monkeypatch.setenv("FLUX_UNIT_KERNELS", bad)
+        with pytest.raises(RuntimeError, match="FLUX_UNIT_KERNELS"):
+            scope["_generate_fused_sources"](True)
+    monkeypatch.delenv("FLUX_UNIT_KERNELS")
     # The host sources as two units that include each of them once.
     cpps = sorted(os.path.relpath(f, ROOT) for f in glob.glob(os.path.join(ROOT, "csrc", "**", "*.cpp"), recursive=True))
     os.makedirs(tmp_path / "csrc")
