@@ -28,7 +28,9 @@ DTYPES = ("bf16", "fp16", "bf16_fp32", "fp16_fp32")  # index = the C++ dtype var
 DTYPE_IO = {"bf16": ("bf16", "bf16"), "fp16": ("fp16", "fp16"),
             "bf16_fp32": ("bf16", "fp32"), "fp16_fp32": ("fp16", "fp32")}
 ALL = DTYPES
-BF16 = ("bf16",)
+# The default build's configurations tuned in bf16 are built in fp16 too: such a call takes its shape's bf16
+# choice (same tensor-core rate; docs/tuning.md), where with AG 0, 2 and RS 3 alone it ran AG at 1.16x cuBLAS.
+H = ("bf16", "fp16")
 
 
 class FusedConfig(NamedTuple):
@@ -98,7 +100,8 @@ F = ("bf16", "fp16", "bf16_fp32")  # the dtypes of each op's general-purpose con
 # their entries) in place of AG 9 (128x64 ping-pong), AG 25 (128x160 cooperative) and RS 4, which the
 # shipped H200 choices then no longer named (re-made without them: the same choice on every shape).
 # Then RS 37 (64x128 ping-pong, 2x1) and RS 0 (128x256 cooperative, 2x1): see their entries. Then AG 0
-# and 2 in fp16 and with fp32 output in place of AG 5 and 14 (bf16): see AG 0.
+# and 2 in fp16 and with fp32 output in place of AG 5 and 14 (bf16): see AG 0. Then every configuration
+# of the default build in fp16 (H above), once setup.py compiled several instantiations per unit.
 # The others are built with FLUX_KERNELS=all or by name ("streamk" / "splitk": every one, bf16).
 CONFIGS = {
     "ag": (
@@ -147,8 +150,8 @@ CONFIGS = {
         C(25, (128, 160, 64), (2, 1), "cooperative", ()),
         C(26, (128, 160, 64), (1, 1), "cooperative", ()),
         C(27, (128, 144, 64), (2, 1), "cooperative", ()),
-        C(28, (128, 224, 64), (2, 1), "cooperative", BF16),
-        C(29, (128, 96, 64), (2, 1), "cooperative", BF16),
+        C(28, (128, 224, 64), (2, 1), "cooperative", H),
+        C(29, (128, 96, 64), (2, 1), "cooperative", H),
         C(30, (128, 80, 64), (2, 1), "cooperative", ()),
         C(31, (128, 208, 64), (2, 1), "cooperative", ()),  # 13312 / 26624 / 53248 = 64 / 128 / 256 x 208
         # Split-K, as cuBLAS runs the narrow layers at 256 rows (256 x 8192 x 1280: 2 x 20 tiles of
@@ -156,17 +159,17 @@ CONFIGS = {
         # a wave, each slice a quarter or half of K, without stream-K's workspace memset and
         # in-kernel serial reduction. The configurations sharing a tile share one instantiation
         # (its fp32-output GEMM); the slice count is the launch's.
-        C(32, (128, 64, 64), (1, 1), "pingpong", BF16, "splitk", 2),
-        C(33, (128, 64, 64), (1, 1), "pingpong", BF16, "splitk", 4),
-        C(34, (128, 64, 64), (1, 1), "pingpong", BF16, "splitk", 8),
-        C(35, (128, 96, 64), (2, 1), "cooperative", BF16, "splitk", 2),
-        C(36, (128, 96, 64), (2, 1), "cooperative", BF16, "splitk", 4),
-        C(37, (128, 96, 64), (2, 1), "cooperative", BF16, "splitk", 8),
+        C(32, (128, 64, 64), (1, 1), "pingpong", H, "splitk", 2),
+        C(33, (128, 64, 64), (1, 1), "pingpong", H, "splitk", 4),
+        C(34, (128, 64, 64), (1, 1), "pingpong", H, "splitk", 8),
+        C(35, (128, 96, 64), (2, 1), "cooperative", H, "splitk", 2),
+        C(36, (128, 96, 64), (2, 1), "cooperative", H, "splitk", 4),
+        C(37, (128, 96, 64), (2, 1), "cooperative", H, "splitk", 8),
         C(38, (128, 128, 64), (2, 1), "pingpong", (), "splitk", 2),
         C(39, (128, 128, 64), (2, 1), "pingpong", (), "splitk", 4),
         C(40, (128, 144, 64), (2, 1), "cooperative", (), "splitk", 4),
-        C(41, (128, 160, 64), (2, 1), "cooperative", BF16, "splitk", 2),
-        C(42, (128, 160, 64), (2, 1), "cooperative", BF16, "splitk", 4),
+        C(41, (128, 160, 64), (2, 1), "cooperative", H, "splitk", 2),
+        C(42, (128, 160, 64), (2, 1), "cooperative", H, "splitk", 4),
         # Clusters along N (1x2: two CTAs of one row of tiles, A multicast to both) and 2x2. The
         # operands' L2 -> SM traffic is M*N*K*2 bytes * (1 / (tile_n * cluster_n) + 1 / (tile_m *
         # cluster_m)): narrow tiles re-read A once per column of tiles, so a cluster along N halves
@@ -195,7 +198,7 @@ CONFIGS = {
         # and 16 x 8 tiles: 128). Not its 128x168 (1024 x 26624): an 8-column epilogue subtile
         # does not compile.
         C(59, (128, 176, 64), (2, 1), "cooperative", ()),
-        C(60, (64, 96, 64), (2, 1), "pingpong", BF16, loads="multicast-first"),  # (ids 94-101 below)
+        C(60, (64, 96, 64), (2, 1), "pingpong", H, loads="multicast-first"),  # (ids 94-101 below)
         C(61, (64, 96, 64), (1, 1), "pingpong", ()),
         C(62, (64, 128, 64), (2, 1), "pingpong", ()),
         # Ping-pong tiles wider than 128 columns: each consumer warp group holds a whole 128 x N tile
@@ -205,10 +208,10 @@ CONFIGS = {
         # 1024-row layers are of this kind (128x176, 128x80; its cooperative kernels are marked so).
         # Ids 63-70 named configurations of earlier measurements, since removed.
         C(71, (128, 176, 64), (2, 1), "pingpong", ()),
-        C(72, (128, 160, 64), (2, 1), "pingpong", BF16),
-        C(73, (128, 192, 64), (2, 1), "pingpong", BF16),
-        C(74, (128, 144, 64), (2, 1), "pingpong", BF16),
-        C(75, (128, 80, 64), (2, 1), "pingpong", BF16, loads="multicast-first"),
+        C(72, (128, 160, 64), (2, 1), "pingpong", H),
+        C(73, (128, 192, 64), (2, 1), "pingpong", H),
+        C(74, (128, 144, 64), (2, 1), "pingpong", H),
+        C(75, (128, 80, 64), (2, 1), "pingpong", H, loads="multicast-first"),
         C(76, (128, 80, 64), (1, 2), "pingpong", ()),
         # Ids 77-82 (and RS 32, 33) named AG 0, 2, 72, 73, 5, 25 (RS 6, 4) with L2 eviction hints on the
         # mainloop's loads, measured slower and removed (bench/results/fused_gemm-h200-*-l2hint.json).
@@ -243,13 +246,13 @@ CONFIGS = {
         # Its epilogue loads 3 of the next tile's 8 source subtiles during the mainloop, CUTLASS's buffers 2
         # (source="ahead": 0.97x the time over the RS shapes of 512-8192 rows per rank on an H100, 0.90-1.02
         # per shape and band; bench/results/fused_gemm-h100-rs-ahead.json, as id 40).
-        C(0, (128, 256, 64), (2, 1), "cooperative", BF16, source="ahead"),
+        C(0, (128, 256, 64), (2, 1), "cooperative", H, source="ahead"),
         C(1, (256, 128, 64), (2, 1), "cooperative", ()),
         C(2, (256, 128, 64), (1, 2), "cooperative", ()),  # cuBLAS's shape on big GEMMs
         C(3, (128, 128, 64), (1, 1), "cooperative", F),  # the general-purpose one
         C(4, (64, 256, 64), (1, 1), "pingpong", ()),  # 128..512 rows per rank; wide N from 1024 rows
-        C(5, (64, 128, 64), (1, 1), "pingpong", BF16),  # few rows per rank
-        C(6, (128, 128, 64), (2, 1), "pingpong", BF16),
+        C(5, (64, 128, 64), (1, 1), "pingpong", H),  # few rows per rank
+        C(6, (128, 128, 64), (2, 1), "pingpong", H),
         C(7, (128, 192, 64), (1, 1), "cooperative", ()),
         C(8, (128, 128, 64), (1, 1), "cooperative", (), "streamk"),
         C(9, (128, 256, 64), (1, 1), "cooperative", (), "streamk"),
@@ -278,8 +281,8 @@ CONFIGS = {
         # best configuration against mm + add went from 0.86-1.18x to 0.79-1.06x in graph timing. As
         # AG tiles at 256 rows (1x2 and 2x1) they were best on 1 of the 18 shapes, by 4%: not kept
         # (bench/results/fused_gemm-h200-ag-64x64.json).
-        C(27, (64, 64, 64), (1, 2), "pingpong", BF16),
-        C(28, (64, 64, 64), (2, 1), "pingpong", BF16),
+        C(27, (64, 64, 64), (1, 2), "pingpong", H),
+        C(28, (64, 64, 64), (2, 1), "pingpong", H),
         # Ping-pong tiles wider than 128 columns (as AG 71-74): one warp group's epilogue, adding the
         # peer's partial, runs while the other's MMAs do.
         C(29, (128, 176, 64), (2, 1), "pingpong", ()),
@@ -293,7 +296,7 @@ CONFIGS = {
         # RS 5's tile with RS 28's cluster. bench/results/fused_gemm-h200-rs-64x128.json (32-512 rows per
         # rank): the best configuration on 8 of 36 shapes in graph timing; against mm then add, shapes not
         # faster 6 -> 4 (128 x 14336 x 8192: 1.048 -> 0.974, 256 x 3584 x 4096: 1.026 -> 0.930).
-        C(37, (64, 128, 64), (2, 1), "pingpong", BF16),
+        C(37, (64, 128, 64), (2, 1), "pingpong", H),
         # Ids 38-41 named twins of RS 0 and 6 whose epilogue loads more of the next tile's source during its
         # mainloop, measured and removed (bench/results/fused_gemm-h100-rs-prefetch.json, -rs-ahead.json):
         # all 8 subtiles at the cost of a mainloop stage (38, 39: 0.99x and 1.02x their twins' time), or

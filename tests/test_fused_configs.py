@@ -46,10 +46,12 @@ def test_table_is_consistent():
 
 def test_select_and_parse():
     default = fc.select("default")
-    assert ("ag", 0, "bf16") in default and ("rs", 3, "bf16_fp32") in default and len(default) == 30
-    assert ("rs", 0, "bf16") in default and ("rs", 0, "fp16") not in default
-    # fp16 and fp32 output: AG 0 and 2, RS 3; no stream-K configuration in the default build.
-    assert {(op, i) for op, i, d in default if d != "bf16"} == {("ag", 0), ("ag", 2), ("rs", 3)}
+    assert ("ag", 0, "bf16") in default and ("rs", 3, "bf16_fp32") in default and len(default) == 51
+    assert ("rs", 0, "bf16") in default and ("rs", 0, "bf16_fp32") not in default
+    # Every default configuration in bf16 and fp16; fp32 output: AG 0 and 2, RS 3; no stream-K one.
+    bf16 = {(op, i) for op, i, d in default if d == "bf16"}
+    assert {(op, i) for op, i, d in default if d == "fp16"} == bf16
+    assert {(op, i) for op, i, d in default if d not in ("bf16", "fp16")} == {("ag", 0), ("ag", 2), ("rs", 3)}
     assert not [(op, i, d) for op, i, d in default if fc.config(op, i).scheduler == "streamk"]
     assert fc.select("streamk") == [("ag", i, "bf16") for i in range(12, 19)] + [("rs", i, "bf16") for i in range(8, 13)]
     assert fc.select("splitk") == ([("ag", i, "bf16") for i in [*range(32, 43), *range(53, 59)]]
