@@ -144,7 +144,7 @@ def _write_units(kernels, per_unit):
     extended MMA) to [(comment, function text)]; each such group is cut into ceil(n / per_unit)
     units of near-equal counts. A unit's front end (CUTLASS's headers through cudafe++, cicc and
     the host compiler) costs about 45 s of one core and each instantiation in it about 6 s more,
-    so that four in one unit compile in about a third of the time of four units. The extended
+    so that four in one unit compile in under half the time of four units. The extended
     MMA shapes (a macro that changes CUTLASS's builder for the whole unit) and the op's header
     are a unit's own, hence the grouping. Returns the units' paths (relative to ROOT)."""
     paths = []
