@@ -184,7 +184,7 @@ def _generate_fused_sources(with_sm90):
     out_dir = os.path.join(ROOT, GENERATED)
     os.makedirs(out_dir, exist_ok=True)
     kernels, decls, cases, names = {}, {op: [] for op in _OP_CXX}, {op: [] for op in _OP_CXX}, []
-    split_units = []  # (launcher name, op) of the split-K GEMMs instantiated
+    split_units = set()  # launcher names of the split-K GEMMs instantiated
     for op, cid, dtype in chosen:
         cfg = table["config"](op, cid)
         header, macro, args_t, launch, alias, _ = _OP_CXX[op]
@@ -205,8 +205,8 @@ def _generate_fused_sources(with_sm90):
             # and the reduction; the configurations' slice counts and output dtypes are arguments.
             split_launch, split_alias = _SPLIT_CXX[op]
             extra = ", int splits, int dtype"
-            if name not in (n for n, _ in split_units):
-                split_units.append((name, op))
+            if name not in split_units:
+                split_units.add(name)
                 group.append((f"{op} split-K GEMM: {cfg.describe().rsplit(',', 1)[0]}; {src_in} inputs, fp32 partials.",
                               _kernel_fn(name, args_t, f"{split_launch}<{split_alias}<{_DTYPE_ENUM[src_in]}, {shapes}>>",
                                          extra)))
