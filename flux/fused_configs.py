@@ -31,6 +31,10 @@ ALL = DTYPES
 # The default build's configurations tuned in bf16 are built in fp16 too: such a call takes its shape's bf16
 # choice (same tensor-core rate; docs/tuning.md), where with AG 0, 2 and RS 3 alone it ran AG at 1.16x cuBLAS.
 H = ("bf16", "fp16")
+# fp32 output of a tile whose AG split-K GEMM is built: that GEMM is the tile's fp32-output instantiation
+# (setup.py compiles the two in one unit, once), so these cost the build nothing; the split-K
+# configurations themselves take every output dtype (their reduction writes it).
+O = ("bf16_fp32", "fp16_fp32")
 
 
 class FusedConfig(NamedTuple):
@@ -122,7 +126,7 @@ CONFIGS = {
         C(6, (128, 256, 64), (1, 2), "cooperative", ()),
         C(7, (64, 128, 64), (1, 1), "pingpong", ()),  # few rows, narrow N: 2x the tiles of 128x128
         C(8, (64, 256, 64), (1, 1), "pingpong", ()),  # few rows, wide N
-        C(9, (128, 64, 64), (1, 1), "pingpong", ()),  # few rows, narrow N
+        C(9, (128, 64, 64), (1, 1), "pingpong", O),  # few rows, narrow N; fp32 output: AG 32-34's GEMM
         C(10, (128, 128, 64), (1, 2), "pingpong", ()),
         C(11, (64, 128, 128), (1, 1), "pingpong", ()),
         # Stream-K: fewer tiles than SMs and deep K (256..1024 rows of the narrow layers).
@@ -147,11 +151,11 @@ CONFIGS = {
         # tile's full width (setup.py enables CUTLASS's extended MMA shapes). The epilogue's subtile
         # is gcd(32, N) columns (16 for 80 and 144: a wider one does not divide the accumulator
         # fragments).
-        C(25, (128, 160, 64), (2, 1), "cooperative", ()),
+        C(25, (128, 160, 64), (2, 1), "cooperative", O),  # fp32 output: AG 41-42's GEMM
         C(26, (128, 160, 64), (1, 1), "cooperative", ()),
         C(27, (128, 144, 64), (2, 1), "cooperative", ()),
         C(28, (128, 224, 64), (2, 1), "cooperative", H),
-        C(29, (128, 96, 64), (2, 1), "cooperative", H),
+        C(29, (128, 96, 64), (2, 1), "cooperative", H + O),  # fp32 output: AG 35-37's GEMM
         C(30, (128, 80, 64), (2, 1), "cooperative", ()),
         C(31, (128, 208, 64), (2, 1), "cooperative", ()),  # 13312 / 26624 / 53248 = 64 / 128 / 256 x 208
         # Split-K, as cuBLAS runs the narrow layers at 256 rows (256 x 8192 x 1280: 2 x 20 tiles of
@@ -159,17 +163,17 @@ CONFIGS = {
         # a wave, each slice a quarter or half of K, without stream-K's workspace memset and
         # in-kernel serial reduction. The configurations sharing a tile share one instantiation
         # (its fp32-output GEMM); the slice count is the launch's.
-        C(32, (128, 64, 64), (1, 1), "pingpong", H, "splitk", 2),
-        C(33, (128, 64, 64), (1, 1), "pingpong", H, "splitk", 4),
-        C(34, (128, 64, 64), (1, 1), "pingpong", H, "splitk", 8),
-        C(35, (128, 96, 64), (2, 1), "cooperative", H, "splitk", 2),
-        C(36, (128, 96, 64), (2, 1), "cooperative", H, "splitk", 4),
-        C(37, (128, 96, 64), (2, 1), "cooperative", H, "splitk", 8),
+        C(32, (128, 64, 64), (1, 1), "pingpong", ALL, "splitk", 2),
+        C(33, (128, 64, 64), (1, 1), "pingpong", ALL, "splitk", 4),
+        C(34, (128, 64, 64), (1, 1), "pingpong", ALL, "splitk", 8),
+        C(35, (128, 96, 64), (2, 1), "cooperative", ALL, "splitk", 2),
+        C(36, (128, 96, 64), (2, 1), "cooperative", ALL, "splitk", 4),
+        C(37, (128, 96, 64), (2, 1), "cooperative", ALL, "splitk", 8),
         C(38, (128, 128, 64), (2, 1), "pingpong", (), "splitk", 2),
         C(39, (128, 128, 64), (2, 1), "pingpong", (), "splitk", 4),
         C(40, (128, 144, 64), (2, 1), "cooperative", (), "splitk", 4),
-        C(41, (128, 160, 64), (2, 1), "cooperative", H, "splitk", 2),
-        C(42, (128, 160, 64), (2, 1), "cooperative", H, "splitk", 4),
+        C(41, (128, 160, 64), (2, 1), "cooperative", ALL, "splitk", 2),
+        C(42, (128, 160, 64), (2, 1), "cooperative", ALL, "splitk", 4),
         # Clusters along N (1x2: two CTAs of one row of tiles, A multicast to both) and 2x2. The
         # operands' L2 -> SM traffic is M*N*K*2 bytes * (1 / (tile_n * cluster_n) + 1 / (tile_m *
         # cluster_m)): narrow tiles re-read A once per column of tiles, so a cluster along N halves

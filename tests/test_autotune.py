@@ -59,10 +59,12 @@ def test_pruning():
     assert labels(big("ag_gemm", device_type="cpu")) == ["sequential"]
     assert labels(big("gemm_rs", world=1)) == ["sequential"]
     # A wider output (fp32 from bf16) is overlapped, fused where a kernel is built for it (the
-    # default build: bf16 -> fp32, not fp16 -> fp32); from fp32, not at all.
+    # default build: bf16 -> fp32 for both ops, fp16 -> fp32 for AG only); from fp32, not at all.
     wide = labels(big("ag_gemm", out_dtype_differs=True))
     assert "decomposed" in wide and "oneshot" in wide and "fused" in wide
-    assert "fused" not in labels(big("ag_gemm", out_dtype_differs=True, dtype=torch.float16))
+    assert "fused" in labels(big("ag_gemm", out_dtype_differs=True, dtype=torch.float16))
+    assert "fused" in labels(big("gemm_rs", out_dtype_differs=True))
+    assert "fused" not in labels(big("gemm_rs", out_dtype_differs=True, dtype=torch.float16))
     assert labels(big("ag_gemm", out_dtype_differs=True, dtype=torch.float32)) == ["sequential"]
     assert "fused" in labels(big("ag_gemm", dtype=torch.float16))
     assert "fused" not in " ".join(labels(big("ag_gemm", weight_layout="kn")))

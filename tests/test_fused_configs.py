@@ -46,12 +46,24 @@ def test_table_is_consistent():
 
 def test_select_and_parse():
     default = fc.select("default")
-    assert ("ag", 0, "bf16") in default and ("rs", 3, "bf16_fp32") in default and len(default) == 51
+    assert ("ag", 0, "bf16") in default and ("rs", 3, "bf16_fp32") in default and len(default) == 73
     assert ("rs", 0, "bf16") in default and ("rs", 0, "bf16_fp32") not in default
-    # Every default configuration in bf16 and fp16; fp32 output: AG 0 and 2, RS 3; no stream-K one.
+    # Every default configuration in bf16 and fp16; fp32 output: AG 0 and 2 and RS 3 (bf16 inputs), and
+    # in both input dtypes AG's split-K configurations and the tiles of their GEMMs (AG 9, 25, 29); no
+    # stream-K one.
     bf16 = {(op, i) for op, i, d in default if d == "bf16"}
     assert {(op, i) for op, i, d in default if d == "fp16"} == bf16
-    assert {(op, i) for op, i, d in default if d not in ("bf16", "fp16")} == {("ag", 0), ("ag", 2), ("rs", 3)}
+    fp32 = {(op, i) for op, i, d in default if d not in ("bf16", "fp16")}
+    assert fp32 == {("ag", i) for i in (0, 2, 9, 25, 29, 32, 33, 34, 35, 36, 37, 41, 42)} | {("rs", 3)}
+    # Those beyond AG 0, 2 and RS 3 add no CUTLASS GEMM: each is a split-K GEMM of the build (AG's split GEMM
+    # is the persistent kernel of its tile with fp32 output, setup.py _SPLIT_CXX).
+    split = {(fc.config("ag", i).tile, fc.config("ag", i).cluster, fc.config("ag", i).schedule, d)
+             for op, i, d in default if op == "ag" and fc.config(op, i).scheduler == "splitk" and d in fc.H}
+    for op, i, d in default:
+        c = fc.config(op, i)
+        if d in fc.O and (op, i) not in {("ag", 0), ("ag", 2), ("rs", 3)}:
+            assert op == "ag" and (c.scheduler == "splitk" or
+                                   (c.tile, c.cluster, c.schedule, fc.DTYPE_IO[d][0]) in split), (op, i, d)
     assert not [(op, i, d) for op, i, d in default if fc.config(op, i).scheduler == "streamk"]
     assert fc.select("streamk") == [("ag", i, "bf16") for i in range(12, 19)] + [("rs", i, "bf16") for i in range(8, 13)]
     assert fc.select("splitk") == ([("ag", i, "bf16") for i in [*range(32, 43), *range(53, 59)]]
@@ -112,23 +124,30 @@ def test_setup_generates_units_of_instantiations(tmp_path, monkeypatch):
     with open(os.path.join(ROOT, "flux", "fused_configs.py")) as f:
         (tmp_path / "flux" / "fused_configs.py").write_text(f.read())
     monkeypatch.setenv("FLUX_KERNELS", "minimal,ag:7:fp16_fp32,ag:28:bf16,rs:8:bf16,rs:12:bf16,gmm:0:kn,"
-                       "ag:33:bf16,ag:34:bf16_fp32,rs:15:fp16")
+                       "ag:33:bf16,ag:34:bf16_fp32,rs:15:fp16,ag:9:bf16_fp32")
     monkeypatch.setenv("FLUX_UNIT_KERNELS", "2")
     sources = scope["_generate_fused_sources"](True)
     gen = tmp_path / "build" / "flux_generated"
     names = sorted(os.path.basename(s) for s in sources)
-    # AG: 3 instantiations in 2 units, the 224-wide tile in its own; RS: 4 in 2; the grouped GEMM.
+    # AG: 3 GEMMs in 2 units (AG 9 with fp32 output is AG 33's and 34's split GEMM), the 224-wide tile in its
+    # own; RS: 4 in 2; the grouped GEMM.
     assert names == ["ag_fused_0.cu", "ag_fused_1.cu", "ag_fused_x_0.cu", "fused_dispatch.cpp", "gmm_0.cu",
                      "rs_fused_0.cu", "rs_fused_1.cu"]
     units = {n: (gen / n).read_text() for n in names if n.endswith(".cu")}
     defined = {}
+
+    def gemm(launch):  # the CUTLASS GEMM a launcher instantiates: AG's split GEMM is AgGemm with fp32 output
+        m = re.search(r"AgSplitGemm<k(\w+?), ", launch)
+        return launch[launch.index("<") + 1:].replace(m[0], f"AgGemm<k{m[1]}Fp32, ") if m else launch[launch.index("<") + 1:]
     for n, text in units.items():
         fns = re.findall(r"^void (\w+)\(", text, re.M)
-        assert 1 <= len(fns) <= 2 and text.count("#include") == 1, n
+        gemms = {gemm(launch) for launch in re.findall(r"^  (\w+<.*?)\(a", text, re.M | re.S)}
+        assert 1 <= len(gemms) <= 2 and len(fns) >= len(gemms) and text.count("#include") == 1, n
         for fn in fns:
             assert fn not in defined, fn
             defined[fn] = n
-    assert sorted(defined) == sorted(["ag_fused_c0_bf16", "ag_fused_c7_fp16_fp32", "ag_fused_c28_bf16",
+    assert defined["ag_fused_c9_bf16_fp32"] == defined["ag_split_128x64x64_1x1_pp_bf16"]  # one GEMM, one unit
+    assert sorted(defined) == sorted(["ag_fused_c0_bf16", "ag_fused_c7_fp16_fp32", "ag_fused_c9_bf16_fp32", "ag_fused_c28_bf16",
                                       "ag_split_128x64x64_1x1_pp_bf16", "rs_fused_c0_bf16", "rs_fused_c8_bf16",
                                       "rs_fused_c12_bf16", "rs_split_64x128x64_1x1_pp_fp16", "gmm_c0_kn"])
     for fn, n in defined.items():
@@ -143,7 +162,7 @@ def test_setup_generates_units_of_instantiations(tmp_path, monkeypatch):
     assert "case 0: ag_fused_c0_bf16(a); return true;" in dispatch
     assert f"case {7 * 4 + 3}: ag_fused_c7_fp16_fp32(a); return true;" in dispatch
     assert f"case {8 * 4}: rs_fused_c8_bf16(a); return true;" in dispatch
-    assert '"ag:0:bf16 ag:7:fp16_fp32 ag:28:bf16 ag:33:bf16 ag:34:bf16_fp32 rs:0:bf16 rs:8:bf16 rs:12:bf16 ' \
+    assert '"ag:0:bf16 ag:7:fp16_fp32 ag:9:bf16_fp32 ag:28:bf16 ag:33:bf16 ag:34:bf16_fp32 rs:0:bf16 rs:8:bf16 rs:12:bf16 ' \
         'rs:15:fp16"' in dispatch
     # Split-K: one instantiation per tile and input dtype (its fp32-output GEMM), the slice count and
     # the output dtype variant passed by each configuration's case.
@@ -168,7 +187,7 @@ def test_setup_generates_units_of_instantiations(tmp_path, monkeypatch):
     assert "FLUX_GROUPED_IMPL" in units[defined["gmm_c0_kn"]]
     # One per unit as the setting's floor; anything but a positive count is refused.
     monkeypatch.setenv("FLUX_UNIT_KERNELS", "1")
-    assert len(scope["_generate_fused_sources"](True)) == 1 + len(defined)
+    assert len(scope["_generate_fused_sources"](True)) == 1 + len(defined) - 1  # the dispatch; AG 9 with AG 33, 34
     for bad in ("0", "x", "-1"):
         monkeypatch.setenv("FLUX_UNIT_KERNELS", bad)
         with pytest.raises(RuntimeError, match="FLUX_UNIT_KERNELS"):

@@ -90,9 +90,12 @@ def test_configs_of_the_default_build_without_flux_c(monkeypatch):
     assert "default build" in K.config_source("ag")
     c2 = next(c for c in ag if c.id == 2)
     assert c2.schedule == "pingpong" and (c2.tile_m, c2.tile_n, c2.cluster_m) == (128, 128, 2)
-    assert [c.id for c in K.kernel_configs("ag", torch.float16)] == want["ag"]
-    assert [c.id for c in K.kernel_configs("ag", "bf16", torch.float32)] == [0, 2]
-    assert K.kernel_configs("ag", torch.float16, torch.float32) == []
+    fp32 = [9, 25, 29, 32, 33, 34, 35, 36, 37, 41, 42]  # split-K and their GEMMs' tiles: no GEMM of their own
+    in16 = [i for i in want["ag"] if "bf16" in FC.config("ag", i).default]
+    assert [c.id for c in K.kernel_configs("ag", torch.float16)] == [c.id for c in K.kernel_configs("ag", "bf16")] == in16
+    assert [c.id for c in K.kernel_configs("ag", "bf16", torch.float32)] == [0, 2, *fp32]
+    assert [c.id for c in K.kernel_configs("ag", torch.float16, torch.float32)] == fp32
+    assert [c.id for c in K.kernel_configs("rs", "bf16", "fp32")] == [3] and not K.kernel_configs("rs", "fp16", "fp32")
 
 
 def test_built_filter(monkeypatch):
@@ -246,7 +249,7 @@ def test_stream_k_configs_in_the_default_build():
 
 def test_no_config_for_dtype_is_an_error():
     with pytest.raises(ValueError, match="no configuration built"):
-        K.choose_config("ag", 1024, 4096, 4096, torch.float16, torch.float32)
+        K.choose_config("rs", 1024, 4096, 4096, torch.float16, torch.float32)  # none in the default build
 
 
 # ---- the cache ------------------------------------------------------------------------------
