@@ -105,7 +105,9 @@ F = ("bf16", "fp16", "bf16_fp32")  # the dtypes of each op's general-purpose con
 # shipped H200 choices then no longer named (re-made without them: the same choice on every shape).
 # Then RS 37 (64x128 ping-pong, 2x1) and RS 0 (128x256 cooperative, 2x1): see their entries. Then AG 0
 # and 2 in fp16 and with fp32 output in place of AG 5 and 14 (bf16): see AG 0. Then every configuration
-# of the default build in fp16 (H above), once setup.py compiled several instantiations per unit.
+# of the default build in fp16 (H above), once setup.py compiled several instantiations per unit. Then fp32
+# output, from bf16 and fp16, on AG's split-K configurations and the tiles of their GEMMs (AG 9, 25, 29; O
+# above), which adds no GEMM to compile (41 fused GEMMs in all).
 # The others are built with FLUX_KERNELS=all or by name ("streamk" / "splitk": every one, bf16).
 CONFIGS = {
     "ag": (
