@@ -9,8 +9,8 @@ Environment:
   FLUX_CUDA_ARCH    semicolon-separated sm targets, default "90a" (e.g. "90a;100a")
   FLUX_KERNELS      which fused GEMM instantiations to build: "default", "all", "minimal" or a
                     list such as "default,ag:*:fp16" (flux/fused_configs.py)
-  FLUX_UNIT_KERNELS  instantiations compiled together in one translation unit, default 4 (each unit's
-                    front end costs about 45 s of one core, each instantiation in it about 6 s more)
+  FLUX_UNIT_KERNELS  CUTLASS GEMMs compiled together in one translation unit, default 4 (each unit's
+                    front end costs about 45 s of one core, each GEMM in it about 6 s more)
   FLUX_BUILD_VERBOSE  "1": print every compiler command (default: one short line per file)
   CUDA_HOME         CUDA toolkit root; default /usr/local/cuda when its nvcc exists
   MAX_JOBS          parallel compile jobs; default: the CPUs, at most one per 8 GB of free memory
@@ -136,7 +136,7 @@ def _kernel_fn(name, args_t, launch, extra=""):
 
 
 def _unit_kernels():
-    """FLUX_UNIT_KERNELS: the instantiations compiled together in one translation unit (default 4)."""
+    """FLUX_UNIT_KERNELS: the CUTLASS GEMMs compiled together in one translation unit (default 4)."""
     value = os.environ.get("FLUX_UNIT_KERNELS", "4")
     if not value.isdigit() or int(value) < 1:
         raise RuntimeError(f"flux: FLUX_UNIT_KERNELS={value!r}: expected a positive integer")
