@@ -384,41 +384,12 @@ def cached_choice(cache: TuneCache, op, m, n, k, dtype, out_dtype, entry_dtypes=
     return (cfg, raster, swz) if valid.get(cfg) == e.get("config") else None
 
 
-def ranked_choice(cache: TuneCache, op, m, n, k, dtype, out_dtype) -> Optional[Tuple[int, int, int]]:
-    """Of the variants the shape's bf16 entry timed, the fastest (``make_entry``'s mean of loop and graph
-    timing) whose configuration is built for these dtypes, raster along N, or None: the bf16 timings rank
-    the tiles (docs/tuning.md, "fp16 inputs and fp32 output")."""
-    from flux import fused_configs as table
-
-    e = cache.get(entry_key(op, m, n, k, "bf16", "bf16"))
-    try:
-        chosen = table.config(_op(op), parse_label(e["choice"])[0])
-        current = chosen is not None and KernelConfig.of(_op(op), chosen, ()).desc == e.get("config")
-    except (KeyError, ValueError, TypeError):
-        current = False
-    if not current or not isinstance(e.get("loop_ms"), dict):  # none, or made with other configurations
-        return None
-    built = {c.id for c in kernel_configs(op, dtype, out_dtype) if c.applies(m, n, k)}
-    best = None
-    for lab, t in e["loop_ms"].items():
-        try:
-            cfg, raster, swz = parse_label(lab)
-            g = (e.get("graph_ms") or {}).get(lab)
-            mean = (float(t) + float(g)) / 2 if g is not None else float(t)
-        except (ValueError, TypeError):
-            continue
-        if cfg in built and raster == 1 and swz in SWIZZLES and (best is None or mean < best[0]):
-            best = (mean, (cfg, raster, swz))
-    return best[1] if best else None
-
-
 def choose_config(op: str, m: int, n: int, k: int, dtype=torch.bfloat16, out_dtype=None,
                   device=None) -> Tuple[int, int, int]:
     """(config id, raster, swizzle) for the fused ``op`` kernel running m x n x k (m: the
     kernel's rows, ag: all gathered rows, rs: one rank's block) from ``dtype`` to ``out_dtype``
     on ``device``: the cached tuned choice, else (other dtypes than bf16) the bf16 choice of the shape
-    where its configuration is built for these dtypes, else the variant of such a configuration that the
-    shape's bf16 entry timed fastest (``ranked_choice``; docs/tuning.md, "fp16 inputs and fp32 output"), else
+    where its configuration is built for these dtypes (docs/tuning.md, "fp16 inputs and fp32 output"), else
     the analytic default. Raises ValueError when no configuration is built for these dtypes (the fused
     strategy is then ineligible)."""
     out_dtype = out_dtype if out_dtype is not None else dtype
@@ -429,8 +400,7 @@ def choose_config(op: str, m: int, n: int, k: int, dtype=torch.bfloat16, out_dty
         cache = kernel_cache(key)
         got = cached_choice(cache, op, mb, n, k, dtype, out_dtype)
         if got is None and (_dt(dtype), _dt(out_dtype)) != ("bf16", "bf16"):
-            got = (cached_choice(cache, op, mb, n, k, dtype, out_dtype, ("bf16", "bf16"))
-                   or ranked_choice(cache, op, mb, n, k, dtype, out_dtype))
+            got = cached_choice(cache, op, mb, n, k, dtype, out_dtype, ("bf16", "bf16"))
         _memo[memo] = got or analytic_config(op, mb, n, k, dtype, out_dtype, sm)
     return _memo[memo]
 
