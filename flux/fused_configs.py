@@ -142,6 +142,10 @@ CONFIGS = {
         C(16, (128, 128, 64), (1, 1), "cooperative", (), "streamk-all"),
         C(17, (128, 256, 64), (1, 1), "cooperative", (), "streamk-all"),
         C(18, (128, 64, 64), (1, 1), "cooperative", (), "streamk-all"),
+        # Stream-K on every shape with the 2x1 cluster (the weight multicast) of the persistent tiles served at
+        # 1024 rows: the wide layers there run 3.2-6.3 waves of whole tiles, the last one partly idle.
+        C(102, (128, 256, 64), (2, 1), "cooperative", (), "streamk-all"),
+        C(103, (128, 128, 64), (2, 1), "cooperative", (), "streamk-all"),
         # A tile width between 128 and 64 for narrow layers at 1024 rows: 1024 x 1280 is 112 tiles of
         # 128x96 on 132 SMs (80 of 128x128, 160 of 128x64); its cooperative twin is AG 29.
         C(20, (128, 96, 64), (2, 1), "pingpong", ()),
