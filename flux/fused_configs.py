@@ -107,7 +107,8 @@ F = ("bf16", "fp16", "bf16_fp32")  # the dtypes of each op's general-purpose con
 # and 2 in fp16 and with fp32 output in place of AG 5 and 14 (bf16): see AG 0. Then every configuration
 # of the default build in fp16 (H above), once setup.py compiled several instantiations per unit. Then fp32
 # output, from bf16 and fp16, on AG's split-K configurations and the tiles of their GEMMs (AG 9, 25, 29; O
-# above), which adds no GEMM to compile (41 fused GEMMs in all).
+# above), which adds no GEMM to compile (41 fused GEMMs in all). Then AG 31 (128x208 cooperative), bf16 and fp16:
+# see its entry (43 fused GEMMs; the units hold 4 or fewer each, so the build's units stay 12).
 # The others are built with FLUX_KERNELS=all or by name ("streamk" / "splitk": every one, bf16).
 CONFIGS = {
     "ag": (
@@ -142,10 +143,11 @@ CONFIGS = {
         C(16, (128, 128, 64), (1, 1), "cooperative", (), "streamk-all"),
         C(17, (128, 256, 64), (1, 1), "cooperative", (), "streamk-all"),
         C(18, (128, 64, 64), (1, 1), "cooperative", (), "streamk-all"),
-        # Stream-K on every shape with the 2x1 cluster (the weight multicast) of the persistent tiles served at
-        # 1024 rows: the wide layers there run 3.2-6.3 waves of whole tiles, the last one partly idle.
-        C(102, (128, 256, 64), (2, 1), "cooperative", (), "streamk-all"),
-        C(103, (128, 128, 64), (2, 1), "cooperative", (), "streamk-all"),
+        # Ids 102, 103 named AG 0's and AG 14's tiles (2x1 cluster) with stream-K on every shape, for the wide
+        # layers at 1024 rows (3.2-6.3 waves of whole tiles, the last one partly idle): on an H100 the best
+        # stream-K tile (these, AG 14, 16, 17) was slower than the served persistent one on all 54 AG shapes of
+        # 256-4096 rows, 1.00-2.45x its time (the worse of loop and graph; geometric mean 1.18;
+        # bench/results/fused_gemm-h100-ag-streamk.json, -streamk-4096.json); removed.
         # A tile width between 128 and 64 for narrow layers at 1024 rows: 1024 x 1280 is 112 tiles of
         # 128x96 on 132 SMs (80 of 128x128, 160 of 128x64); its cooperative twin is AG 29.
         C(20, (128, 96, 64), (2, 1), "pingpong", ()),
@@ -163,7 +165,10 @@ CONFIGS = {
         C(28, (128, 224, 64), (2, 1), "cooperative", H),
         C(29, (128, 96, 64), (2, 1), "cooperative", H + O),  # fp32 output: AG 35-37's GEMM
         C(30, (128, 80, 64), (2, 1), "cooperative", ()),
-        C(31, (128, 208, 64), (2, 1), "cooperative", ()),  # 13312 / 26624 / 53248 = 64 / 128 / 256 x 208
+        # 13312 / 26624 / 53248 = 64 / 128 / 256 x 208: on an H100 at 256 and 1024 rows of those layers (K = 16384)
+        # 0.92-0.98x cuBLAS on five of the six where the served tiles took 0.98-1.04x (the worse of loop and graph;
+        # bench/results/fused_gemm-h100-ag-streamk.json).
+        C(31, (128, 208, 64), (2, 1), "cooperative", H),
         # Split-K, as cuBLAS runs the narrow layers at 256 rows (256 x 8192 x 1280: 2 x 20 tiles of
         # 128x64 leave 92 of 132 SMs idle for a 128-step K loop): the tiles times the slices fill
         # a wave, each slice a quarter or half of K, without stream-K's workspace memset and

@@ -46,7 +46,7 @@ def test_table_is_consistent():
 
 def test_select_and_parse():
     default = fc.select("default")
-    assert ("ag", 0, "bf16") in default and ("rs", 3, "bf16_fp32") in default and len(default) == 73
+    assert ("ag", 0, "bf16") in default and ("rs", 3, "bf16_fp32") in default and len(default) == 75
     assert ("rs", 0, "bf16") in default and ("rs", 0, "bf16_fp32") not in default
     # Every default configuration in bf16 and fp16; fp32 output: AG 0 and 2 and RS 3 (bf16 inputs), and
     # in both input dtypes AG's split-K configurations and the tiles of their GEMMs (AG 9, 25, 29); no
@@ -65,7 +65,7 @@ def test_select_and_parse():
             assert op == "ag" and (c.scheduler == "splitk" or
                                    (c.tile, c.cluster, c.schedule, fc.DTYPE_IO[d][0]) in split), (op, i, d)
     assert not [(op, i, d) for op, i, d in default if fc.config(op, i).scheduler == "streamk"]
-    assert fc.select("streamk") == [("ag", i, "bf16") for i in (*range(12, 19), 102, 103)] + [("rs", i, "bf16") for i in range(8, 13)]
+    assert fc.select("streamk") == [("ag", i, "bf16") for i in range(12, 19)] + [("rs", i, "bf16") for i in range(8, 13)]
     assert fc.select("splitk") == ([("ag", i, "bf16") for i in [*range(32, 43), *range(53, 59)]]
                                   + [("rs", i, "bf16") for i in [*range(13, 19), *range(23, 27)]])
     # Split-K configurations of one tile share a launcher (one unit per tile and input dtype).
