@@ -2,7 +2,7 @@
 
     python bench/fused_scoreboard.py bench/results/fused_gemm-h200-models.json \\
         [--choice shipped|served|tuned|analytic|alone] [--against tuned|...] [--timings loop,graph[,spin]]
-        [--json FILE]
+        [--pool] [--json FILE]
 
 Per shape the library's configuration, as timed in the files (a later file wins for the shapes it
 shares with an earlier one; a configuration it did not time is read from the latest file that did,
@@ -14,7 +14,9 @@ their choice; ``served``, the one the run itself used (the library's choice at t
 untimed where no file timed it); ``alone``, the default build's configuration of least ``spin`` time in the
 shape's latest file (one call alone behind a GPU spin, the files' diagnostic timing: as the fused AG strategy
 launches its kernel, after a memset and an event wait), a choice nothing ships, for comparison. Ratios are the kernel's
-ms over ``torch.mm``'s (cuBLAS), per timing (``--timings``: loop and graph, the targets' timings, by
+ms over ``torch.mm``'s (cuBLAS) in the same file, per timing; with ``--pool`` (files that repeat one run, e.g. of one
+commit on several machines) each ratio is the geometric mean of that ratio over every file that timed the
+configuration, the later file no longer winning alone (``--timings``: loop and graph, the targets' timings, by
 default; spin too on request), and over the tuned choice's ms. The targets:
 AG within 2% of cuBLAS from 1024 rows, within 5% at 256, geometric mean at most 1.00; RS (one
 rank's block of rows) faster than ``mm`` then ``add`` from 128 rows, within 2% of ``mm`` from 1024.
@@ -62,17 +64,21 @@ def chosen(r, doc, how, tuned_cache):
     return e["choice"] if e else None
 
 
-def ratios(timed, lab, base, timings=TIMINGS):
+def ratios(timed, lab, base, timings=TIMINGS, pool=False):
     """{timing: ms of ``lab`` / ms of ``base``} from the latest of the results ``timed`` (latest
-    first) in which ``lab`` ran correctly; None where none did."""
-    r, v = next(((r, r["variants"][lab]) for r, _ in timed if lab and r["variants"].get(lab, {}).get("ok")),
-                (None, None))
-    if v is None:
+    first) in which ``lab`` ran correctly (``pool``: the geometric mean over all of them); None where
+    none did."""
+    runs = [(r, r["variants"][lab]) for r, _ in timed if lab and r["variants"].get(lab, {}).get("ok")]
+    if not runs:
         return None
     out = {}
     for t in timings:
-        ms, ref = (v.get("ms") or {}).get(t), ((r.get(base) or {}).get("ms") or {}).get(t)
-        out[t] = ms / ref if ms and ref else None
+        each = []
+        for r, v in runs if pool else runs[:1]:
+            ms, ref = (v.get("ms") or {}).get(t), ((r.get(base) or {}).get("ms") or {}).get(t)
+            if ms and ref:
+                each.append(ms / ref)
+        out[t] = _geomean(each)
     return out
 
 
@@ -80,14 +86,14 @@ def _geomean(xs):
     return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
 
 
-def beta1_over_mm(timed, timings=TIMINGS):
-    """{timing: cuBLAS adding into its output / mm} from the latest of ``timed`` that timed both;
-    None where none did."""
-    r = next((r for r, _ in timed if r.get("cublas_beta1")), None)
-    if r is None:
+def beta1_over_mm(timed, timings=TIMINGS, pool=False):
+    """{timing: cuBLAS adding into its output / mm} from the latest of ``timed`` that timed both
+    (``pool``: the geometric mean over all of them); None where none did."""
+    runs = [r for r, _ in timed if r.get("cublas_beta1")]
+    if not runs:
         return None
-    return {t: (r["cublas_beta1"]["ms"].get(t) / r["cublas"]["ms"][t]
-                if r["cublas_beta1"]["ms"].get(t) and r["cublas"]["ms"].get(t) else None) for t in timings}
+    return {t: _geomean([r["cublas_beta1"]["ms"][t] / r["cublas"]["ms"][t] for r in (runs if pool else runs[:1])
+                         if r["cublas_beta1"]["ms"].get(t) and r["cublas"]["ms"].get(t)]) for t in timings}
 
 
 def alone_choice(timed):
@@ -104,9 +110,9 @@ def alone_choice(timed):
     return min(spins, key=spins.get) if spins else None
 
 
-def scoreboard(paths, how="shipped", timings=TIMINGS, against="tuned"):
+def scoreboard(paths, how="shipped", timings=TIMINGS, against="tuned", pool=False):
     """The targets' figures per timing, with the shapes each one missed, and each choice's time over
-    the ``against`` choice's (``vs_<against>``)."""
+    the ``against`` choice's (``vs_<against>``); ``pool``: the files are repeats (``ratios``)."""
     rows, tuned = [], {}
 
     def pick(how, r, doc, timed):
@@ -115,14 +121,14 @@ def scoreboard(paths, how="shipped", timings=TIMINGS, against="tuned"):
     for (op, m, n, k), timed in sorted(shapes(paths).items()):
         r, doc = timed[0]
         lab, other = pick(how, r, doc, timed), pick(against, r, doc, timed)
-        mine, best = ratios(timed, lab, "cublas", timings), ratios(timed, other, "cublas", timings)
+        mine, best = ratios(timed, lab, "cublas", timings, pool), ratios(timed, other, "cublas", timings, pool)
         vs = ({t: mine[t] / best[t] if mine[t] and best[t] else None for t in timings} if mine and best else None)
         rows.append({"op": op, "m": m, "n": n, "k": k, "choice": lab, "vs_cublas": mine,
-                     "vs_cublas_add": ratios(timed, lab, "cublas_add", timings) if op == "rs" else None,
-                     "vs_cublas_beta1": ratios(timed, lab, "cublas_beta1", timings) if op == "rs" else None,
-                     "beta1_vs_cublas": beta1_over_mm(timed, timings) if op == "rs" else None, key: vs})
+                     "vs_cublas_add": ratios(timed, lab, "cublas_add", timings, pool) if op == "rs" else None,
+                     "vs_cublas_beta1": ratios(timed, lab, "cublas_beta1", timings, pool) if op == "rs" else None,
+                     "beta1_vs_cublas": beta1_over_mm(timed, timings, pool) if op == "rs" else None, key: vs})
     untimed = [f"{x['op']} {x['m']}x{x['n']}x{x['k']}" for x in rows if x["vs_cublas"] is None]
-    out = {"files": list(paths), "choice": how, "against": against, "shapes": len(rows), "untimed": untimed,
+    out = {"files": list(paths), "choice": how, "against": against, "pool": pool, "shapes": len(rows), "untimed": untimed,
            "timings": {}}
     for t in timings:
         def over(op, rows_min, rows_max, limit, key="vs_cublas", geomean=False):
@@ -155,7 +161,7 @@ def scoreboard(paths, how="shipped", timings=TIMINGS, against="tuned"):
 
 
 def text(s):
-    lines = [f"{s['shapes']} shapes, choice: {s['choice']}" + (f"; untimed: {len(s['untimed'])}" if s["untimed"] else "")]
+    lines = [f"{s['shapes']} shapes, choice: {s['choice']}" + (", pooled over the files" if s.get("pool") else "") + (f"; untimed: {len(s['untimed'])}" if s["untimed"] else "")]
     names = (("ag_within_2pct_from_1024", "AG over 2% of cuBLAS, M >= 1024"), ("ag_within_5pct_at_256",
              "AG over 5% of cuBLAS, M = 256"), ("rs_faster_than_mm_add_from_128", "RS not faster than mm + add, "
              ">= 128 rows"), ("rs_within_2pct_of_mm_from_1024", "RS over 2% of mm, >= 1024 rows"))
@@ -179,12 +185,14 @@ def main(argv=None):
     p.add_argument("--choice", choices=CHOICES, default="shipped")
     p.add_argument("--against", choices=CHOICES, default="tuned", help="the choice each one's time is put over")
     p.add_argument("--timings", default=",".join(TIMINGS), help="of " + ",".join(ALL_TIMINGS))
+    p.add_argument("--pool", action="store_true",
+                   help="the files repeat one run: each ratio the geometric mean over every file that timed it")
     p.add_argument("--json", default=None, help="write the figures (and the shapes that missed) here")
     args = p.parse_args(argv)
     timings = tuple(args.timings.split(","))
     if not timings or any(t not in ALL_TIMINGS for t in timings):
         p.error(f"--timings: a comma list of {', '.join(ALL_TIMINGS)}")
-    s = scoreboard(args.files, args.choice, timings, args.against)
+    s = scoreboard(args.files, args.choice, timings, args.against, args.pool)
     print(text(s))
     if args.json:
         with open(args.json, "w") as f:

@@ -648,6 +648,13 @@ def test_fused_scoreboard(tmp_path):
     assert b1["missed"] == 1 and abs(b1["geomean"] - 1.1) < 1e-9
     assert vb1["missed"] == 0 and abs(vb1["geomean"] - 1.03 / 1.1) < 1e-9
     assert "beta = 1" in S.text(s)
+    # Pooled, the files are repeats: the shared AG shape's ratio is the geometric mean of both files'.
+    p = S.scoreboard([str(a), str(b)], "served", pool=True)
+    pt = p["timings"]["graph"]
+    assert p["pool"] and "pooled" in S.text(p)
+    assert pt["ag_within_2pct_from_1024"]["which"] == [f"1024x64x64 {math.sqrt(1.5 * 1.01):.3f}"]
+    assert abs(pt["ag_geomean"] - math.sqrt(math.sqrt(1.5 * 1.01) * 1.04)) < 1e-9
+    assert pt["rs_within_2pct_of_mm_from_1024"] == t["rs_within_2pct_of_mm_from_1024"]  # one file: as unpooled
     # A label the later file did not time is read from the latest file that did, as its ratio to that
     # file's cuBLAS (c9 only in c.json: 1.2 / 2.0), and a label no file timed leaves the shape untimed.
     c, d = tmp_path / "c.json", tmp_path / "d.json"
