@@ -207,6 +207,11 @@ CONFIGS = {
         C(56, (128, 96, 64), (1, 2), "cooperative", (), "splitk", 4),
         C(57, (128, 64, 64), (1, 2), "pingpong", (), "splitk", 2),
         C(58, (128, 64, 64), (1, 2), "pingpong", (), "splitk", 4),
+        # Split-K on AG 60's tile (64x96, 2x1 ping-pong) for the narrowest 256-row layers: 256 x 4096 x 1536 is
+        # 64 tiles of 64x96 for 132 SMs (AG 60 served there at 1.25-1.4x cuBLAS on H100s), 128 CTAs in 2 slices;
+        # 256 x 4096 x 768 is 32 tiles, 128 CTAs in 4. Built by name, to time against the split-K tiles of 128 rows.
+        C(104, (64, 96, 64), (2, 1), "pingpong", (), "splitk", 2),
+        C(105, (64, 96, 64), (2, 1), "pingpong", (), "splitk", 4),
         # cuBLAS's tiles on layers it runs faster (its kernel names under the profiler, in this
         # table's terms): 128x176 with a 2x1 cluster at 1024 rows of N = 14336 (82 columns x 8 rows
         # = 4.97 waves of 132 SMs), and 64x96 with a 2x1 cluster on 256 x 3072 and 1024 x 768 (4 x 32

@@ -66,7 +66,7 @@ def test_select_and_parse():
                                    (c.tile, c.cluster, c.schedule, fc.DTYPE_IO[d][0]) in split), (op, i, d)
     assert not [(op, i, d) for op, i, d in default if fc.config(op, i).scheduler == "streamk"]
     assert fc.select("streamk") == [("ag", i, "bf16") for i in range(12, 19)] + [("rs", i, "bf16") for i in range(8, 13)]
-    assert fc.select("splitk") == ([("ag", i, "bf16") for i in [*range(32, 43), *range(53, 59)]]
+    assert fc.select("splitk") == ([("ag", i, "bf16") for i in [*range(32, 43), *range(53, 59), 104, 105]]
                                   + [("rs", i, "bf16") for i in [*range(13, 19), *range(23, 27)]])
     # Split-K configurations of one tile share a launcher (one unit per tile and input dtype).
     assert fc.kernel_name("ag", 32, "bf16") == fc.kernel_name("ag", 34, "bf16_fp32") == "ag_split_128x64x64_1x1_pp_bf16"
