@@ -212,6 +212,14 @@ CONFIGS = {
         # 256 x 4096 x 768 is 32 tiles, 128 CTAs in 4. Built by name, to time against the split-K tiles of 128 rows.
         C(104, (64, 96, 64), (2, 1), "pingpong", (), "splitk", 2),
         C(105, (64, 96, 64), (2, 1), "pingpong", (), "splitk", 4),
+        # 64-row tiles N / 32 wide: at 256 rows 4 x 32 = 128 tiles for 132 SMs, one whole wave with no slice of K,
+        # as cuBLAS's 64x96 on 256 x 3072: 1536 = 32 x 48, 2560 = 32 x 80, 3584 = 32 x 112, 7168 = 32 x 224 (AG 60,
+        # 75 and 2 served there at 1.06-1.42x cuBLAS on H100s; the epilogue subtile 16 columns, 32 for 224). Built by
+        # name, to time at 256 rows.
+        C(106, (64, 48, 64), (2, 1), "pingpong", ()),
+        C(107, (64, 80, 64), (2, 1), "pingpong", ()),
+        C(108, (64, 112, 64), (2, 1), "pingpong", ()),
+        C(109, (64, 224, 64), (2, 1), "pingpong", ()),
         # cuBLAS's tiles on layers it runs faster (its kernel names under the profiler, in this
         # table's terms): 128x176 with a 2x1 cluster at 1024 rows of N = 14336 (82 columns x 8 rows
         # = 4.97 waves of 132 SMs), and 64x96 with a 2x1 cluster on 256 x 3072 and 1024 x 768 (4 x 32
