@@ -167,7 +167,8 @@ CONFIGS = {
         C(30, (128, 80, 64), (2, 1), "cooperative", ()),
         # 13312 / 26624 / 53248 = 64 / 128 / 256 x 208: on an H100 at 256 and 1024 rows of those layers (K = 16384)
         # 0.92-0.98x cuBLAS on five of the six where the served tiles took 0.98-1.04x (the worse of loop and graph;
-        # bench/results/fused_gemm-h100-ag-streamk.json).
+        # bench/results/fused_gemm-h100-ag-streamk.json); served there since, 0.94-1.03x on another H100
+        # (bench/results/fused_gemm-h100-ag-31-82b22a2.json).
         C(31, (128, 208, 64), (2, 1), "cooperative", H),
         # Split-K, as cuBLAS runs the narrow layers at 256 rows (256 x 8192 x 1280: 2 x 20 tiles of
         # 128x64 leave 92 of 132 SMs idle for a 128-step K loop): the tiles times the slices fill
