@@ -210,13 +210,16 @@ CONFIGS = {
         C(58, (128, 64, 64), (1, 2), "pingpong", (), "splitk", 4),
         # Split-K on AG 60's tile (64x96, 2x1 ping-pong) for the narrowest 256-row layers: 256 x 4096 x 1536 is
         # 64 tiles of 64x96 for 132 SMs (AG 60 served there at 1.25-1.4x cuBLAS on H100s), 128 CTAs in 2 slices;
-        # 256 x 4096 x 768 is 32 tiles, 128 CTAs in 4. Built by name, to time against the split-K tiles of 128 rows.
+        # 256 x 4096 x 768 is 32 tiles, 128 CTAs in 4. Best on no 256-row shape on one H100 (1.27x cuBLAS in graph
+        # timing at 256 x 4096 x 1536 against AG 60's 1.18: bench/results/fused_gemm-h100-ag-256-tiles-c52bc9e.json).
         C(104, (64, 96, 64), (2, 1), "pingpong", (), "splitk", 2),
         C(105, (64, 96, 64), (2, 1), "pingpong", (), "splitk", 4),
         # 64-row tiles N / 32 wide: at 256 rows 4 x 32 = 128 tiles for 132 SMs, one whole wave with no slice of K,
         # as cuBLAS's 64x96 on 256 x 3072: 1536 = 32 x 48, 2560 = 32 x 80, 3584 = 32 x 112, 7168 = 32 x 224 (AG 60,
-        # 75 and 2 served there at 1.06-1.42x cuBLAS on H100s; the epilogue subtile 16 columns, 32 for 224). Built by
-        # name, to time at 256 rows.
+        # 75 and 2 served there at 1.06-1.42x cuBLAS on H100s; the epilogue subtile 16 columns, 32 for 224). Timed
+        # once at 256 rows on one H100 (the file above, graph timing): 107 and 108 best on the shapes they were cut for
+        # (256 x 8192 x 2560: 1.13x cuBLAS against AG 60's 1.18; 256 x 4096 x 3584: 1.09 against AG 75's 1.16) and no
+        # other; 106 and 109 on none. Built by name until a second run and an H200 confirm them.
         C(106, (64, 48, 64), (2, 1), "pingpong", ()),
         C(107, (64, 80, 64), (2, 1), "pingpong", ()),
         C(108, (64, 112, 64), (2, 1), "pingpong", ()),
