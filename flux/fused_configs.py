@@ -219,7 +219,9 @@ CONFIGS = {
         # 75 and 2 served there at 1.06-1.42x cuBLAS on H100s; the epilogue subtile 16 columns, 32 for 224). Timed
         # once at 256 rows on one H100 (the file above, graph timing): 107 and 108 best on the shapes they were cut for
         # (256 x 8192 x 2560: 1.13x cuBLAS against AG 60's 1.18; 256 x 4096 x 3584: 1.09 against AG 75's 1.16) and no
-        # other; 106 and 109 on none. Built by name until a second run and an H200 confirm them.
+        # other; 106 and 109 on none. A second H100 (bench/results/fused_gemm-h100-ag-107-108-cdb2236.json): 108 again
+        # best at 256 x 4096 x 3584 (1.10 against 1.18), 107 within 1% of AG 60 at 256 x 8192 x 2560, neither best at
+        # 1024 rows. Built by name: one shape of 72, not timed on an H200.
         C(106, (64, 48, 64), (2, 1), "pingpong", ()),
         C(107, (64, 80, 64), (2, 1), "pingpong", ()),
         C(108, (64, 112, 64), (2, 1), "pingpong", ()),
