@@ -15,6 +15,7 @@ import torch
 from flux import fused_configs as FC
 from flux.autotune import cache as cache_mod
 from flux.autotune import kernel_configs as KC
+from flux.autotune import kernel_timing as KT
 from flux.autotune import kernels as K
 from flux.autotune.model_grid import model_grid, parse_shapes
 
@@ -380,11 +381,13 @@ SHIPPED_FROM = ("fused_gemm-h200-models.json", "fused_gemm-h200-ag.json",
 # other four AG shapes of 4096 rows and the last RS one, and AG at 16384 rows (the configurations and
 # bands that serve them on the H200, and the analytic default's); then RS from 512 rows per rank again
 # (RS 0, 3 and 6, bands 1-8) with RS 0's SourceAhead epilogue; then AG at 256, 1024 and 4096 rows, the served and
-# the analytic choices beside AG's stream-K tiles and, at 256 and 1024 rows, AG 31.
+# the analytic choices beside AG's stream-K tiles and, at 256 and 1024 rows, AG 31. Then AG with fp32 output
+# from bf16 at 256 to 4096 rows, every configuration built for it (entries of their own dtype key).
 SHIPPED_FROM_H100 = ("fused_gemm-h100-ag-small.json", "fused_gemm-h100-ag-4096.json", "fused_gemm-h100-rs.json",
                      "fused_gemm-h100-ag-4096-405b.json", "fused_gemm-h100-rs-2048x6656.json",
                      "fused_gemm-h100-ag-16384.json", "fused_gemm-h100-rs-retune.json",
-                     "fused_gemm-h100-ag-streamk.json", "fused_gemm-h100-ag-streamk-4096.json")
+                     "fused_gemm-h100-ag-streamk.json", "fused_gemm-h100-ag-streamk-4096.json",
+                     "fused_gemm-h100-ag-fp32out-small-46b4b8f.json", "fused_gemm-h100-ag-fp32out-4096-46b4b8f.json")
 
 
 @pytest.mark.parametrize("gpu,files,whole", [("H200", SHIPPED_FROM, True), ("H100", SHIPPED_FROM_H100, True)])
@@ -415,6 +418,14 @@ def test_shipped_choices_are_served_and_built(monkeypatch, gpu, files, whole):
             assert not whole, ek
             cfgs = [c for c in K.kernel_configs(r["op"], "bf16") if c.applies(r["m"], r["n"], r["k"])]
             assert got == K.analytic_config(r["op"], K.m_bucket(r["m"]), r["n"], r["k"], "bf16", None, 132, cfgs), ek
+    # Entries of other dtypes (fp32 output): served to such calls, and built for them.
+    for ek, e in shipped.items():
+        op, dt, out, mb, n, k = ek.split("|")
+        if (dt, out) == ("bf16", "bf16"):
+            continue
+        got = K.choose_config(op, int(mb[1:]), int(n[1:]), int(k[1:]), KT.DTYPES[dt], KT.DTYPES[out])
+        assert K.label(*got) == e["choice"] == entries[ek]["choice"], ek
+        assert got[0] in {c.id for c in K.kernel_configs(op, dt, out)}, ek
 
 
 def test_shipped_kernel_files_load_and_name_built_configs():
