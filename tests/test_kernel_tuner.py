@@ -305,6 +305,22 @@ def test_cache_round_trip_and_precedence(tmp_path, monkeypatch):
     user.save()
     K.reset()
     assert K.choose_config("ag", 4096, 14336, 8192, torch.bfloat16, torch.float32) == (0, 1, 2)
+    # fp16 -> fp32 takes bf16 -> fp32's entry before bf16 -> bf16's, where built for it (by default AG 0, 2
+    # are not: then the analytic choice); fp16 -> fp16 still bf16's; an entry of its own wins.
+    fp16_fp32 = [c.id for c in K.kernel_configs("ag", torch.float16, torch.float32)]
+    assert K.choose_config("ag", 4096, 14336, 8192, torch.float16, torch.float32) == (
+        (0, 1, 2) if 0 in fp16_fp32 else K.analytic_config("ag", 4096, 14336, 8192, torch.float16, torch.float32))
+    user.put(K.entry_key("ag", 4096, 14336, 8192, "bf16"), _entry("c2/r1/s2", descs[2]))
+    user.put(K.entry_key("ag", 4096, 14336, 8192, "bf16", "fp32"), _entry("c29/r1/s4", descs[29]))
+    user.save()
+    K.reset()
+    assert 29 in fp16_fp32  # the default build (the GEMM of AG's split-K tiles 128x96)
+    assert K.choose_config("ag", 4096, 14336, 8192, torch.float16, torch.float32) == (29, 1, 4)
+    assert K.choose_config("ag", 4096, 14336, 8192, torch.float16) == (2, 1, 2)
+    user.put(K.entry_key("ag", 4096, 14336, 8192, "fp16", "fp32"), _entry("c9/r1/s1", descs[9]))
+    user.save()
+    K.reset()
+    assert K.choose_config("ag", 4096, 14336, 8192, torch.float16, torch.float32) == (9, 1, 1)
 
 
 def test_entries_from_bench_and_cli(tmp_path, monkeypatch):

@@ -388,9 +388,9 @@ def choose_config(op: str, m: int, n: int, k: int, dtype=torch.bfloat16, out_dty
                   device=None) -> Tuple[int, int, int]:
     """(config id, raster, swizzle) for the fused ``op`` kernel running m x n x k (m: the
     kernel's rows, ag: all gathered rows, rs: one rank's block) from ``dtype`` to ``out_dtype``
-    on ``device``: the cached tuned choice, else (other dtypes than bf16) the bf16 choice of the shape
-    where its configuration is built for these dtypes (docs/tuning.md, "fp16 inputs and fp32 output"), else
-    the analytic default. Raises ValueError when no configuration is built for these dtypes (the fused
+    on ``device``: the cached tuned choice, else (other dtypes than bf16) the shape's choice from bf16 to
+    this output dtype, then from bf16 to bf16, where its configuration is built for these dtypes (docs/tuning.md,
+    "fp16 inputs and fp32 output"), else the analytic default. Raises ValueError when no configuration is built for these dtypes (the fused
     strategy is then ineligible)."""
     out_dtype = out_dtype if out_dtype is not None else dtype
     key, sm = gpu_key(device)
@@ -399,8 +399,10 @@ def choose_config(op: str, m: int, n: int, k: int, dtype=torch.bfloat16, out_dty
     if memo not in _memo:
         cache = kernel_cache(key)
         got = cached_choice(cache, op, mb, n, k, dtype, out_dtype)
-        if got is None and (_dt(dtype), _dt(out_dtype)) != ("bf16", "bf16"):
-            got = cached_choice(cache, op, mb, n, k, dtype, out_dtype, ("bf16", "bf16"))
+        # Then bf16's entries, of this output dtype first (fp16 -> fp32 takes bf16 -> fp32's choice).
+        for pair in dict.fromkeys((("bf16", _dt(out_dtype)), ("bf16", "bf16"))):
+            if got is None and pair != (_dt(dtype), _dt(out_dtype)):
+                got = cached_choice(cache, op, mb, n, k, dtype, out_dtype, pair)
         _memo[memo] = got or analytic_config(op, mb, n, k, dtype, out_dtype, sm)
     return _memo[memo]
 
