@@ -221,7 +221,9 @@ CONFIGS = {
         # (256 x 8192 x 2560: 1.13x cuBLAS against AG 60's 1.18; 256 x 4096 x 3584: 1.09 against AG 75's 1.16) and no
         # other; 106 and 109 on none. A second H100 (bench/results/fused_gemm-h100-ag-107-108-cdb2236.json): 108 again
         # best at 256 x 4096 x 3584 (1.10 against 1.18), 107 within 1% of AG 60 at 256 x 8192 x 2560, neither best at
-        # 1024 rows. Built by name: one shape of 72, not timed on an H200.
+        # 1024 rows. On an H200 (bench/results/fused_gemm-h200-ag-107-108-7550bdd.json) 108 again best there (1.08
+        # against AG 75's 1.15), 107 again within 1% of AG 60. Built by name: in the default build (bf16, fp16) 108
+        # would make the build's units 13, about a minute more of a 2-core install, for one shape of 72.
         C(106, (64, 48, 64), (2, 1), "pingpong", ()),
         C(107, (64, 80, 64), (2, 1), "pingpong", ()),
         C(108, (64, 112, 64), (2, 1), "pingpong", ()),

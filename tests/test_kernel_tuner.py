@@ -382,14 +382,17 @@ def test_entries_from_bench_band_above_8_is_a_sample_of_8():
 # (split-K included) over the AG grid, cuBLAS's tiles at 256 / 1024 rows, bands of 2 and 4 M tiles
 # (AG, RS), RS's 64x64 tiles, the ping-pong tiles wider than 128 columns (AG, RS), bands of up to 8
 # M tiles on the large 16384-row AG shapes, RS's 64x128 2x1 tile at 32-512 rows per rank; then,
-# timed with each variant warmed up (its own clock), AG at 4096 / 16384 rows and RS at 16384.
+# timed with each variant warmed up (its own clock), AG at 4096 / 16384 rows and RS at 16384; then bands of 2 on
+# AG at 16384 rows, RS's wide tiles, and AG at 256 rows: AG 60, 75, the served and the analytic choices (beside AG
+# 107 and 108, which the default build lacks).
 SHIPPED_FROM = ("fused_gemm-h200-models.json", "fused_gemm-h200-ag.json",
                 "fused_gemm-h200-ag-splitk.json", "fused_gemm-h200-ag-grid-splitk.json",
                 "fused_gemm-h200-ag-tiles.json", "fused_gemm-h200-ag-swizzle.json", "fused_gemm-h200-rs-swizzle.json",
                 "fused_gemm-h200-rs-64x64.json", "fused_gemm-h200-ag-pingpong.json", "fused_gemm-h200-rs-pingpong.json",
                 "fused_gemm-h200-ag-bands16k.json", "fused_gemm-h200-rs-64x128.json",
                 "fused_gemm-h200-ag-warm.json", "fused_gemm-h200-rs-warm.json",
-                "fused_gemm-h200-ag-band2-ca8892f.json", "fused_gemm-h200-rs-wide.json")
+                "fused_gemm-h200-ag-band2-ca8892f.json", "fused_gemm-h200-rs-wide.json",
+                "fused_gemm-h200-ag-107-108-7550bdd.json")
 
 
 # The bench JSONs the shipped H100 choices were chosen from: AG at 256 / 1024 rows, 14 of the 18 AG
