@@ -15,7 +15,6 @@ import torch
 from flux import fused_configs as FC
 from flux.autotune import cache as cache_mod
 from flux.autotune import kernel_configs as KC
-from flux.autotune import kernel_timing as KT
 from flux.autotune import kernels as K
 from flux.autotune.model_grid import model_grid, parse_shapes
 
@@ -444,7 +443,7 @@ def test_shipped_choices_are_served_and_built(monkeypatch, gpu, files, whole):
         op, dt, out, mb, n, k = ek.split("|")
         if (dt, out) == ("bf16", "bf16"):
             continue
-        got = K.choose_config(op, int(mb[1:]), int(n[1:]), int(k[1:]), KT.DTYPES[dt], KT.DTYPES[out])
+        got = K.choose_config(op, int(mb[1:]), int(n[1:]), int(k[1:]), dt, out)
         assert K.label(*got) == e["choice"] == entries[ek]["choice"], ek
         assert got[0] in {c.id for c in K.kernel_configs(op, dt, out)}, ek
 

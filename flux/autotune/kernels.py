@@ -400,8 +400,9 @@ def choose_config(op: str, m: int, n: int, k: int, dtype=torch.bfloat16, out_dty
         cache = kernel_cache(key)
         got = cached_choice(cache, op, mb, n, k, dtype, out_dtype)
         # Then bf16's entries, of this output dtype first (fp16 -> fp32 takes bf16 -> fp32's choice).
-        for pair in dict.fromkeys((("bf16", _dt(out_dtype)), ("bf16", "bf16"))):
-            if got is None and pair != (_dt(dtype), _dt(out_dtype)):
+        own = (_dt(dtype), _dt(out_dtype))
+        for pair in (("bf16", own[1]), ("bf16", "bf16")):
+            if got is None and pair != own:
                 got = cached_choice(cache, op, mb, n, k, dtype, out_dtype, pair)
         _memo[memo] = got or analytic_config(op, mb, n, k, dtype, out_dtype, sm)
     return _memo[memo]
