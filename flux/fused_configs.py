@@ -76,7 +76,7 @@ class FusedConfig(NamedTuple):
 
 
 C = FusedConfig
-F = ("bf16", "fp16", "bf16_fp32")  # the dtypes of each op's general-purpose configurations (ag 0 and 2, rs 3)
+F = ("bf16", "fp16", "bf16_fp32")  # the dtypes of RS's general-purpose configuration (rs 3)
 # Ids keep their meaning across releases; new shapes get new ids.
 # The default set (25 fused instantiations, the split-K configurations of one tile sharing one;
 # setup.py compiles them four to a translation unit, about 45 s of a core per unit and 6 s per
@@ -108,7 +108,8 @@ F = ("bf16", "fp16", "bf16_fp32")  # the dtypes of each op's general-purpose con
 # of the default build in fp16 (H above), once setup.py compiled several instantiations per unit. Then fp32
 # output, from bf16 and fp16, on AG's split-K configurations and the tiles of their GEMMs (AG 9, 25, 29; O
 # above), which adds no GEMM to compile (41 fused GEMMs in all). Then AG 31 (128x208 cooperative), bf16 and fp16:
-# see its entry (43 fused GEMMs; the units hold 4 or fewer each, so the build's units stay 12).
+# see its entry (43 fused GEMMs; the units hold 4 or fewer each, so the build's units stay 12). Then AG 0 and 2
+# from fp16 to fp32 (see AG 0; 45 fused GEMMs, a thirteenth unit).
 # The others are built with FLUX_KERNELS=all or by name ("streamk" / "splitk": every one, bf16).
 CONFIGS = {
     "ag": (
@@ -120,9 +121,12 @@ CONFIGS = {
         # (bench/results/fused_gemm-h100-ag-general-fp16.json, -fp32out.json). Their two more instantiations
         # replace AG 5 and 14 in the default build, the bf16 configurations whose absence costs least
         # (0.04-0.09% and 0-0.07% of the best built configuration's geometric mean over the grid files).
-        C(0, (128, 256, 64), (2, 1), "cooperative", F),
+        # From fp16 to fp32 too (all four variants): without them such calls ran AG at 1.122 / 1.151x cuBLAS
+        # on an H100, bf16 -> fp32 1.059 / 1.092 on the same machine, where the tuned bf16 -> fp32 choice, which
+        # fp16 -> fp32 calls take, is AG 0 or 2 on most shapes (bench/results/fused_gemm-h100-ag-fp16-fp32out-served-fb3fa5a.json).
+        C(0, (128, 256, 64), (2, 1), "cooperative", ALL),
         C(1, (256, 128, 64), (2, 1), "cooperative", ()),
-        C(2, (128, 128, 64), (2, 1), "pingpong", F),
+        C(2, (128, 128, 64), (2, 1), "pingpong", ALL),
         C(3, (256, 128, 64), (1, 2), "cooperative", ()),  # cuBLAS's shape on big GEMMs
         C(4, (128, 128, 64), (1, 1), "cooperative", ()),
         C(5, (128, 192, 64), (1, 1), "cooperative", ()),  # N = 1536, 2304, 3072: whole tiles

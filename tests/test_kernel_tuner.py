@@ -94,7 +94,7 @@ def test_configs_of_the_default_build_without_flux_c(monkeypatch):
     in16 = [i for i in want["ag"] if "bf16" in FC.config("ag", i).default]
     assert [c.id for c in K.kernel_configs("ag", torch.float16)] == [c.id for c in K.kernel_configs("ag", "bf16")] == in16
     assert [c.id for c in K.kernel_configs("ag", "bf16", torch.float32)] == [0, 2, *fp32]
-    assert [c.id for c in K.kernel_configs("ag", torch.float16, torch.float32)] == fp32
+    assert [c.id for c in K.kernel_configs("ag", torch.float16, torch.float32)] == [0, 2, *fp32]
     assert [c.id for c in K.kernel_configs("rs", "bf16", "fp32")] == [3] and not K.kernel_configs("rs", "fp16", "fp32")
 
 
@@ -305,7 +305,7 @@ def test_cache_round_trip_and_precedence(tmp_path, monkeypatch):
     K.reset()
     assert K.choose_config("ag", 4096, 14336, 8192, torch.bfloat16, torch.float32) == (0, 1, 2)
     # fp16 -> fp32 takes bf16 -> fp32's entry before bf16 -> bf16's, where built for it (by default AG 0, 2
-    # are not: then the analytic choice); fp16 -> fp16 still bf16's; an entry of its own wins.
+    # are; where not, the analytic choice); fp16 -> fp16 still bf16's; an entry of its own wins.
     fp16_fp32 = [c.id for c in K.kernel_configs("ag", torch.float16, torch.float32)]
     assert K.choose_config("ag", 4096, 14336, 8192, torch.float16, torch.float32) == (
         (0, 1, 2) if 0 in fp16_fp32 else K.analytic_config("ag", 4096, 14336, 8192, torch.float16, torch.float32))
