@@ -9,11 +9,11 @@ Environment:
   FLUX_CUDA_ARCH    semicolon-separated sm targets, default "90a" (e.g. "90a;100a")
   FLUX_KERNELS      which fused GEMM instantiations to build: "default", "all", "minimal" or a
                     list such as "default,ag:*:fp16" (flux/fused_configs.py)
-  FLUX_UNIT_KERNELS  CUTLASS GEMMs compiled together in one translation unit, default 4 (each unit's
+  FLUX_UNIT_KERNELS  CUTLASS GEMMs compiled together in one translation unit, default 5 (each unit's
                     front end costs about 45 s of one core, each GEMM in it about 6 s more)
   FLUX_BUILD_VERBOSE  "1": print every compiler command (default: one short line per file)
   CUDA_HOME         CUDA toolkit root; default /usr/local/cuda when its nvcc exists
-  MAX_JOBS          parallel compile jobs; default: the CPUs, at most one per 8 GB of free memory
+  MAX_JOBS          parallel compile jobs; default: the CPUs, at most one per 9 GB of free memory
 
 Install with ``pip install --no-build-isolation -e .`` after torch is installed:
 an isolated build environment would download a second torch.
@@ -136,8 +136,8 @@ def _kernel_fn(name, args_t, launch, extra=""):
 
 
 def _unit_kernels():
-    """FLUX_UNIT_KERNELS: the CUTLASS GEMMs compiled together in one translation unit (default 4)."""
-    value = os.environ.get("FLUX_UNIT_KERNELS", "4")
+    """FLUX_UNIT_KERNELS: the CUTLASS GEMMs compiled together in one translation unit (default 5)."""
+    value = os.environ.get("FLUX_UNIT_KERNELS", "5")
     if not value.isdigit() or int(value) < 1:
         raise RuntimeError(f"flux: FLUX_UNIT_KERNELS={value!r}: expected a positive integer")
     return int(value)
@@ -301,8 +301,8 @@ def _host_units(cpp_files, units=2):
 
 
 def _default_jobs():
-    """One compiler per CPU, but no more than one per 8 GB of available memory (a unit of four
-    CUTLASS instantiations, _write_units, takes up to about 7.4 GB in nvcc's front end)."""
+    """One compiler per CPU, but no more than one per 9 GB of available memory (a unit of five
+    CUTLASS instantiations, _write_units, takes up to about 8.3 GB in nvcc's front end)."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:
@@ -310,7 +310,7 @@ def _default_jobs():
     try:
         with open("/proc/meminfo") as f:
             avail_kb = next(int(l.split()[1]) for l in f if l.startswith("MemAvailable:"))
-        cpus = min(cpus, max(1, avail_kb // (8 * 1024 * 1024)))
+        cpus = min(cpus, max(1, avail_kb // (9 * 1024 * 1024)))
     except (OSError, StopIteration, ValueError):
         pass
     return max(1, cpus)
