@@ -110,7 +110,7 @@ F = ("bf16", "fp16", "bf16_fp32")  # the dtypes of RS's general-purpose configur
 # above), which adds no GEMM to compile (41 fused GEMMs in all). Then AG 31 (128x208 cooperative), bf16 and fp16:
 # see its entry (43 fused GEMMs; the units hold 4 or fewer each, so the build's units stay 12). Then AG 0 and 2
 # from fp16 to fp32 (see AG 0; 45 fused GEMMs: 13 units of four, 823 s of a 2-core build, so setup.py puts five
-# to a unit since: 11 units, 759 s, up to 8.3 GB each).
+# to a unit since: 11 units, 728-759 s, up to 8.3 GB each).
 # The others are built with FLUX_KERNELS=all or by name ("streamk" / "splitk": every one, bf16).
 CONFIGS = {
     "ag": (
