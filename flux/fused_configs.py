@@ -79,7 +79,7 @@ C = FusedConfig
 F = ("bf16", "fp16", "bf16_fp32")  # the dtypes of RS's general-purpose configuration (rs 3)
 # Ids keep their meaning across releases; new shapes get new ids.
 # The default set (25 fused instantiations, the split-K configurations of one tile sharing one;
-# setup.py compiles them four to a translation unit, about 45 s of a core per unit and 6 s per
+# setup.py compiled them four to a translation unit (five since), about 45 s of a core per unit and 6 s per
 # instantiation) is the greedy choice over an H200 measurement of every bf16 persistent
 # configuration on the model grid (bench/results/fused_gemm-h200-grid-bf16.json): each
 # configuration added where it most lowered the geometric mean over the shapes of the best built

@@ -48,13 +48,15 @@ def test_select_and_parse():
     default = fc.select("default")
     assert ("ag", 0, "bf16") in default and ("rs", 3, "bf16_fp32") in default and ("ag", 2, "fp16_fp32") in default and len(default) == 77
     assert ("rs", 0, "bf16") in default and ("rs", 0, "bf16_fp32") not in default
-    # Every default configuration in bf16 and fp16; fp32 output: AG 0 and 2 and RS 3 (bf16 inputs), and
-    # in both input dtypes AG's split-K configurations and the tiles of their GEMMs (AG 9, 25, 29); no
+    # Every default configuration in bf16 and fp16; fp32 output: RS 3 (bf16 inputs) and, in both input
+    # dtypes, AG 0 and 2, AG's split-K configurations and the tiles of their GEMMs (AG 9, 25, 29); no
     # stream-K one.
     bf16 = {(op, i) for op, i, d in default if d == "bf16"}
     assert {(op, i) for op, i, d in default if d == "fp16"} == bf16
     fp32 = {(op, i) for op, i, d in default if d not in ("bf16", "fp16")}
     assert fp32 == {("ag", i) for i in (0, 2, 9, 25, 29, 32, 33, 34, 35, 36, 37, 41, 42)} | {("rs", 3)}
+    assert {(op, i) for op, i, d in default if d == "fp16_fp32"} >= {("ag", 0), ("ag", 2)}
+    assert ("rs", 3, "fp16_fp32") not in default
     # Those beyond AG 0, 2 and RS 3 add no CUTLASS GEMM: each is a split-K GEMM of the build (AG's split GEMM
     # is the persistent kernel of its tile with fp32 output, setup.py _SPLIT_CXX).
     split = {(fc.config("ag", i).tile, fc.config("ag", i).cluster, fc.config("ag", i).schedule, d)
