@@ -401,13 +401,15 @@ SHIPPED_FROM = ("fused_gemm-h200-models.json", "fused_gemm-h200-ag.json",
 # (RS 0, 3 and 6, bands 1-8) with RS 0's SourceAhead epilogue; then AG at 256, 1024 and 4096 rows, the served and
 # the analytic choices beside AG's stream-K tiles and, at 256 and 1024 rows, AG 31. Then AG with fp32 output
 # from bf16 (entries of their own dtype key): at 256 to 4096 rows, then 16384, every configuration built for
-# it; then at 4096 rows AG 0, 2 and 25 with bands of 2-8 beside the choices from the file before.
+# it; then at 4096 rows AG 0, 2 and 25 with bands of 2-8 beside the choices from the file before; then AG
+# at 16384 rows again, every configuration of the default build with bands of 1, 4 and 8.
 SHIPPED_FROM_H100 = ("fused_gemm-h100-ag-small.json", "fused_gemm-h100-ag-4096.json", "fused_gemm-h100-rs.json",
                      "fused_gemm-h100-ag-4096-405b.json", "fused_gemm-h100-rs-2048x6656.json",
                      "fused_gemm-h100-ag-16384.json", "fused_gemm-h100-rs-retune.json",
                      "fused_gemm-h100-ag-streamk.json", "fused_gemm-h100-ag-streamk-4096.json",
                      "fused_gemm-h100-ag-fp32out-small-46b4b8f.json", "fused_gemm-h100-ag-fp32out-4096-46b4b8f.json",
-                     "fused_gemm-h100-ag-fp32out-16384-649234c.json", "fused_gemm-h100-ag-fp32out-4096-bands-649234c.json")
+                     "fused_gemm-h100-ag-fp32out-16384-649234c.json", "fused_gemm-h100-ag-fp32out-4096-bands-649234c.json",
+                     "fused_gemm-h100-ag-16384-all-01db301.json")
 
 
 @pytest.mark.parametrize("gpu,files,whole", [("H200", SHIPPED_FROM, True), ("H100", SHIPPED_FROM_H100, True)])
