@@ -21,7 +21,11 @@ world the primary. --rounds N: at least N rounds (samples of more than 5 ms get 
 --sample-ms MS: samples of about MS of GPU time instead of 2 (20 where a call takes 0.5 ms or more; the
 loop's calls back to back, and the graph of that loop). --lead: loop and graph samples start behind a
 ~50 us GPU spin, so that the host's launch of the first call (a start gap that short loops of long calls
-otherwise include) is not timed.
+otherwise include) is not timed. --top-from FILE [--top N]: per shape that FILE (an earlier run's JSON,
+same GPU model and dtypes) holds, only its N variants of least score (the worse of loop and graph
+against cuBLAS: the kernel tuner's rule, flux.autotune.kernels.bench_scores; default 3) among those
+still selected, plus the analytic and served choices: a second, fresh look at a first run's winners,
+whose least time among many variants favours them by the spread of one sample; other shapes as usual.
 No GPU: one line, exit 1.
 JSON (--out, stable): {"format": 1, "command", "commit", "device", "sm_count", "torch", "cuda",
  "dtype", "ag_world", "out_dtype", "timings": ["loop", "graph", "spin"], "configs": {op: {"source", "list": [{"id",
@@ -80,8 +84,14 @@ def parse_args(argv=None):
                    help="GPU time per sample (default 2, 1 with --quick): longer samples, more calls back to back")
     p.add_argument("--lead", action="store_true",
                    help="loop and graph samples start behind a ~50 us GPU spin: the first call's launch is not timed")
+    p.add_argument("--top-from", default=None, metavar="FILE",
+                   help="an earlier run's JSON: per shape it holds, time only its --top variants of least score "
+                   "(plus the analytic and served choices)")
+    p.add_argument("--top", type=int, default=3, help="with --top-from: variants per shape (default 3)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    if args.top < 1:
+        p.error("--top takes 1 or more")
     if args.shapes and not args.op:
         p.error("--shapes needs --op")
     from flux.autotune.kernels import SWIZZLES
@@ -170,6 +180,9 @@ def bench_shape(rec, args, dtype, out_dtype, sm, device=None):
     cfgs = [c for c in built if subset is None or c.id in subset]
     labs = K.variants(op, m, cfgs, args.swizzle_list,
                       [int(r) for r in args.rasters.split(",")], n)
+    prev = getattr(args, "top_records", {}).get((op, m, n, k))
+    if prev is not None:
+        labs = top_labels(prev, cfgs, args.top)
     own = K.label(*K.analytic_config(op, m_bucket(m), n, k, dtype, out_dtype, sm, built))
     served = K.label(*K.choose_config(op, m, n, k, dtype, out_dtype, device))
     labs += [x for x in dict.fromkeys([own, served]) if x not in labs]
@@ -348,6 +361,13 @@ def main(argv=None):
         return 1
     if switch is not None:
         switch(bool(args.pdl_list[0]))
+    if args.top_from:
+        try:
+            args.top_records = top_records(args.top_from, torch.cuda.get_device_name(0), args.dtype,
+                                           "fp32" if args.out_dtype == "fp32" else args.dtype)
+        except (OSError, ValueError) as e:
+            print(f"bench_fused_gemm: --top-from {args.top_from}: {e}; nothing run")
+            return 1
     results = []
     for i, rec in enumerate(recs):
         r = bench_shape(rec, args, dtype, out_dtype, sm)
@@ -361,6 +381,26 @@ def main(argv=None):
     doc = _document(args, ops, results, sm, dtype)
     print_table(results, doc["summary"])
     return 0
+
+
+def top_labels(record, cfgs, top):
+    """The ``top`` variant labels of least score in an earlier run's record of a shape, among the
+    configurations ``cfgs`` (selected and built now); least first."""
+    from flux.autotune import kernels as K
+
+    _, scores = K.bench_scores(record, {c.id: c for c in cfgs})
+    return sorted(scores, key=lambda lab: (scores[lab], lab))[:top]
+
+
+def top_records(path, device, dtype, out_dtype):
+    """{(op, m, n, k): record} of an earlier run's JSON (a later record of a shape wins), which must
+    come from the same GPU model and dtypes: the variants it ranks are those of this run."""
+    with open(path) as f:
+        doc = json.load(f)
+    got = (doc.get("device"), doc.get("dtype"), doc.get("out_dtype"))
+    if got != (device, dtype, out_dtype):
+        raise ValueError(f"it timed {got[1]} -> {got[2]} on {got[0]}, this run {dtype} -> {out_dtype} on {device}")
+    return {(r["op"], r["m"], r["n"], r["k"]): r for r in doc.get("results", [])}
 
 
 def _document(args, ops, results, sm, dtype):

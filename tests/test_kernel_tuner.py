@@ -76,6 +76,39 @@ def test_bench_without_gpu_says_so_in_one_line():
     assert proc.stdout.strip().count("\n") == 0 and "needs a CUDA GPU" in proc.stdout
 
 
+def test_bench_top_from_ranks_as_the_tuner(monkeypatch):
+    """--top-from: per shape of the earlier run, its variants of least score (the tuner's rule) among
+    the configurations selected now, least first; a file of another GPU model or dtype is refused."""
+    def missing():
+        raise RuntimeError("no flux._C")
+
+    monkeypatch.setattr(torch.ops.flux, "fused_kernels_built", missing, raising=False)
+    K.reset()
+    bench = _bench_module()
+    path = os.path.join(REPO, "bench", "results", "fused_gemm-h100-ag-16384-all-01db301.json")
+    doc = json.load(open(path))
+    recs = bench.top_records(path, doc["device"], "bf16", "bf16")
+    assert len(recs) == len(doc["results"]) == 18
+    _, entries = K.entries_from_bench(doc)
+    for (op, m, n, k), r in recs.items():
+        cfgs = [c for c in K.kernel_configs(op) if c.applies(m, n, k)]  # the default build without flux._C
+        top = bench.top_labels(r, cfgs, 3)
+        _, scores = K.bench_scores(r, {c.id: c for c in cfgs})
+        assert len(top) == 3 and all(lab in r["variants"] for lab in top)
+        assert [scores[x] for x in top] == sorted(scores.values())[:3]
+        entry = entries[K.entry_key(op, m, n, k, "bf16")]
+        assert entry["choice"] in (top[0], entry["default"])  # the least, or the analytic default within MARGIN
+        assert bench.top_labels(r, [c for c in cfgs if c.id != int(top[0][1:].split("/")[0])], 1) != top[:1]
+    with pytest.raises(ValueError, match="this run bf16 -> fp32"):
+        bench.top_records(path, doc["device"], "bf16", "fp32")
+    with pytest.raises(ValueError, match="NVIDIA H200"):
+        bench.top_records(path, "NVIDIA H200", "bf16", "bf16")
+    args = bench.parse_args(["--op", "ag", "--shapes", "16384x8192x1280", "--top-from", path, "--top", "2"])
+    assert args.top_from == path and args.top == 2
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--top", "0"])
+
+
 # ---- the configuration table adapter ----------------------------------------------------------
 def test_configs_of_the_default_build_without_flux_c(monkeypatch):
     """Without flux._C's list, the configurations are the table's default build."""

@@ -485,6 +485,27 @@ def _allowed(spec: str, dtype, out_dtype) -> Dict[str, Dict[int, KernelConfig]]:
     return out
 
 
+def bench_scores(r: dict, cfgs: Dict[int, KernelConfig]) -> Tuple[Dict[str, dict], Dict[str, float]]:
+    """One shape's record of bench/bench_fused_gemm.py's JSON, its correct variants among ``cfgs``
+    (id -> configuration, as built now): ({label: {"ms": {timing: ms}}}, {label: score}), the score
+    the worse ratio to cuBLAS, loop or graph (raw times where the record has no cuBLAS timing); the
+    tuner's choice is the least (entries_from_bench), and --top-from re-times the least few."""
+    samples = {}  # label -> the timings of its correct variants
+    for lab, v in r["variants"].items():  # "<label>/pdl0", "<label>/w1": diagnostic copies, not choices
+        if (re.fullmatch(r"c\d+/r\d+/s\d+", lab) and v["ok"] and v["config"] in cfgs
+                and v["tile"] == cfgs[v["config"]].desc and v["ms"].get("loop") is not None):
+            # A band above the largest ran as that one: one more sample of it, averaged in.
+            samples.setdefault(label(v["config"], v["raster"], min(v["swizzle"], SWIZZLES[-1])), []).append(v["ms"])
+    ok = {lab: {"ms": {t: sum(x[t] for x in xs) / len(xs)
+                       for t in ("loop", "graph") if all(x.get(t) is not None for x in xs)}}
+          for lab, xs in samples.items()}
+    ref = (r.get("cublas") or {}).get("ms") or {}
+
+    def score(v):
+        return max(v["ms"][t] / (ref.get(t) or 1.0) for t in ("loop", "graph") if v["ms"].get(t) is not None)
+    return ok, {lab: score(v) for lab, v in ok.items()}
+
+
 def entries_from_bench(doc: dict, configs: str = "default") -> Tuple[str, Dict[str, dict]]:
     """(GPU cache key, entries) from bench/bench_fused_gemm.py's JSON, choosing among the
     configurations that ``configs`` (a FLUX_KERNELS value; default: the table's default build)
@@ -497,23 +518,9 @@ def entries_from_bench(doc: dict, configs: str = "default") -> Tuple[str, Dict[s
     entries = {}
     for r in doc["results"]:
         cfgs = {i: c for i, c in allowed[_op(r["op"])].items() if c.applies(r["m"], r["n"], r["k"])}
-        samples = {}  # label -> the timings of its correct variants
-        for lab, v in r["variants"].items():  # "<label>/pdl0", "<label>/w1": diagnostic copies, not choices
-            if (re.fullmatch(r"c\d+/r\d+/s\d+", lab) and v["ok"] and v["config"] in cfgs
-                    and v["tile"] == cfgs[v["config"]].desc and v["ms"].get("loop") is not None):
-                # A band above the largest ran as that one: one more sample of it, averaged in.
-                samples.setdefault(label(v["config"], v["raster"], min(v["swizzle"], SWIZZLES[-1])), []).append(v["ms"])
-        ok = {lab: {"ms": {t: sum(x[t] for x in xs) / len(xs)
-                           for t in ("loop", "graph") if all(x.get(t) is not None for x in xs)}}
-              for lab, xs in samples.items()}
+        ok, scores = bench_scores(r, cfgs)
         if not ok:
             continue
-        ref = (r.get("cublas") or {}).get("ms") or {}
-
-        def score(v):
-            ratios = [v["ms"][t] / (ref.get(t) or 1.0) for t in ("loop", "graph") if v["ms"].get(t) is not None]
-            return max(ratios)
-        scores = {lab: score(v) for lab, v in ok.items()}
         best = min(scores, key=scores.get)
         default = label(*analytic_config(r["op"], m_bucket(r["m"]), r["n"], r["k"], doc["dtype"], doc["out_dtype"],
                                          doc["sm_count"], list(cfgs.values())))
