@@ -178,11 +178,9 @@ def bench_shape(rec, args, dtype, out_dtype, sm, device=None):
     built = [c for c in K.kernel_configs(op, dtype, out_dtype) if c.applies(m, n, k)]
     subset = {int(c) for c in args.configs.split(",")} if args.configs else None
     cfgs = [c for c in built if subset is None or c.id in subset]
-    labs = K.variants(op, m, cfgs, args.swizzle_list,
-                      [int(r) for r in args.rasters.split(",")], n)
     prev = getattr(args, "top_records", {}).get((op, m, n, k))
-    if prev is not None:
-        labs = top_labels(prev, cfgs, args.top)
+    labs = (top_labels(prev, cfgs, args.top) if prev is not None
+            else K.variants(op, m, cfgs, args.swizzle_list, [int(r) for r in args.rasters.split(",")], n))
     own = K.label(*K.analytic_config(op, m_bucket(m), n, k, dtype, out_dtype, sm, built))
     served = K.label(*K.choose_config(op, m, n, k, dtype, out_dtype, device))
     labs += [x for x in dict.fromkeys([own, served]) if x not in labs]
