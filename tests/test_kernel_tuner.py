@@ -98,7 +98,7 @@ def test_bench_top_from_ranks_as_the_tuner(monkeypatch):
         assert [scores[x] for x in top] == sorted(scores.values())[:3]
         entry = entries[K.entry_key(op, m, n, k, "bf16")]
         assert entry["choice"] in (top[0], entry["default"])  # the least, or the analytic default within MARGIN
-        assert bench.top_labels(r, [c for c in cfgs if c.id != int(top[0][1:].split("/")[0])], 1) != top[:1]
+        assert bench.top_labels(r, [c for c in cfgs if c.id != K.parse_label(top[0])[0]], 1) != top[:1]
     with pytest.raises(ValueError, match="this run bf16 -> fp32"):
         bench.top_records(path, doc["device"], "bf16", "fp32")
     with pytest.raises(ValueError, match="NVIDIA H200"):
