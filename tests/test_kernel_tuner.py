@@ -409,6 +409,51 @@ def test_entries_from_bench_band_above_8_is_a_sample_of_8():
     assert e["choice"] == "c0/r1/s8" and e["vs_cublas"] == pytest.approx(0.98)
 
 
+def test_entries_from_bench_pools_runs(tmp_path, monkeypatch):
+    """Runs of one build pooled: per shape the variants timed in the most runs, each by the geometric
+    mean of its scores over them (a variant only the first run timed is no candidate); one run pooled
+    with itself chooses as it alone; runs of another GPU model or dtype are refused."""
+    monkeypatch.setattr(cache_mod, "SHIPPED_DIR", str(tmp_path / "shipped"))
+    desc = {i: KC.KernelConfig("ag", i, *FC.config("ag", i).tile, *FC.config("ag", i).cluster,
+                               FC.config("ag", i).schedule).desc for i in (0, 72, 73)}
+
+    def var(cfg, swz, ms):
+        return {"config": cfg, "raster": 1, "swizzle": swz, "tile": desc[cfg], "ok": True,
+                "ms": {"loop": ms, "graph": ms, "spin": ms}}
+
+    def run(cub, variants):
+        return {"device": "NVIDIA H100 80GB HBM3", "sm_count": 132, "dtype": "bf16", "out_dtype": "bf16",
+                "results": [{"op": "ag", "m": 16384, "n": 28672, "k": 8192,
+                             "cublas": {"ms": {"loop": cub, "graph": cub}},
+                             "variants": {f"c{c}/r1/s{w}": var(c, w, ms) for c, w, ms in variants}}]}
+    # The first run: c73/s4 least (0.96), then c0/s8 (0.98), c72/s1 (0.99); c0/s1 1.20.
+    first = run(10.0, [(73, 4, 9.6), (0, 8, 9.8), (72, 1, 9.9), (0, 1, 12.0)])
+    # The second look, on a machine 10% slower (its cuBLAS too): c73/s4 1.06, c0/s8 1.00, c72/s1 0.995
+    # (alone, its choice); pooled, c0/s8 is least.
+    second = run(11.0, [(73, 4, 11.66), (0, 8, 11.0), (72, 1, 10.945)])
+    _, alone = K.entries_from_bench(first)
+    (a,) = alone.values()
+    assert a["choice"] in ("c73/r1/s4", a["default"]) and "runs" not in a
+    _, same = K.entries_from_bench([first, first])
+    assert [e["choice"] for e in same.values()] == [a["choice"]]
+    _, pooled = K.entries_from_bench([first, second])
+    (e,) = pooled.values()
+    g = {"c73/r1/s4": (0.96 * 1.06) ** 0.5, "c0/r1/s8": (0.98 * 1.00) ** 0.5, "c72/r1/s1": (0.99 * 0.995) ** 0.5}
+    best = min(g, key=g.get)
+    assert best == "c0/r1/s8" and e["runs"] == 2 and "c0/r1/s1" in e["loop_ms"]
+    assert e["default"] not in g  # the analytic default (c0/r1/s4) was not timed: the least is the choice
+    assert e["choice"] == best and e["vs_cublas"] == pytest.approx(g[best], rel=1e-3)
+    assert e["loop_ms"]["c0/r1/s8"] == pytest.approx((9.8 + 11.0) / 2)
+    other = dict(second, out_dtype="fp32")
+    with pytest.raises(ValueError, match="share GPU model and dtypes"):
+        K.entries_from_bench([first, other])
+    for i, d in enumerate((first, second)):
+        (tmp_path / f"run{i}.json").write_text(json.dumps(d))
+    assert K.main(["--from-bench", str(tmp_path / "run0.json"), str(tmp_path / "run1.json"), "--ship"]) == 0
+    key = "kernels|NVIDIA H100 80GB HBM3|sm132"
+    assert K.KernelCache(key).get("ag|bf16|bf16|m16384|n28672|k8192")["choice"] == e["choice"]
+
+
 # The bench JSONs the shipped H200 choices were chosen from, in order (a later file wins a shape):
 # the whole grid, the AG tile widths, the split-K tiles at 256 / 1024 rows, the default build
 # (split-K included) over the AG grid, cuBLAS's tiles at 256 / 1024 rows, bands of 2 and 4 M tiles
@@ -434,29 +479,39 @@ SHIPPED_FROM = ("fused_gemm-h200-models.json", "fused_gemm-h200-ag.json",
 # (RS 0, 3 and 6, bands 1-8) with RS 0's SourceAhead epilogue; then AG at 256, 1024 and 4096 rows, the served and
 # the analytic choices beside AG's stream-K tiles and, at 256 and 1024 rows, AG 31. Then AG with fp32 output
 # from bf16 (entries of their own dtype key): at 256 to 4096 rows, then 16384, every configuration built for
-# it; then at 4096 rows AG 0, 2 and 25 with bands of 2-8 beside the choices from the file before; then AG
-# at 16384 rows again, every configuration of the default build with bands of 1, 4 and 8.
+# it; then at 4096 rows AG 0, 2 and 25 with bands of 2-8 beside the choices from the file before. Last, one
+# pooled group: AG at every M against every configuration of the default build (bands 1-8; at 16384 rows 1, 4
+# and 8) and second looks at each of those runs' three least (--top-from; those runs timed the grid's other
+# shapes in full until cut off).
 SHIPPED_FROM_H100 = ("fused_gemm-h100-ag-small.json", "fused_gemm-h100-ag-4096.json", "fused_gemm-h100-rs.json",
                      "fused_gemm-h100-ag-4096-405b.json", "fused_gemm-h100-rs-2048x6656.json",
                      "fused_gemm-h100-ag-16384.json", "fused_gemm-h100-rs-retune.json",
                      "fused_gemm-h100-ag-streamk.json", "fused_gemm-h100-ag-streamk-4096.json",
                      "fused_gemm-h100-ag-fp32out-small-46b4b8f.json", "fused_gemm-h100-ag-fp32out-4096-46b4b8f.json",
                      "fused_gemm-h100-ag-fp32out-16384-649234c.json", "fused_gemm-h100-ag-fp32out-4096-bands-649234c.json",
-                     "fused_gemm-h100-ag-16384-all-01db301.json")
+                     # AG bf16, the whole grid: runs of one build pooled per shape (entries_from_bench).
+                     ("fused_gemm-h100-ag-16384-all-01db301.json", "fused_gemm-h100-ag-small-all-94b6098.json",
+                      "fused_gemm-h100-ag-4096-all-94b6098.json", "fused_gemm-h100-ag-4096-405b-all-94b6098.json",
+                      "fused_gemm-h100-ag-16384-top3-94b6098.json", "fused_gemm-h100-ag-small-all-top3-94b6098.json",
+                      "fused_gemm-h100-ag-4096-all-top3-94b6098.json",
+                      "fused_gemm-h100-ag-4096-405b-all-top3-94b6098.json"))
 
 
 @pytest.mark.parametrize("gpu,files,whole", [("H200", SHIPPED_FROM, True), ("H100", SHIPPED_FROM_H100, True)])
 def test_shipped_choices_are_served_and_built(monkeypatch, gpu, files, whole):
     """On the GPU a shipped file was made for, every model-grid shape it holds gets its tuned choice,
-    made from the bench JSONs listed (a later file wins a shape) among the default build's
+    made from the bench JSONs listed (a later file or pooled group wins a shape) among the default build's
     configurations, and that configuration is built; a shape it does not hold gets the analytic
     default. Both files hold the whole grid."""
     entries = {}
-    for name in files:
-        bench = os.path.join(REPO, "bench", "results", name)
-        if not os.path.exists(bench):
-            pytest.skip(f"no {gpu} bench JSON {name}")
-        key, got = K.entries_from_bench(json.load(open(bench)))
+    for group in files:  # a file, or a tuple of runs of one build pooled per shape
+        docs = []
+        for name in (group,) if isinstance(group, str) else group:
+            bench = os.path.join(REPO, "bench", "results", name)
+            if not os.path.exists(bench):
+                pytest.skip(f"no {gpu} bench JSON {name}")
+            docs.append(json.load(open(bench)))
+        key, got = K.entries_from_bench(docs)
         entries.update(got)
     assert gpu in key
     monkeypatch.setattr(K, "gpu_key", lambda device=None: (key, 132))

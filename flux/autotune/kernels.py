@@ -15,8 +15,9 @@ The configurations are those of the table flux/fused_configs.py that are built f
 (``kernel_configs``).
 
 CLI (one GPU): python -m flux.autotune.kernels --grid models [--op ag|rs] [--rounds N] [--ship]; or, without a GPU,
-from a bench/bench_fused_gemm.py JSON: python -m flux.autotune.kernels --from-bench FILE [--configs SPEC]
-[--ship] (SPEC: a FLUX_KERNELS value, default "default": only what that build holds is chosen).
+from a bench/bench_fused_gemm.py JSON: python -m flux.autotune.kernels --from-bench FILE [FILE ...] [--configs SPEC]
+[--ship] (SPEC: a FLUX_KERNELS value, default "default": only what that build holds is chosen; several FILEs:
+runs of one build pooled per shape, ``entries_from_bench``).
 """
 import argparse
 import hashlib
@@ -506,31 +507,61 @@ def bench_scores(r: dict, cfgs: Dict[int, KernelConfig]) -> Tuple[Dict[str, dict
     return ok, {lab: score(v) for lab, v in ok.items()}
 
 
-def entries_from_bench(doc: dict, configs: str = "default") -> Tuple[str, Dict[str, dict]]:
+def entries_from_bench(doc, configs: str = "default") -> Tuple[str, Dict[str, dict]]:
     """(GPU cache key, entries) from bench/bench_fused_gemm.py's JSON, choosing among the
     configurations that ``configs`` (a FLUX_KERNELS value; default: the table's default build)
     builds for the JSON's dtypes: a choice must be built to be used. Per shape the variant
     (config, raster, swizzle) whose worse ratio to cuBLAS, loop or graph, is least (raw times
     where the JSON has no cuBLAS timing); the analytic default over the same set unless the best
-    beats it by more than MARGIN. No GPU needed."""
-    key = f"kernels|{doc['device']}|sm{doc['sm_count']}"
-    allowed = _allowed(configs, doc["dtype"], doc["out_dtype"])
+    beats it by more than MARGIN. No GPU needed.
+
+    ``doc`` may be a list of such JSONs: runs of one build on one GPU model and dtypes, pooled. Per
+    shape the candidates are the variants timed in the most of the runs that hold it (a --top-from
+    run's few beside the first run's many), each scored by the geometric mean of its score over them:
+    a second look tempers the first run's winner, whose least time among many variants favours it."""
+    docs = list(doc) if isinstance(doc, (list, tuple)) else [doc]
+    if not docs:
+        raise ValueError("entries_from_bench: no bench JSON")
+    what = {(d["device"], d["sm_count"], d["dtype"], d["out_dtype"]) for d in docs}
+    if len(what) > 1:
+        raise ValueError(f"entries_from_bench: pooled runs must share GPU model and dtypes, got {sorted(what)}")
+    first = docs[0]
+    key = f"kernels|{first['device']}|sm{first['sm_count']}"
+    allowed = _allowed(configs, first["dtype"], first["out_dtype"])
+    shapes: Dict[tuple, list] = {}  # (op, m, n, k) -> its records, first appearance first
+    for d in docs:
+        for r in d["results"]:
+            shapes.setdefault((r["op"], r["m"], r["n"], r["k"]), []).append(r)
     entries = {}
-    for r in doc["results"]:
-        cfgs = {i: c for i, c in allowed[_op(r["op"])].items() if c.applies(r["m"], r["n"], r["k"])}
-        ok, scores = bench_scores(r, cfgs)
-        if not ok:
+    for (op, m, n, k), recs in shapes.items():
+        cfgs = {i: c for i, c in allowed[_op(op)].items() if c.applies(m, n, k)}
+        runs = [x for x in (bench_scores(r, cfgs) for r in recs) if x[0]]
+        if not runs:
             continue
+        seen: Dict[str, int] = {}
+        for _, sc in runs:
+            for lab in sc:
+                seen[lab] = seen.get(lab, 0) + 1
+        most = max(seen.values())
+        scores = {lab: math.exp(sum(math.log(sc[lab]) for _, sc in runs if lab in sc) / most)
+                  for lab, c in seen.items() if c == most}
         best = min(scores, key=scores.get)
-        default = label(*analytic_config(r["op"], m_bucket(r["m"]), r["n"], r["k"], doc["dtype"], doc["out_dtype"],
-                                         doc["sm_count"], list(cfgs.values())))
+        default = label(*analytic_config(op, m_bucket(m), n, k, first["dtype"], first["out_dtype"],
+                                         first["sm_count"], list(cfgs.values())))
         if default in scores and scores[best] >= scores[default] * (1 - MARGIN):
             best = default
-        entries[entry_key(r["op"], r["m"], r["n"], r["k"], doc["dtype"], doc["out_dtype"])] = {
+
+        def mean_ms(t):  # each label's time, the mean over the runs that timed it
+            got = {}
+            for ok, _ in runs:
+                for lab, v in ok.items():
+                    if v["ms"].get(t) is not None:
+                        got.setdefault(lab, []).append(v["ms"][t])
+            return {lab: sum(xs) / len(xs) for lab, xs in got.items()}
+        entries[entry_key(op, m, n, k, first["dtype"], first["out_dtype"])] = {
             "choice": best, "config": cfgs[parse_label(best)[0]].desc, "default": default,
-            "vs_cublas": round(scores[best], 4),
-            "loop_ms": {lab: v["ms"]["loop"] for lab, v in ok.items()},
-            "graph_ms": {lab: v["ms"]["graph"] for lab, v in ok.items() if v["ms"].get("graph") is not None}}
+            "vs_cublas": round(scores[best], 4), **({"runs": len(runs)} if len(runs) > 1 else {}),
+            "loop_ms": mean_ms("loop"), "graph_ms": mean_ms("graph")}
     return key, entries
 
 
@@ -548,16 +579,20 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=0, help="at least this many rounds per shape (3 by default where "
                    "a sample runs over 5 ms: the 16384-row shapes)")
     p.add_argument("--ship", action="store_true", help="write into flux/autotune/shipped/ instead of the user cache")
-    p.add_argument("--from-bench", default=None, metavar="JSON",
-                   help="make the entries from bench/bench_fused_gemm.py's output instead of timing (no GPU)")
+    p.add_argument("--from-bench", default=None, metavar="JSON", nargs="+",
+                   help="make the entries from bench/bench_fused_gemm.py's output instead of timing (no GPU); "
+                        "several: runs of one build, pooled per shape (entries_from_bench)")
     p.add_argument("--configs", default="default", metavar="SPEC",
                    help="--from-bench: choose among the configurations this FLUX_KERNELS value builds "
                         "(default: the table's default build)")
     args = p.parse_args(argv)
     directory = cache_mod.SHIPPED_DIR if args.ship else None
     if args.from_bench:
-        with open(args.from_bench) as f:
-            key, entries = entries_from_bench(json.load(f), args.configs)
+        docs = []
+        for name in args.from_bench:
+            with open(name) as f:
+                docs.append(json.load(f))
+        key, entries = entries_from_bench(docs, args.configs)
         cache = KernelCache(key, directory)
         cache.user = {**(cache.shipped if args.ship else cache.user), **entries}
         print(f"wrote {len(entries)} entries to {cache.save()}")
