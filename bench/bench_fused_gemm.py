@@ -25,7 +25,9 @@ otherwise include) is not timed. --top-from FILE [--top N]: per shape that FILE 
 same GPU model and dtypes) holds, only its N variants of least score (the worse of loop and graph
 against cuBLAS: the kernel tuner's rule, flux.autotune.kernels.bench_scores; default 3) among those
 still selected, plus the analytic and served choices: a second, fresh look at a first run's winners,
-whose least time among many variants favours them by the spread of one sample; other shapes as usual.
+whose least time among many variants favours them by the spread of one sample; selected shapes that FILE
+does not hold are left out (one line says how many). Pool the two runs with python -m
+flux.autotune.kernels --from-bench FIRST SECOND.
 No GPU: one line, exit 1.
 JSON (--out, stable): {"format": 1, "command", "commit", "device", "sm_count", "torch", "cuda",
  "dtype", "ag_world", "out_dtype", "timings": ["loop", "graph", "spin"], "configs": {op: {"source", "list": [{"id",
@@ -346,6 +348,19 @@ def main(argv=None):
     out_dtype = torch.float32 if args.out_dtype == "fp32" else dtype
     sm = torch.cuda.get_device_properties(0).multi_processor_count
     recs = problems(args)
+    if args.top_from:
+        try:
+            args.top_records = top_records(args.top_from, torch.cuda.get_device_name(0), args.dtype,
+                                           "fp32" if args.out_dtype == "fp32" else args.dtype)
+        except (OSError, ValueError) as e:
+            print(f"bench_fused_gemm: --top-from {args.top_from}: {e}; nothing run")
+            return 1
+        recs, left = top_shapes(recs, args.top_records)
+        if left:
+            print(f"bench_fused_gemm: --top-from: {left} selected shape(s) not in {args.top_from}, left out")
+        if not recs:
+            print(f"bench_fused_gemm: --top-from: no selected shape is in {args.top_from}; nothing run")
+            return 1
     ops = sorted({r["op"] for r in recs})
     for op in ops:
         if not K.kernel_configs(op, dtype, out_dtype):
@@ -359,13 +374,6 @@ def main(argv=None):
         return 1
     if switch is not None:
         switch(bool(args.pdl_list[0]))
-    if args.top_from:
-        try:
-            args.top_records = top_records(args.top_from, torch.cuda.get_device_name(0), args.dtype,
-                                           "fp32" if args.out_dtype == "fp32" else args.dtype)
-        except (OSError, ValueError) as e:
-            print(f"bench_fused_gemm: --top-from {args.top_from}: {e}; nothing run")
-            return 1
     results = []
     for i, rec in enumerate(recs):
         r = bench_shape(rec, args, dtype, out_dtype, sm)
@@ -388,6 +396,13 @@ def top_labels(record, cfgs, top):
 
     _, scores = K.bench_scores(record, {c.id: c for c in cfgs})
     return sorted(scores, key=lambda lab: (scores[lab], lab))[:top]
+
+
+def top_shapes(recs, records):
+    """(the selected shapes ``recs`` that an earlier run's ``records`` hold, how many it does not):
+    a second look re-times only what the first run timed."""
+    kept = [r for r in recs if (r["op"], r["m"], r["n"], r["k"]) in records]
+    return kept, len(recs) - len(kept)
 
 
 def top_records(path, device, dtype, out_dtype):

@@ -105,6 +105,11 @@ def test_bench_top_from_ranks_as_the_tuner(monkeypatch):
         bench.top_records(path, "NVIDIA H200", "bf16", "bf16")
     args = bench.parse_args(["--op", "ag", "--shapes", "16384x8192x1280", "--top-from", path, "--top", "2"])
     assert args.top_from == path and args.top == 2
+    # Only the shapes the earlier run holds are re-timed: the grid's AG shapes, of which it holds 16384 rows.
+    grid = bench.problems(bench.parse_args(["--op", "ag", "--grid", "models"]))
+    kept, left = bench.top_shapes(grid, recs)
+    assert len(grid) == 72 and left == 54 and len(kept) == 18
+    assert {(r["op"], r["m"], r["n"], r["k"]) for r in kept} == set(recs)
     with pytest.raises(SystemExit):
         bench.parse_args(["--top", "0"])
 
