@@ -679,13 +679,58 @@ def test_tune_on_fakes(fake_gpu, monkeypatch):
     e = K.tune("ag", 256, 512, 256, torch.bfloat16, device=torch.device("cpu"), quick=True, cache=cache)
     assert not any(lab.startswith("c2/") for lab in e["loop_ms"])  # the wrong configuration is never timed
     assert e["choice"] in e["loop_ms"] and cache.get(K.entry_key("ag", 256, 512, 256, "bf16")) == e
-    # rounds: a floor on the planned rounds (3 with quick), never fewer
+    # rounds: a floor on the planned rounds (3 with quick), never fewer; each tuning times twice (the second look)
     seen, timed = [], KT.time_calls
-    monkeypatch.setattr(KT, "time_calls", lambda fns, calls, rounds, *a, **kw: seen.append(rounds) or timed(
-        fns, calls, rounds, *a, **kw))
+    monkeypatch.setattr(KT, "time_calls", lambda fns, calls, rounds, *a, **kw: seen.append((rounds, sorted(fns))) or
+                        timed(fns, calls, rounds, *a, **kw))
     for floor in (7, 1):
         K.tune("rs", 256, 512, 256, torch.bfloat16, device=torch.device("cpu"), quick=True, cache=cache, rounds=floor)
-    assert seen == [7, 3]
+    assert [r for r, _ in seen] == [7, 7, 3, 3]
+    assert len(seen[0][1]) > K.LOOK + 1 and set(seen[1][1]) < set(seen[0][1])
+
+
+def test_tune_second_look(monkeypatch):
+    """The second look: the LOOK variants of least mean time and the analytic default are timed again,
+    each by the geometric mean of its two timings, and the choice is among them: a variant fast in the
+    first timing alone loses to one fast in both."""
+    from flux.autotune import kernel_timing as KT
+
+    cfgs = [c for c in K.kernel_configs("ag", "bf16") if c.applies(4096, 8192, 4096)]
+    labs = [K.label(c.id, 1, 1) for c in cfgs][:6]
+    default = K.label(*K.analytic_config("ag", 4096, 8192, 4096, "bf16", "bf16", 132, cfgs))
+    first = {lab: 1.0 + 0.01 * i for i, lab in enumerate(labs)}
+    first[labs[0]] = 0.90  # fast in the first timing alone
+    first[default] = 1.2
+    second = {labs[0]: 1.10, labs[1]: 0.96}
+
+    class Prob:
+        def __init__(self, *a):
+            pass
+
+        def fused(self, *lab):
+            return K.label(*lab)
+
+        def rel_err(self, f):
+            return 0.0
+    calls = []
+
+    def time_calls(fns, calls_, rounds, timings, warm=0):
+        calls.append(sorted(fns))
+        src = first if len(fns) == len(first) else second
+        return {lab: {"loop": src.get(lab, 1.0), "graph": src.get(lab, 1.0)} for lab in fns}
+    monkeypatch.setattr(K, "variants", lambda op, m, cfgs, n=None: list(first))
+    monkeypatch.setattr(KT, "KernelProblem", Prob)
+    monkeypatch.setattr(KT, "tolerance", lambda prob: 1.0)
+    monkeypatch.setattr(KT, "estimate_ms", lambda f: 1.0)
+    monkeypatch.setattr(KT, "time_calls", time_calls)
+    cache = K.KernelCache("kernels|cpu|sm132")
+    e = K.tune("ag", 4096, 8192, 4096, torch.bfloat16, device=torch.device("cpu"), cache=cache)
+    want = sorted(labs[:K.LOOK] + ([default] if default not in labs[:K.LOOK] else []))
+    assert calls[1] == want and sorted(e["looked"]) == want
+    assert e["loop_ms"][labs[0]] == pytest.approx((0.90 * 1.10) ** 0.5)
+    assert e["choice"] == labs[1]  # (1.01 * 0.96) ** 0.5 = 0.985 against labs[0]'s 0.995
+    one = K.tune("ag", 4096, 8192, 4096, torch.bfloat16, device=torch.device("cpu"), cache=cache, look=0)
+    assert one["choice"] == labs[0] and "looked" not in one and len(calls) == 3
 
 
 def test_bench_rounds_on_fakes(fake_gpu):

@@ -14,7 +14,7 @@ choice whose configuration is no longer built with the same tile, cluster and sc
 The configurations are those of the table flux/fused_configs.py that are built for the dtypes
 (``kernel_configs``).
 
-CLI (one GPU): python -m flux.autotune.kernels --grid models [--op ag|rs] [--rounds N] [--ship]; or, without a GPU,
+CLI (one GPU): python -m flux.autotune.kernels --grid models [--op ag|rs] [--rounds N] [--look N] [--ship]; or, without a GPU,
 from a bench/bench_fused_gemm.py JSON: python -m flux.autotune.kernels --from-bench FILE [FILE ...] [--configs SPEC]
 [--ship] (SPEC: a FLUX_KERNELS value, default "default": only what that build holds is chosen; several FILEs:
 runs of one build pooled per shape, ``entries_from_bench``).
@@ -437,11 +437,17 @@ def make_entry(loop_ms: Dict[str, float], graph_ms: Dict[str, float], default: s
             "graph_ms": {lab: t for lab, t in graph_ms.items() if t is not None}}
 
 
+LOOK = 3  # the tuner's second look: its least few of the first timing re-timed, with the analytic default
+
+
 def tune(op: str, m: int, n: int, k: int, dtype=torch.bfloat16, out_dtype=None, device=None, quick=False,
-         cache: Optional[TuneCache] = None, rounds: int = 0) -> dict:
+         cache: Optional[TuneCache] = None, rounds: int = 0, look: int = LOOK) -> dict:
     """Time every variant of ``op`` alone (all flags set) in loop and graph timing and store the
     entry (``make_entry``) in ``cache`` (default: this GPU's); the entry. ``rounds``: at least this
-    many interleaved rounds (``plan_sampling`` gives 3 where a sample runs over 5 ms)."""
+    many interleaved rounds (``plan_sampling`` gives 3 where a sample runs over 5 ms). ``look``: the
+    ``look`` variants of least time and the analytic default are timed again, together, and the choice
+    is among them by the geometric mean of their two timings (the least of many single timings is
+    optimistic by about a sample's spread: docs/tuning.md); 0: one timing."""
     from flux.autotune.kernel_timing import (DTYPES, KernelProblem, estimate_ms, plan_sampling, time_calls,
                                              tolerance, warm_calls)
 
@@ -468,8 +474,24 @@ def tune(op: str, m: int, n: int, k: int, dtype=torch.bfloat16, out_dtype=None, 
     t_est = estimate_ms(next(iter(fns.values())))
     calls, rounds = plan_sampling(t_est, quick, rounds)
     t = time_calls(fns, calls, rounds, ("loop", "graph"), warm=warm_calls(t_est))
-    entry = make_entry({lab: v["loop"] for lab, v in t.items()}, {lab: v["graph"] for lab, v in t.items()},
-                       default, {c.id: c.desc for c in cfgs})
+    loop_ms, graph_ms = {lab: v["loop"] for lab, v in t.items()}, {lab: v["graph"] for lab, v in t.items()}
+    descs = {c.id: c.desc for c in cfgs}
+    looked = []
+    if look > 0 and len(fns) > 1:
+        mean = {lab: (x + graph_ms[lab]) / 2 if graph_ms.get(lab) is not None else x
+                for lab, x in loop_ms.items() if x is not None}
+        looked = sorted(mean, key=lambda lab: (mean[lab], lab))[:look]
+        looked += [default] if default in mean and default not in looked else []
+        t2 = time_calls({lab: fns[lab] for lab in looked}, calls, rounds, ("loop", "graph"), warm=warm_calls(t_est))
+        for ms, timing in ((loop_ms, "loop"), (graph_ms, "graph")):
+            for lab in looked:
+                a, b = ms.get(lab), t2[lab].get(timing)
+                ms[lab] = math.sqrt(a * b) if a is not None and b is not None else None
+    entry = make_entry({lab: loop_ms[lab] for lab in (looked or loop_ms)},
+                       {lab: graph_ms.get(lab) for lab in (looked or loop_ms)}, default, descs)
+    if looked:
+        entry.update(looked=looked, loop_ms={lab: x for lab, x in loop_ms.items() if x is not None},
+                     graph_ms={lab: x for lab, x in graph_ms.items() if x is not None})
     cache.put(entry_key(op, m, n, k, dtype, out_dtype), entry)
     return entry
 
@@ -578,6 +600,8 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--rounds", type=int, default=0, help="at least this many rounds per shape (3 by default where "
                    "a sample runs over 5 ms: the 16384-row shapes)")
+    p.add_argument("--look", type=int, default=LOOK, help=f"re-time the N least and the analytic default, choose by "
+                   f"both timings (default {LOOK}; 0: one timing)")
     p.add_argument("--ship", action="store_true", help="write into flux/autotune/shipped/ instead of the user cache")
     p.add_argument("--from-bench", default=None, metavar="JSON", nargs="+",
                    help="make the entries from bench/bench_fused_gemm.py's output instead of timing (no GPU); "
@@ -619,7 +643,7 @@ def main(argv=None) -> int:
             continue
         done.add(ek)
         e = tune(r["op"], m_bucket(r["m"]), r["n"], r["k"], args.dtype, out_dtype, quick=args.quick, cache=cache,
-                 rounds=args.rounds)
+                 rounds=args.rounds, look=args.look)
         print(f"{ek:44s} {e['choice']:>12s} (default {e['default']})", flush=True)
     print(f"wrote {len(done)} entries to {cache.save()}")
     return 0
