@@ -690,9 +690,10 @@ def test_tune_on_fakes(fake_gpu, monkeypatch):
 
 
 def test_tune_second_look(monkeypatch):
-    """The second look: the LOOK variants of least mean time and the analytic default are timed again,
-    each by the geometric mean of its two timings, and the choice is among them: a variant fast in the
-    first timing alone loses to one fast in both."""
+    """The tuner's rule is the bench files' (entry_from_records: the worse ratio to cuBLAS, timed beside
+    it), with a second look: the LOOK variants of least score and the analytic default are timed again
+    with cuBLAS, each then scored by the geometric mean of its two scores, and the choice is among them:
+    a variant fast in the first timing alone loses to one fast in both."""
     from flux.autotune import kernel_timing as KT
 
     cfgs = [c for c in K.kernel_configs("ag", "bf16") if c.applies(4096, 8192, 4096)]
@@ -710,14 +711,19 @@ def test_tune_second_look(monkeypatch):
         def fused(self, *lab):
             return K.label(*lab)
 
+        def cublas(self):
+            return "cublas"
+
         def rel_err(self, f):
             return 0.0
     calls = []
 
     def time_calls(fns, calls_, rounds, timings, warm=0):
-        calls.append(sorted(fns))
-        src = first if len(fns) == len(first) else second
-        return {lab: {"loop": src.get(lab, 1.0), "graph": src.get(lab, 1.0)} for lab in fns}
+        calls.append(sorted(lab for lab in fns if lab != "cublas"))
+        src = first if len(fns) == len(first) + 1 else second
+        # cuBLAS 2 ms in the loop, 1 ms in the graph: a variant's ratio to it is src in both timings
+        return {lab: {"loop": 2.0, "graph": 1.0} if lab == "cublas" else
+                {"loop": 2 * src.get(lab, 1.0), "graph": src.get(lab, 1.0)} for lab in fns}
     monkeypatch.setattr(K, "variants", lambda op, m, cfgs, n=None: list(first))
     monkeypatch.setattr(KT, "KernelProblem", Prob)
     monkeypatch.setattr(KT, "tolerance", lambda prob: 1.0)
@@ -726,11 +732,12 @@ def test_tune_second_look(monkeypatch):
     cache = K.KernelCache("kernels|cpu|sm132")
     e = K.tune("ag", 4096, 8192, 4096, torch.bfloat16, device=torch.device("cpu"), cache=cache)
     want = sorted(labs[:K.LOOK] + ([default] if default not in labs[:K.LOOK] else []))
-    assert calls[1] == want and sorted(e["looked"]) == want
-    assert e["loop_ms"][labs[0]] == pytest.approx((0.90 * 1.10) ** 0.5)
+    assert calls[1] == want and e["runs"] == 2
+    assert e["loop_ms"][labs[0]] == pytest.approx(2 * (0.90 + 1.10) / 2)
     assert e["choice"] == labs[1]  # (1.01 * 0.96) ** 0.5 = 0.985 against labs[0]'s 0.995
+    assert e["vs_cublas"] == pytest.approx((1.01 * 0.96) ** 0.5, abs=1e-4)
     one = K.tune("ag", 4096, 8192, 4096, torch.bfloat16, device=torch.device("cpu"), cache=cache, look=0)
-    assert one["choice"] == labs[0] and "looked" not in one and len(calls) == 3
+    assert one["choice"] == labs[0] and "runs" not in one and len(calls) == 3
 
 
 def test_bench_rounds_on_fakes(fake_gpu):

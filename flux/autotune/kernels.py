@@ -424,39 +424,27 @@ def variants(op: str, m: int, configs: Sequence[KernelConfig], swizzles=SWIZZLES
     return out
 
 
-def make_entry(loop_ms: Dict[str, float], graph_ms: Dict[str, float], default: str, descs: Dict[int, str]) -> dict:
-    """A cache entry from loop and graph timings (ms per call by label): the fastest by their
-    mean (loop alone where a graph was not timed), unless within MARGIN of ``default``."""
-    mean = {lab: (t + graph_ms[lab]) / 2 if graph_ms.get(lab) is not None else t
-            for lab, t in loop_ms.items() if t is not None}
-    best = min(mean, key=mean.get)
-    if default in mean and mean[best] >= mean[default] * (1 - MARGIN):
-        best = default
-    return {"choice": best, "config": descs[parse_label(best)[0]], "default": default,
-            "loop_ms": {lab: t for lab, t in loop_ms.items() if t is not None},
-            "graph_ms": {lab: t for lab, t in graph_ms.items() if t is not None}}
-
-
 LOOK = 3  # the tuner's second look: its least few of the first timing re-timed, with the analytic default
 
 
 def tune(op: str, m: int, n: int, k: int, dtype=torch.bfloat16, out_dtype=None, device=None, quick=False,
          cache: Optional[TuneCache] = None, rounds: int = 0, look: int = LOOK) -> dict:
-    """Time every variant of ``op`` alone (all flags set) in loop and graph timing and store the
-    entry (``make_entry``) in ``cache`` (default: this GPU's); the entry. ``rounds``: at least this
-    many interleaved rounds (``plan_sampling`` gives 3 where a sample runs over 5 ms). ``look``: the
-    ``look`` variants of least time and the analytic default are timed again, together, and the choice
-    is among them by the geometric mean of their two timings (the least of many single timings is
-    optimistic by about a sample's spread: docs/tuning.md); 0: one timing."""
+    """Time every variant of ``op`` alone (all flags set) and cuBLAS (``KernelProblem.cublas``), interleaved,
+    in loop and graph timing, and store the entry in ``cache`` (default: this GPU's); the entry: the choice
+    by ``entry_from_records``, the rule of ``entries_from_bench``. ``rounds``: at least this many interleaved
+    rounds (``plan_sampling`` gives 3 where a sample runs over 5 ms). ``look``: the ``look`` variants of
+    least score and the analytic default are timed again, with cuBLAS, and the choice is among them by
+    both timings (the least of many single timings is optimistic by about a sample's spread:
+    docs/tuning.md); 0: one timing."""
     from flux.autotune.kernel_timing import (DTYPES, KernelProblem, estimate_ms, plan_sampling, time_calls,
                                              tolerance, warm_calls)
 
     out_dtype = out_dtype if out_dtype is not None else dtype
     key, sm = gpu_key(device)
     cache = cache if cache is not None else kernel_cache(key)
-    cfgs = [c for c in kernel_configs(op, dtype, out_dtype) if c.applies(m, n, k)]
-    default = label(*analytic_config(op, m, n, k, dtype, out_dtype, sm, cfgs))
-    labs = variants(op, m, cfgs, n=n)
+    cfgs = {c.id: c for c in kernel_configs(op, dtype, out_dtype) if c.applies(m, n, k)}
+    default = label(*analytic_config(op, m, n, k, dtype, out_dtype, sm, list(cfgs.values())))
+    labs = variants(op, m, list(cfgs.values()), n=n)
     labs = labs + [default] if default not in labs else labs
     prob = KernelProblem(_op(op), m, n, k, DTYPES[_dt(dtype)], DTYPES[_dt(out_dtype)], torch.device(device or "cuda"))
     fns, tol = {}, tolerance(prob)
@@ -473,25 +461,26 @@ def tune(op: str, m: int, n: int, k: int, dtype=torch.bfloat16, out_dtype=None, 
         raise RuntimeError(f"fused {op} {m}x{n}x{k}: no configuration computed the right result")
     t_est = estimate_ms(next(iter(fns.values())))
     calls, rounds = plan_sampling(t_est, quick, rounds)
-    t = time_calls(fns, calls, rounds, ("loop", "graph"), warm=warm_calls(t_est))
-    loop_ms, graph_ms = {lab: v["loop"] for lab, v in t.items()}, {lab: v["graph"] for lab, v in t.items()}
-    descs = {c.id: c.desc for c in cfgs}
-    looked = []
+    cublas = prob.cublas()
+
+    def timed(labels):  # one run's record, in the bench JSON's format (bench_scores reads it)
+        t = time_calls({**{lab: fns[lab] for lab in labels}, "cublas": cublas}, calls, rounds, ("loop", "graph"),
+                       warm=warm_calls(t_est))
+        out = {"cublas": {"ms": t["cublas"]}, "variants": {}}
+        for lab in labels:
+            c, r, w = parse_label(lab)
+            out["variants"][lab] = {"config": c, "raster": r, "swizzle": w, "tile": cfgs[c].desc, "ok": True,
+                                    "ms": t[lab]}
+        return out
+    recs = [timed(list(fns))]
     if look > 0 and len(fns) > 1:
-        mean = {lab: (x + graph_ms[lab]) / 2 if graph_ms.get(lab) is not None else x
-                for lab, x in loop_ms.items() if x is not None}
-        looked = sorted(mean, key=lambda lab: (mean[lab], lab))[:look]
-        looked += [default] if default in mean and default not in looked else []
-        t2 = time_calls({lab: fns[lab] for lab in looked}, calls, rounds, ("loop", "graph"), warm=warm_calls(t_est))
-        for ms, timing in ((loop_ms, "loop"), (graph_ms, "graph")):
-            for lab in looked:
-                a, b = ms.get(lab), t2[lab].get(timing)
-                ms[lab] = math.sqrt(a * b) if a is not None and b is not None else None
-    entry = make_entry({lab: loop_ms[lab] for lab in (looked or loop_ms)},
-                       {lab: graph_ms.get(lab) for lab in (looked or loop_ms)}, default, descs)
-    if looked:
-        entry.update(looked=looked, loop_ms={lab: x for lab, x in loop_ms.items() if x is not None},
-                     graph_ms={lab: x for lab, x in graph_ms.items() if x is not None})
+        _, scores = bench_scores(recs[0], cfgs)
+        looked = sorted(scores, key=lambda lab: (scores[lab], lab))[:look]
+        looked += [default] if default in scores and default not in looked else []
+        recs.append(timed(looked))
+    entry = entry_from_records(recs, cfgs, default)
+    if entry is None:
+        raise RuntimeError(f"fused {op} {m}x{n}x{k}: no configuration timed")
     cache.put(entry_key(op, m, n, k, dtype, out_dtype), entry)
     return entry
 
@@ -557,34 +546,43 @@ def entries_from_bench(doc, configs: str = "default") -> Tuple[str, Dict[str, di
     entries = {}
     for (op, m, n, k), recs in shapes.items():
         cfgs = {i: c for i, c in allowed[_op(op)].items() if c.applies(m, n, k)}
-        runs = [x for x in (bench_scores(r, cfgs) for r in recs) if x[0]]
-        if not runs:
-            continue
-        seen: Dict[str, int] = {}
-        for _, sc in runs:
-            for lab in sc:
-                seen[lab] = seen.get(lab, 0) + 1
-        most = max(seen.values())
-        scores = {lab: math.exp(sum(math.log(sc[lab]) for _, sc in runs if lab in sc) / most)
-                  for lab, c in seen.items() if c == most}
-        best = min(scores, key=scores.get)
         default = label(*analytic_config(op, m_bucket(m), n, k, first["dtype"], first["out_dtype"],
                                          first["sm_count"], list(cfgs.values())))
-        if default in scores and scores[best] >= scores[default] * (1 - MARGIN):
-            best = default
+        entry = entry_from_records(recs, cfgs, default)
+        if entry is not None:
+            entries[entry_key(op, m, n, k, first["dtype"], first["out_dtype"])] = entry
+    return key, entries
 
-        def mean_ms(t):  # each label's time, the mean over the runs that timed it
-            got = {}
-            for ok, _ in runs:
-                for lab, v in ok.items():
-                    if v["ms"].get(t) is not None:
-                        got.setdefault(lab, []).append(v["ms"][t])
-            return {lab: sum(xs) / len(xs) for lab, xs in got.items()}
-        entries[entry_key(op, m, n, k, first["dtype"], first["out_dtype"])] = {
-            "choice": best, "config": cfgs[parse_label(best)[0]].desc, "default": default,
+
+def entry_from_records(recs: Sequence[dict], cfgs: Dict[int, KernelConfig], default: str) -> Optional[dict]:
+    """One shape's cache entry from its records (bench/bench_fused_gemm.py's format; several: runs pooled),
+    choosing among ``cfgs`` (id -> configuration): among the variants timed in the most runs, the least
+    geometric mean of their scores (``bench_scores``: the worse ratio to cuBLAS, loop or graph); the
+    analytic ``default`` unless that beats it by more than MARGIN. None where no variant ran correctly."""
+    runs = [x for x in (bench_scores(r, cfgs) for r in recs) if x[0]]
+    if not runs:
+        return None
+    seen: Dict[str, int] = {}
+    for _, sc in runs:
+        for lab in sc:
+            seen[lab] = seen.get(lab, 0) + 1
+    most = max(seen.values())
+    scores = {lab: math.exp(sum(math.log(sc[lab]) for _, sc in runs if lab in sc) / most)
+              for lab, c in seen.items() if c == most}
+    best = min(scores, key=scores.get)
+    if default in scores and scores[best] >= scores[default] * (1 - MARGIN):
+        best = default
+
+    def mean_ms(t):  # each label's time, the mean over the runs that timed it
+        got = {}
+        for ok, _ in runs:
+            for lab, v in ok.items():
+                if v["ms"].get(t) is not None:
+                    got.setdefault(lab, []).append(v["ms"][t])
+        return {lab: sum(xs) / len(xs) for lab, xs in got.items()}
+    return {"choice": best, "config": cfgs[parse_label(best)[0]].desc, "default": default,
             "vs_cublas": round(scores[best], 4), **({"runs": len(runs)} if len(runs) > 1 else {}),
             "loop_ms": mean_ms("loop"), "graph_ms": mean_ms("graph")}
-    return key, entries
 
 
 def main(argv=None) -> int:
