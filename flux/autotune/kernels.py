@@ -8,7 +8,8 @@ one in flux/autotune/shipped/), else the analytic default (``analytic_config``).
 Cache: kernels-<hash of "kernels|<GPU name>|sm<SMs>">.json in the strategy caches' directories
 ($FLUX_CACHE_DIR or ~/.cache/flux/; shipped: flux/autotune/shipped/), cache.TuneCache's format, entries keyed
 "<op>|<dtype>|<out dtype>|m<M bucket>|n<N>|k<K>" holding {"choice": "c<id>/r<raster>/s<swizzle>",
-"config": "<tile/cluster/schedule>", "default": label, "loop_ms": {...}, "graph_ms": {...}}; a
+"config": "<tile/cluster/schedule>", "default": label, "vs_cublas": the choice's score, "runs"?: runs pooled,
+"loop_ms": {...}, "graph_ms": {...}}; a
 choice whose configuration is no longer built with the same tile, cluster and schedule is ignored.
 
 The configurations are those of the table flux/fused_configs.py that are built for the dtypes
