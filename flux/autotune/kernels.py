@@ -36,10 +36,9 @@ from flux.autotune import cache as cache_mod
 from flux.autotune.cache import GENERATION, TuneCache
 from flux.autotune.kernel_configs import OPS, KernelConfig, _dt, _op, config_source, kernel_configs  # noqa: F401
 from flux.autotune.kernel_configs import reset as kernel_configs_reset
-from flux.autotune.space import m_bucket
+from flux.autotune.space import MARGIN, m_bucket
 
 log = logging.getLogger("flux")
-MARGIN = 0.01  # a tuned configuration must beat the analytic default by more than 1% to replace it
 
 
 # ---- analytic default -------------------------------------------------------------------

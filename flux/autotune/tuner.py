@@ -10,10 +10,9 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from flux.autotune.space import Candidate
+from flux.autotune.space import MARGIN, Candidate
 
 ROUNDS = 3  # interleaved timing rounds over all candidates
-MARGIN = 0.01  # a candidate must beat the analytic default by more than 1% to replace it
 
 
 def _sync(group: dist.ProcessGroup, device: torch.device) -> None:
