@@ -21,6 +21,7 @@ from a bench/bench_fused_gemm.py JSON: python -m flux.autotune.kernels --from-be
 runs of one build pooled per shape, ``entries_from_bench``).
 """
 import argparse
+import collections
 import hashlib
 import json
 import logging
@@ -562,10 +563,7 @@ def entry_from_records(recs: Sequence[dict], cfgs: Dict[int, KernelConfig], defa
     runs = [x for x in (bench_scores(r, cfgs) for r in recs) if x[0]]
     if not runs:
         return None
-    seen: Dict[str, int] = {}
-    for _, sc in runs:
-        for lab in sc:
-            seen[lab] = seen.get(lab, 0) + 1
+    seen = collections.Counter(lab for _, sc in runs for lab in sc)  # label -> runs that timed it
     most = max(seen.values())
     scores = {lab: math.exp(sum(math.log(sc[lab]) for _, sc in runs if lab in sc) / most)
               for lab, c in seen.items() if c == most}
