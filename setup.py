@@ -206,8 +206,6 @@ def _generate_fused_sources(with_sm90):
             kernel_sched = f"flux::MulticastFirst<{kernel_sched}>"
         if cfg.source == "ahead":  # csrc/common/fused_gemm.cuh
             epi_sched = f"flux::SourceAhead<{epi_sched}>"
-        if getattr(cfg, "stores", "auto") == "narrow":  # csrc/common/fused_gemm.cuh, the outer tag
-            epi_sched = f"flux::NarrowStores<{epi_sched}>"
         src_in, src_out = table["DTYPE_IO"][dtype]
         shapes = (f"cute::Shape<cute::_{tm}, cute::_{tn}, cute::_{tk}>,\n"
                   f"      cute::Shape<cute::_{cm}, cute::_{cn}, cute::_1>, {kernel_sched}, {epi_sched}")

@@ -26,7 +26,7 @@ using PPE = cutlass::epilogue::TmaWarpSpecialized;
 template <class G>
 void show(const char* name) {
   using P = typename G::EpiPick;
-  std::printf("%-34s subtiles %2d  store buffers %d  mainloop stages %d  epilogue smem %6zu B\n", name, P::kSubtiles,
+  std::printf("%-30s subtiles %2d  store buffers %d  mainloop stages %d  epilogue smem %6zu B\n", name, P::kSubtiles,
               P::kStagesD, static_cast<int>(G::CollectiveMainloop::DispatchPolicy::Stages),
               sizeof(typename G::CollectiveEpilogue::SharedStorage));
 }
@@ -43,10 +43,6 @@ int main() {
   show<AgGemm<kBf16Fp32, TILE(128, 160), CLUSTER(2, 1), Coop, CoopE>>("AG 25 128x160 coop 2x1 fp32");
   show<AgGemm<kBf16, TILE(128, 96), CLUSTER(2, 1), Coop, CoopE>>("AG 29 128x96 coop 2x1 bf16");
   show<AgGemm<kBf16Fp32, TILE(128, 96), CLUSTER(2, 1), Coop, CoopE>>("AG 29 128x96 coop 2x1 fp32");
-  // AG 110-112: AG 0, 2 and 25 with narrow epilogue subtiles (stores="narrow"), fp32 output.
-  show<AgGemm<kBf16Fp32, TILE(128, 256), CLUSTER(2, 1), Coop, NarrowStores<CoopE>>>("AG 110 128x256 coop narrow fp32");
-  show<AgGemm<kBf16Fp32, TILE(128, 128), CLUSTER(2, 1), PP, NarrowStores<PPE>>>("AG 111 128x128 pp narrow fp32");
-  show<AgGemm<kBf16Fp32, TILE(128, 160), CLUSTER(2, 1), Coop, NarrowStores<CoopE>>>("AG 112 128x160 coop narrow fp32");
   // RS 3, the RS configuration built with fp32 output (its source, the peer's partial, in the output dtype).
   show<RsFoldGemm<kBf16, TILE(128, 128), CLUSTER(1, 1), Coop, CoopE>>("RS 3  128x128 coop 1x1 bf16");
   show<RsFoldGemm<kBf16Fp32, TILE(128, 128), CLUSTER(1, 1), Coop, CoopE>>("RS 3  128x128 coop 1x1 fp32");

@@ -50,10 +50,6 @@ class FusedConfig(NamedTuple):
     # tile's source (the peer's partial) loaded during its mainloop, in the buffers the mainloop's stages
     # leave (csrc/common/fused_gemm.cuh SourceAhead)
     source: str = "auto"
-    # "auto": the TMA epilogue's subtile as CUTLASS picks it (cooperative 128 x 32, ping-pong 64 x 32 columns);
-    # "narrow": half as wide, so that the store buffers EpiPick fits (its shared memory unchanged) hold twice
-    # the subtiles: fp32 output keeps 2-4 stores in flight where bf16 keeps 4-8 (bench/probe_epilogue_stages.cu)
-    stores: str = "auto"
 
     @property
     def tile_m(self):
@@ -69,8 +65,7 @@ class FusedConfig(NamedTuple):
               "splitk": f", split-K into {self.splits}"}[self.scheduler]
         lo = "" if self.loads == "cutlass" else ", multicast load first"
         src = "" if self.source == "auto" else ", source loaded ahead"
-        st = "" if self.stores == "auto" else ", narrow epilogue subtiles"
-        return f"{m}x{n}x{k} tile, cluster {self.cluster[0]}x{self.cluster[1]}, {self.schedule}{sk}{lo}{src}{st}"
+        return f"{m}x{n}x{k} tile, cluster {self.cluster[0]}x{self.cluster[1]}, {self.schedule}{sk}{lo}{src}"
 
     def applies(self, m, n, k):
         """Whether this configuration runs an m x n x k problem: split-K cuts K into equal slices
@@ -240,12 +235,6 @@ CONFIGS = {
         C(107, (64, 80, 64), (2, 1), "pingpong", ()),
         C(108, (64, 112, 64), (2, 1), "pingpong", ()),
         C(109, (64, 224, 64), (2, 1), "pingpong", ()),
-        # AG 0, 2 and 25, the persistent tiles built for fp32 output, with epilogue subtiles half as wide
-        # (stores="narrow"): their fp32 stores in flight back to bf16's count. Not built by default; timed
-        # beside AG 0, 2, 25 with FLUX_KERNELS=default,ag:110:bf16_fp32,ag:111:bf16_fp32,ag:112:bf16_fp32.
-        C(110, (128, 256, 64), (2, 1), "cooperative", (), stores="narrow"),
-        C(111, (128, 128, 64), (2, 1), "pingpong", (), stores="narrow"),
-        C(112, (128, 160, 64), (2, 1), "cooperative", (), stores="narrow"),
         # cuBLAS's tiles on layers it runs faster (its kernel names under the profiler, in this
         # table's terms): 128x176 with a 2x1 cluster at 1024 rows of N = 14336 (82 columns x 8 rows
         # = 4.97 waves of 132 SMs), and 64x96 with a 2x1 cluster on 256 x 3072 and 1024 x 768 (4 x 32
@@ -360,7 +349,6 @@ CONFIGS = {
 OPS = tuple(CONFIGS)
 SCHEDULERS = ("persistent", "streamk", "streamk-all", "splitk")
 SOURCES = ("auto", "ahead")
-STORES = ("auto", "narrow")
 MAX_SPLITS = 16
 SPLIT_K_MAX_PARTIALS = 1 << 30  # bytes
 
@@ -401,18 +389,15 @@ def _check_schedulers():
             if c.source not in SOURCES or (c.source != "auto" and (op != "rs" or c.scheduler == "splitk")):
                 raise ValueError(f"flux.fused_configs: {op} configuration {c.id}: source {c.source!r} (\"ahead\": "
                                  f"rs configurations that add the source in their epilogue)")
-            if c.stores not in STORES or (c.stores == "narrow" and c.scheduler == "splitk"):
-                raise ValueError(f"flux.fused_configs: {op} configuration {c.id}: stores {c.stores!r} (\"narrow\": "
-                                 f"not with split-K, whose GEMM is shared)")
             if (c.scheduler == "splitk") != (c.splits > 1) or not 1 <= c.splits <= MAX_SPLITS:
                 raise ValueError(f"flux.fused_configs: {op} configuration {c.id}: splits {c.splits} "
                                  f"with scheduler {c.scheduler!r} (split-K: 2..{MAX_SPLITS} slices)")
-        # Tuned choices name a configuration by tile, cluster, schedule, scheduler and epilogue subtile
+        # Tuned choices name a configuration by tile, cluster, schedule and scheduler
         # (flux.autotune.kernel_configs.KernelConfig.desc), not by how its mainloop issues its loads or its
         # epilogue stages the source: two configurations alike in those would share cached choices.
         seen = {}
         for c in cfgs:
-            key = (c.tile, c.cluster, c.schedule, c.scheduler, c.splits, c.stores)
+            key = (c.tile, c.cluster, c.schedule, c.scheduler, c.splits)
             if key in seen:
                 raise ValueError(f"flux.fused_configs: {op} configurations {seen[key]} and {c.id} differ only in "
                                  f"their loads ({c.loads!r}) or source ({c.source!r}); cached choices could not tell "

@@ -114,8 +114,10 @@ def test_select_and_parse():
     assert fc.parse_built("") == frozenset()
 
 
-def _setup_scope(tmp_path):
-    """setup.py's definitions (not its setup() call), its ROOT a scratch folder holding the table."""
+def test_setup_generates_units_of_instantiations(tmp_path, monkeypatch):
+    """setup.py's generator, run against a scratch root: every instantiation defined in exactly one
+    unit of at most FLUX_UNIT_KERNELS, units of one op's header (the grouped GEMMs apart) and of one
+    MMA-shape setting, a dispatch case per instantiation, and the built list naming exactly them."""
     src = open(os.path.join(ROOT, "setup.py")).read().split("ext_modules, cmdclass, _ = _cuda_extension()")[0]
     scope = {"__file__": os.path.join(ROOT, "setup.py"), "__name__": "flux_setup_under_test"}
     exec(compile(src, "setup.py", "exec"), scope)
@@ -123,43 +125,6 @@ def _setup_scope(tmp_path):
     os.makedirs(tmp_path / "flux")
     with open(os.path.join(ROOT, "flux", "fused_configs.py")) as f:
         (tmp_path / "flux" / "fused_configs.py").write_text(f.read())
-    return scope
-
-
-def test_narrow_stores(tmp_path, monkeypatch):
-    """AG 110-112: AG 0, 2 and 25 with epilogue subtiles half as wide (stores="narrow"), not built by
-    default; cached choices tell them from their twins (KernelConfig.desc), split-K refuses the setting,
-    and setup.py wraps their epilogue schedule in flux::NarrowStores (the outer tag)."""
-    for cid, twin in ((110, 0), (111, 2), (112, 25)):
-        c, t = fc.config("ag", cid), fc.config("ag", twin)
-        assert (c.tile, c.cluster, c.schedule, c.scheduler, c.stores) == (t.tile, t.cluster, t.schedule, t.scheduler,
-                                                                           "narrow")
-        assert t.stores == "auto" and "narrow epilogue subtiles" in c.describe() and c.default == ()
-        d = (("bf16", "fp32"),)
-        assert KC.KernelConfig.of("ag", c, d).desc == KC.KernelConfig.of("ag", t, d).desc + "/ns"
-        assert not [x for x in fc.select("default") if x[:2] == ("ag", cid)]
-    bad = fc.FusedConfig(999, (128, 64, 64), (1, 1), "pingpong", (), "splitk", 2, stores="narrow")
-    fc.CONFIGS["ag"] += (bad,)
-    try:
-        with pytest.raises(ValueError, match="stores"):
-            fc._check_schedulers()
-    finally:
-        fc.CONFIGS["ag"] = fc.CONFIGS["ag"][:-1]
-    scope = _setup_scope(tmp_path)
-    monkeypatch.setenv("FLUX_KERNELS", "ag:0:bf16_fp32,ag:110:bf16_fp32")
-    monkeypatch.setenv("FLUX_UNIT_KERNELS", "1")
-    scope["_generate_fused_sources"](True)
-    text = "".join(p.read_text() for p in (tmp_path / "build" / "flux_generated").glob("ag_fused_*.cu"))
-    launches = dict(re.findall(r"^void (ag_fused_c\d+_bf16_fp32)\(.*?\n(.*?)\n}", text, re.M | re.S))
-    assert "flux::NarrowStores<cutlass::epilogue::TmaWarpSpecializedCooperative>" in launches["ag_fused_c110_bf16_fp32"]
-    assert "NarrowStores" not in launches["ag_fused_c0_bf16_fp32"]
-
-
-def test_setup_generates_units_of_instantiations(tmp_path, monkeypatch):
-    """setup.py's generator, run against a scratch root: every instantiation defined in exactly one
-    unit of at most FLUX_UNIT_KERNELS, units of one op's header (the grouped GEMMs apart) and of one
-    MMA-shape setting, a dispatch case per instantiation, and the built list naming exactly them."""
-    scope = _setup_scope(tmp_path)
     monkeypatch.setenv("FLUX_KERNELS", "minimal,ag:7:fp16_fp32,ag:28:bf16,rs:8:bf16,rs:12:bf16,gmm:0:kn,"
                        "ag:33:bf16,ag:34:bf16_fp32,rs:15:fp16,ag:9:bf16_fp32")
     monkeypatch.setenv("FLUX_UNIT_KERNELS", "2")

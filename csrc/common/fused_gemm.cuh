@@ -150,15 +150,6 @@ struct SourceAhead {};
 template <class S>
 using EpilogueOf = Untag<SourceAhead, S>;
 
-// An epilogue schedule tag, outside SourceAhead where both apply: the TMA epilogue's subtile half as wide as
-// CUTLASS's choice (cooperative 128 x 16 columns, ping-pong 64 x 16), so that the store buffers EpiPick fits
-// in the same shared memory hold twice the subtiles (fp32 output: as many stores in flight as bf16). The
-// configurations whose `stores` is "narrow" (flux/fused_configs.py) use it.
-template <class Schedule>
-struct NarrowStores {};
-template <class S>
-using StoresOf = Untag<NarrowStores, S>;
-
 // CUTLASS's sm90 TMA warp-specialized mainloop `Base` with its producer's two loads per stage in
 // the other order where only B is multicast (Base's own load otherwise); all else is Base's.
 template <class Base>
@@ -242,9 +233,7 @@ struct Sm90FusedGemm {
   using TileShape = TileShape_;
   using ClusterShape = ClusterShape_;
   static constexpr int kTileM = cute::size<0>(TileShape{});
-  static constexpr bool kNarrowStores = StoresOf<EpilogueScheduleTag>::kTagged;
-  using EpiScheduleTag = typename StoresOf<EpilogueScheduleTag>::type;  // without NarrowStores
-  using EpilogueSchedule = typename EpilogueOf<EpiScheduleTag>::type;
+  using EpilogueSchedule = typename EpilogueOf<EpilogueScheduleTag>::type;
 
   using Fusion = cutlass::epilogue::fusion::LinCombPerColBias<ElementD, float, ElementD, ElementD, float>;
   // The mainloop's stages fill the shared memory that the epilogue `Epi` leaves.
@@ -263,12 +252,8 @@ struct Sm90FusedGemm {
   // mainloop no stage: the shared memory left over by the stages' rounding (docs/performance.md §9:
   // 1-2% faster on average, most on RS).
   struct EpiPick {
-    using AutoTile = decltype(cutlass::epilogue::collective::detail::sm90_compute_tile_shape_or_override<
-                              ElementD, cutlass::epilogue::collective::EpilogueTileAuto, EpilogueSchedule, TileShape>());
-    using EpiTile = std::conditional_t<
-        kNarrowStores,
-        cute::Shape<decltype(cute::size<0>(AutoTile{})), cute::Int<decltype(cute::size<1>(AutoTile{}))::value / 2>>,
-        AutoTile>;
+    using EpiTile = decltype(cutlass::epilogue::collective::detail::sm90_compute_tile_shape_or_override<
+                             ElementD, cutlass::epilogue::collective::EpilogueTileAuto, EpilogueSchedule, TileShape>());
     static constexpr int kSubtiles = cute::size(cute::shape_div(cute::take<0, 2>(TileShape{}), EpiTile{}));
     static constexpr int kFragment =
         cute::size(EpiTile{}) / (cutlass::epilogue::collective::detail::sm90_is_cooperative_v<EpilogueSchedule> ? 256 : 128);
@@ -300,7 +285,7 @@ struct Sm90FusedGemm {
       static constexpr int value = kDefault;
     };
     static constexpr int kStagesD = Largest<cute::min(kSubtiles, 8)>::value;
-    static_assert(!EpilogueOf<EpiScheduleTag>::kTagged || (kReuseC && !cute::is_void_v<ElementC>),
+    static_assert(!EpilogueOf<EpilogueScheduleTag>::kTagged || (kReuseC && !cute::is_void_v<ElementC>),
                   "SourceAhead: for a source C of the output's type");
     // SourceAhead: StagesD = 2 and the most StagesC up to the tile's subtiles + 1 that keeps the
     // mainloop's kStages (at least 3).
@@ -320,7 +305,7 @@ struct Sm90FusedGemm {
     struct Pick<true, Unused> {
       using type = AtCD<Keep<kSubtiles + 1>::value, 2>;
     };
-    using type = typename Pick<EpilogueOf<EpiScheduleTag>::kTagged>::type;
+    using type = typename Pick<EpilogueOf<EpilogueScheduleTag>::kTagged>::type;
   };
   using BaseEpilogue = typename EpiPick::type;
   using CollectiveEpilogue = EpilogueWrap<BaseEpilogue>;

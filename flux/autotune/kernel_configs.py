@@ -41,8 +41,7 @@ class KernelConfig:
     schedule ('cooperative' or 'pingpong'), the (input, output) dtypes built and the tile
     scheduler ('persistent'; 'streamk': K split among CTAs where tiles are fewer than SMs, by
     CUTLASS's heuristic; 'streamk-all': split on every shape; 'splitk': the persistent kernel over
-    ``splits`` slices of K, then a reduction pass), and its epilogue subtile ('auto' or 'narrow': half as
-    wide, flux/fused_configs.py)."""
+    ``splits`` slices of K, then a reduction pass)."""
     op: str
     id: int
     tile_m: int
@@ -54,12 +53,11 @@ class KernelConfig:
     dtypes: Tuple[Tuple[str, str], ...] = (("bf16", "bf16"),)
     scheduler: str = "persistent"
     splits: int = 1
-    stores: str = "auto"
 
     @classmethod
     def of(cls, op: str, c: "table.FusedConfig", dtypes: Tuple[Tuple[str, str], ...]) -> "KernelConfig":
         """The configuration ``c`` of the table (flux/fused_configs.py) built for ``dtypes``."""
-        return cls(op, c.id, *c.tile, *c.cluster, c.schedule, dtypes, c.scheduler, c.splits, c.stores)
+        return cls(op, c.id, *c.tile, *c.cluster, c.schedule, dtypes, c.scheduler, c.splits)
 
     def __post_init__(self):
         if self.op not in OPS or self.id < 0 or self.schedule not in ("cooperative", "pingpong"):
@@ -85,7 +83,7 @@ class KernelConfig:
         """As cached choices name it: a choice applies only to the same tile, cluster, schedule and scheduler."""
         tag = f"/k{self.splits}" if self.scheduler == "splitk" else _SCHED_TAG[self.scheduler]
         return (f"{self.tile_m}x{self.tile_n}x{self.tile_k}/{self.cluster_m}x{self.cluster_n}/"
-                f"{'pp' if self.schedule == 'pingpong' else 'coop'}{tag}{'/ns' if self.stores == 'narrow' else ''}")
+                f"{'pp' if self.schedule == 'pingpong' else 'coop'}{tag}")
 
 
 def _built():
