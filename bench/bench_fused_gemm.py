@@ -183,7 +183,7 @@ def bench_shape(rec, args, dtype, out_dtype, sm, device=None):
     prev = getattr(args, "top_records", {}).get((op, m, n, k))
     labs = (top_labels(prev, cfgs, args.top) if prev is not None
             else K.variants(op, m, cfgs, args.swizzle_list, [int(r) for r in args.rasters.split(",")], n))
-    own = K.label(*K.analytic_config(op, m_bucket(m), n, k, dtype, out_dtype, sm, built))
+    own = K.label(*K.served_default(op, m, n, k, dtype, out_dtype, sm, built))
     served = K.label(*K.choose_config(op, m, n, k, dtype, out_dtype, device))
     labs += [x for x in dict.fromkeys([own, served]) if x not in labs]
     prob = KernelProblem(op, m, n, k, dtype, out_dtype, device or torch.device("cuda"))

@@ -52,8 +52,8 @@ def chosen(r, doc, how, tuned_cache):
         return r.get("served")
     if how == "analytic":
         cfgs = list(K._allowed("default", doc["dtype"], doc["out_dtype"])[K._op(r["op"])].values())
-        return K.label(*K.analytic_config(r["op"], K.m_bucket(r["m"]), r["n"], r["k"], doc["dtype"],
-                                          doc["out_dtype"], doc["sm_count"], cfgs))
+        return K.label(*K.served_default(r["op"], r["m"], r["n"], r["k"], doc["dtype"], doc["out_dtype"],
+                                         doc["sm_count"], cfgs))
     ek = K.entry_key(r["op"], r["m"], r["n"], r["k"], doc["dtype"], doc["out_dtype"])
     if how == "tuned":
         if id(doc) not in tuned_cache:

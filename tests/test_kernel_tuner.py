@@ -156,7 +156,7 @@ def test_analytic_default_is_valid_for_every_grid_shape():
     GPU with shipped choices, a tuned one) is a variant the tuner would time."""
     configs = {op: {c.id: c for c in K.kernel_configs(op, "bf16")} for op in ("ag", "rs")}
     for r in model_grid():
-        cfg, raster, swz = K.analytic_config(r["op"], K.m_bucket(r["m"]), r["n"], r["k"], "bf16")
+        cfg, raster, swz = K.served_default(r["op"], r["m"], r["n"], r["k"], "bf16", None, 132)
         c = configs[r["op"]][cfg]
         assert raster == 1 and swz in (1, 2, 4, 8)
         # a band never pads tiles (a partial last tile, e.g. 4096 columns in 176-wide tiles, is a tile)
@@ -534,7 +534,7 @@ def test_shipped_choices_are_served_and_built(monkeypatch, gpu, files, whole):
         else:
             assert not whole, ek
             cfgs = [c for c in K.kernel_configs(r["op"], "bf16") if c.applies(r["m"], r["n"], r["k"])]
-            assert got == K.analytic_config(r["op"], K.m_bucket(r["m"]), r["n"], r["k"], "bf16", None, 132, cfgs), ek
+            assert got == K.served_default(r["op"], r["m"], r["n"], r["k"], "bf16", None, 132, cfgs), ek
     # Entries of other dtypes (fp32 output): served to such calls, and built for them.
     for ek, e in shipped.items():
         op, dt, out, mb, n, k = ek.split("|")
@@ -740,6 +740,37 @@ def test_tune_second_look(monkeypatch):
     assert e["vs_cublas"] == pytest.approx((1.01 * 0.96) ** 0.5, abs=1e-4)
     one = K.tune("ag", 4096, 8192, 4096, torch.bfloat16, device=torch.device("cpu"), cache=cache, look=0)
     assert one["choice"] == labs[0] and "runs" not in one and len(calls) == 3
+
+
+def test_tune_weighs_the_served_default(monkeypatch):
+    """The tuner weighs its choice against the analytic default that choose_config serves uncached: at the
+    bucket of M (every M of the bucket gets the entry), as entries_from_bench does, not at M itself."""
+    from flux.autotune import kernel_timing as KT
+
+    m, n, k = 300, 4096, 1024  # bucket 512: the analytic default differs between 300 rows and 512
+    at_m = K.label(*K.analytic_config("ag", m, n, k, "bf16", "bf16", 132))
+    served = K.label(*K.served_default("ag", m, n, k, "bf16", "bf16", 132))
+    assert at_m != served
+
+    class Prob:
+        def __init__(self, *a):
+            pass
+
+        def fused(self, *lab):
+            return K.label(*lab)
+
+        def cublas(self):
+            return "cublas"
+
+        def rel_err(self, f):
+            return 0.0
+    monkeypatch.setattr(KT, "KernelProblem", Prob)
+    monkeypatch.setattr(KT, "tolerance", lambda prob: 1.0)
+    monkeypatch.setattr(KT, "estimate_ms", lambda f: 1.0)
+    monkeypatch.setattr(KT, "time_calls", lambda fns, *a, **kw: {lab: {"loop": 1.0, "graph": 1.0} for lab in fns})
+    e = K.tune("ag", m, n, k, torch.bfloat16, device=torch.device("cpu"), cache=K.KernelCache("kernels|cpu|sm132"))
+    assert e["default"] == served and e["choice"] == served  # all equal: the default stands
+    assert e["default"] == K.label(*K.choose_config("ag", m, n, k, torch.bfloat16))
 
 
 def test_bench_rounds_on_fakes(fake_gpu):

@@ -406,8 +406,15 @@ def choose_config(op: str, m: int, n: int, k: int, dtype=torch.bfloat16, out_dty
         for pair in (("bf16", own[1]), ("bf16", "bf16")):
             if got is None and pair != own:
                 got = cached_choice(cache, op, mb, n, k, dtype, out_dtype, pair)
-        _memo[memo] = got or analytic_config(op, mb, n, k, dtype, out_dtype, sm)
+        _memo[memo] = got or served_default(op, m, n, k, dtype, out_dtype, sm)
     return _memo[memo]
+
+
+def served_default(op: str, m: int, n: int, k: int, dtype, out_dtype, sm: int,
+                   configs: Optional[Sequence[KernelConfig]] = None) -> Tuple[int, int, int]:
+    """The analytic default as ``choose_config`` serves it to every M of m's bucket: ``analytic_config``
+    at the bucket's M. The tuner and ``entries_from_bench`` weigh their choices against this one."""
+    return analytic_config(op, m_bucket(m), n, k, dtype, out_dtype, sm, configs)
 
 
 # ---- tuning (one GPU) -----------------------------------------------------------------------
@@ -444,7 +451,7 @@ def tune(op: str, m: int, n: int, k: int, dtype=torch.bfloat16, out_dtype=None, 
     key, sm = gpu_key(device)
     cache = cache if cache is not None else kernel_cache(key)
     cfgs = {c.id: c for c in kernel_configs(op, dtype, out_dtype) if c.applies(m, n, k)}
-    default = label(*analytic_config(op, m, n, k, dtype, out_dtype, sm, list(cfgs.values())))
+    default = label(*served_default(op, m, n, k, dtype, out_dtype, sm, list(cfgs.values())))
     labs = variants(op, m, list(cfgs.values()), n=n)
     labs = labs + [default] if default not in labs else labs
     prob = KernelProblem(_op(op), m, n, k, DTYPES[_dt(dtype)], DTYPES[_dt(out_dtype)], torch.device(device or "cuda"))
@@ -547,8 +554,8 @@ def entries_from_bench(doc, configs: str = "default") -> Tuple[str, Dict[str, di
     entries = {}
     for (op, m, n, k), recs in shapes.items():
         cfgs = {i: c for i, c in allowed[_op(op)].items() if c.applies(m, n, k)}
-        default = label(*analytic_config(op, m_bucket(m), n, k, first["dtype"], first["out_dtype"],
-                                         first["sm_count"], list(cfgs.values())))
+        default = label(*served_default(op, m, n, k, first["dtype"], first["out_dtype"], first["sm_count"],
+                                        list(cfgs.values())))
         entry = entry_from_records(recs, cfgs, default)
         if entry is not None:
             entries[entry_key(op, m, n, k, first["dtype"], first["out_dtype"])] = entry
