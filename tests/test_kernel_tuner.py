@@ -691,33 +691,44 @@ def test_tune_on_fakes(fake_gpu, monkeypatch):
     assert len(seen[0][1]) > K.LOOK + 1 and set(seen[1][1]) < set(seen[0][1])
 
 
+class _FakeProblem:
+    """kernel_timing.KernelProblem without a GPU: each variant "runs" as its label, always correct."""
+    def __init__(self, *a):
+        pass
+
+    def fused(self, *lab):
+        return K.label(*lab)
+
+    def cublas(self):
+        return "cublas"
+
+    def rel_err(self, f):
+        return 0.0
+
+
+def _fake_problems(monkeypatch, time_calls):
+    """The tuner on _FakeProblem, timed by ``time_calls(fns, calls, rounds, timings, warm=0)``."""
+    from flux.autotune import kernel_timing as KT
+
+    monkeypatch.setattr(KT, "KernelProblem", _FakeProblem)
+    monkeypatch.setattr(KT, "tolerance", lambda prob: 1.0)
+    monkeypatch.setattr(KT, "estimate_ms", lambda f: 1.0)
+    monkeypatch.setattr(KT, "time_calls", time_calls)
+
+
 def test_tune_second_look(monkeypatch):
     """The tuner's rule is the bench files' (entry_from_records: the worse ratio to cuBLAS, timed beside
     it), with a second look: the LOOK variants of least score and the analytic default are timed again
     with cuBLAS, each then scored by the geometric mean of its two scores, and the choice is among them:
     a variant fast in the first timing alone loses to one fast in both."""
-    from flux.autotune import kernel_timing as KT
-
     cfgs = [c for c in K.kernel_configs("ag", "bf16") if c.applies(4096, 8192, 4096)]
     labs = [K.label(c.id, 1, 1) for c in cfgs][:6]
-    default = K.label(*K.analytic_config("ag", 4096, 8192, 4096, "bf16", "bf16", 132, cfgs))
+    default = K.label(*K.served_default("ag", 4096, 8192, 4096, "bf16", "bf16", 132, cfgs))
     first = {lab: 1.0 + 0.01 * i for i, lab in enumerate(labs)}
     first[labs[0]] = 0.90  # fast in the first timing alone
     first[default] = 1.2
     second = {labs[0]: 1.10, labs[1]: 0.96}
 
-    class Prob:
-        def __init__(self, *a):
-            pass
-
-        def fused(self, *lab):
-            return K.label(*lab)
-
-        def cublas(self):
-            return "cublas"
-
-        def rel_err(self, f):
-            return 0.0
     calls = []
 
     def time_calls(fns, calls_, rounds, timings, warm=0):
@@ -727,10 +738,7 @@ def test_tune_second_look(monkeypatch):
         return {lab: {"loop": 2.0, "graph": 1.0} if lab == "cublas" else
                 {"loop": 2 * src.get(lab, 1.0), "graph": src.get(lab, 1.0)} for lab in fns}
     monkeypatch.setattr(K, "variants", lambda op, m, cfgs, n=None: list(first))
-    monkeypatch.setattr(KT, "KernelProblem", Prob)
-    monkeypatch.setattr(KT, "tolerance", lambda prob: 1.0)
-    monkeypatch.setattr(KT, "estimate_ms", lambda f: 1.0)
-    monkeypatch.setattr(KT, "time_calls", time_calls)
+    _fake_problems(monkeypatch, time_calls)
     cache = K.KernelCache("kernels|cpu|sm132")
     e = K.tune("ag", 4096, 8192, 4096, torch.bfloat16, device=torch.device("cpu"), cache=cache)
     want = sorted(labs[:K.LOOK] + ([default] if default not in labs[:K.LOOK] else []))
@@ -745,29 +753,12 @@ def test_tune_second_look(monkeypatch):
 def test_tune_weighs_the_served_default(monkeypatch):
     """The tuner weighs its choice against the analytic default that choose_config serves uncached: at the
     bucket of M (every M of the bucket gets the entry), as entries_from_bench does, not at M itself."""
-    from flux.autotune import kernel_timing as KT
-
     m, n, k = 300, 4096, 1024  # bucket 512: the analytic default differs between 300 rows and 512
     at_m = K.label(*K.analytic_config("ag", m, n, k, "bf16", "bf16", 132))
     served = K.label(*K.served_default("ag", m, n, k, "bf16", "bf16", 132))
     assert at_m != served
 
-    class Prob:
-        def __init__(self, *a):
-            pass
-
-        def fused(self, *lab):
-            return K.label(*lab)
-
-        def cublas(self):
-            return "cublas"
-
-        def rel_err(self, f):
-            return 0.0
-    monkeypatch.setattr(KT, "KernelProblem", Prob)
-    monkeypatch.setattr(KT, "tolerance", lambda prob: 1.0)
-    monkeypatch.setattr(KT, "estimate_ms", lambda f: 1.0)
-    monkeypatch.setattr(KT, "time_calls", lambda fns, *a, **kw: {lab: {"loop": 1.0, "graph": 1.0} for lab in fns})
+    _fake_problems(monkeypatch, lambda fns, *a, **kw: {lab: {"loop": 1.0, "graph": 1.0} for lab in fns})
     e = K.tune("ag", m, n, k, torch.bfloat16, device=torch.device("cpu"), cache=K.KernelCache("kernels|cpu|sm132"))
     assert e["default"] == served and e["choice"] == served  # all equal: the default stands
     assert e["default"] == K.label(*K.choose_config("ag", m, n, k, torch.bfloat16))
