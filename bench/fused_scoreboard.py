@@ -16,8 +16,9 @@ shape's latest file (one call alone behind a GPU spin, the files' diagnostic tim
 launches its kernel, after a memset and an event wait), a choice nothing ships, for comparison. Ratios are the kernel's
 ms over ``torch.mm``'s (cuBLAS) in the same file, per timing; with ``--pool`` (files that repeat one run, e.g. of one
 commit on several machines) each ratio is the geometric mean of that ratio over every file that timed the
-configuration, the later file no longer winning alone (``--timings``: loop and graph, the targets' timings, by
-default; spin too on request), and over the tuned choice's ms. The targets:
+configuration, the later file no longer winning alone, and the spread between the files is reported: per shape
+timed in two or more, the largest over the least of the choice's ratios, median and maximum over the shapes
+(``--timings``: loop and graph, the targets' timings, by default; spin too on request), and over the tuned choice's ms. The targets:
 AG within 2% of cuBLAS from 1024 rows, within 5% at 256, geometric mean at most 1.00; RS (one
 rank's block of rows) faster than ``mm`` then ``add`` from 128 rows, within 2% of ``mm`` from 1024.
 """
@@ -82,6 +83,18 @@ def ratios(timed, lab, base, timings=TIMINGS, pool=False):
     return out
 
 
+def spread(timed, lab, base="cublas", timings=TIMINGS):
+    """{timing: the largest over the least ratio of ``lab`` to ``base`` among the files that timed it}
+    (repeats of one run: how far one run's figure may move); None where fewer than two files did."""
+    runs = [(r, r["variants"][lab]) for r, _ in timed if lab and r["variants"].get(lab, {}).get("ok")]
+    out = {}
+    for t in timings:
+        each = [v["ms"][t] / r[base]["ms"][t] for r, v in runs
+                if (v.get("ms") or {}).get(t) and ((r.get(base) or {}).get("ms") or {}).get(t)]
+        out[t] = max(each) / min(each) if len(each) > 1 else None
+    return out
+
+
 def _geomean(xs):
     return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
 
@@ -126,7 +139,8 @@ def scoreboard(paths, how="shipped", timings=TIMINGS, against="tuned", pool=Fals
         rows.append({"op": op, "m": m, "n": n, "k": k, "choice": lab, "vs_cublas": mine,
                      "vs_cublas_add": ratios(timed, lab, "cublas_add", timings, pool) if op == "rs" else None,
                      "vs_cublas_beta1": ratios(timed, lab, "cublas_beta1", timings, pool) if op == "rs" else None,
-                     "beta1_vs_cublas": beta1_over_mm(timed, timings, pool) if op == "rs" else None, key: vs})
+                     "beta1_vs_cublas": beta1_over_mm(timed, timings, pool) if op == "rs" else None, key: vs,
+                     "spread": spread(timed, lab, "cublas", timings) if pool else None})
     untimed = [f"{x['op']} {x['m']}x{x['n']}x{x['k']}" for x in rows if x["vs_cublas"] is None]
     out = {"files": list(paths), "choice": how, "against": against, "pool": pool, "shapes": len(rows), "untimed": untimed,
            "timings": {}}
@@ -157,6 +171,10 @@ def scoreboard(paths, how="shipped", timings=TIMINGS, against="tuned", pool=Fals
             "over_5pct": sum(v > 1.05 for v in vt), "max": max(vt) if vt else None,
             "which": [f"{x['op']} {x['m']}x{x['n']}x{x['k']} {x['choice']} {x[key][t]:.3f}"
                       for x in sel if x[key][t] > 1.05]}
+        if pool:  # the choice's ratio to cuBLAS between the files, per shape timed in two or more
+            sp = sorted(x["spread"][t] for x in rows if x["spread"] and x["spread"][t])
+            out["timings"][t]["spread"] = {"shapes": len(sp), "median": sp[len(sp) // 2] if sp else None,
+                                           "max": sp[-1] if sp else None}
     return out
 
 
@@ -175,7 +193,10 @@ def text(s):
                         f"of {vt['shapes']} over 5%, max {vt['max']:.2f}" if vt["shapes"] else "")
                      + (f"; cuBLAS adding into its output (beta = 1), >= 1024 rows: {b1['geomean']:.3f} x mm "
                         f"({b1['missed']} of {b1['shapes']} over 2%), RS {vb1['geomean']:.3f} x it ({vb1['missed']} "
-                        f"over 2%)" if b1["shapes"] and vb1["shapes"] else ""))
+                        f"over 2%)" if b1["shapes"] and vb1["shapes"] else "")
+                     + (f"; between the files, the choice's ratio per shape moved by a median {v['spread']['median']:.3f}x, "
+                        f"at most {v['spread']['max']:.3f}x ({v['spread']['shapes']} shapes)"
+                        if v.get("spread", {}).get("shapes") else ""))
     return "\n".join(lines)
 
 

@@ -857,6 +857,9 @@ def test_fused_scoreboard(tmp_path):
     assert pt["ag_within_2pct_from_1024"]["which"] == [f"1024x64x64 {math.sqrt(1.5 * 1.01):.3f}"]
     assert abs(pt["ag_geomean"] - math.sqrt(math.sqrt(1.5 * 1.01) * 1.04)) < 1e-9
     assert pt["rs_within_2pct_of_mm_from_1024"] == t["rs_within_2pct_of_mm_from_1024"]  # one file: as unpooled
+    # The spread between repeats: the one shape both files timed, 1.5 against 1.01.
+    assert pt["spread"] == {"shapes": 1, "median": pytest.approx(1.5 / 1.01), "max": pytest.approx(1.5 / 1.01)}
+    assert "moved by a median 1.485x" in S.text(p) and "spread" not in t
     # A label the later file did not time is read from the latest file that did, as its ratio to that
     # file's cuBLAS (c9 only in c.json: 1.2 / 2.0), and a label no file timed leaves the shape untimed.
     c, d = tmp_path / "c.json", tmp_path / "d.json"
