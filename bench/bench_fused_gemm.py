@@ -318,15 +318,15 @@ def print_table(results, summ):
     for op, per in summ.items():
         for tm, s in per.items():
             tag = "" if tm in HEADLINE else " (diagnostic)"
-            print(f"summary {op} {tm}{tag}: {s['shapes']} shapes; own choice within 2%/5% of cuBLAS: "
+            print(f"summary {op} {tm}{tag}: {s['shapes']} shapes; analytic default (\"own\") within 2%/5% of cuBLAS: "
                   f"{s['own_within_2pct']}/{s['own_within_5pct']}; best config: {s['best_within_2pct']}/"
-                  f"{s['best_within_5pct']}; geomean own/cuBLAS {_f(s['geomean_own_over_cublas'], '5.3f')}, "
-                  f"best/cuBLAS {_f(s['geomean_best_over_cublas'], '5.3f')}, own/best "
-                  f"{_f(s['geomean_own_over_best'], '5.3f')}, served (tuned)/cuBLAS "
+                  f"{s['best_within_5pct']}; geomean analytic/cuBLAS {_f(s['geomean_own_over_cublas'], '5.3f')}, "
+                  f"best/cuBLAS {_f(s['geomean_best_over_cublas'], '5.3f')}, analytic/best "
+                  f"{_f(s['geomean_own_over_best'], '5.3f')}, served/cuBLAS "
                   f"{_f(s['geomean_served_over_cublas'], '5.3f')}")
             for key in sorted(k for k in s if k.startswith("geomean_best_over_cublas_pdl")):
                 pdl = key.rsplit("_pdl", 1)[1]
-                print(f"summary {op} {tm}{tag} PDL {pdl}: geomean own/cuBLAS "
+                print(f"summary {op} {tm}{tag} PDL {pdl}: geomean analytic/cuBLAS "
                       f"{_f(s['geomean_own_over_cublas_pdl' + pdl], '5.3f')}, best/cuBLAS {_f(s[key], '5.3f')}")
 
 
