@@ -394,8 +394,7 @@ def top_labels(record, cfgs, top):
     configurations ``cfgs`` (selected and built now); least first."""
     from flux.autotune import kernels as K
 
-    _, scores = K.bench_scores(record, {c.id: c for c in cfgs})
-    return sorted(scores, key=lambda lab: (scores[lab], lab))[:top]
+    return K.least_labels(record, {c.id: c for c in cfgs}, top)
 
 
 def top_shapes(recs, records):

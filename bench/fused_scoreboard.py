@@ -65,32 +65,34 @@ def chosen(r, doc, how, tuned_cache):
     return e["choice"] if e else None
 
 
+def _each(timed, lab, base, t):
+    """Per result of ``timed`` (latest first) in which ``lab`` ran correctly: its ms over ``base``'s in
+    timing ``t``, None where either was not timed."""
+    out = []
+    for r, _ in timed:
+        v = r["variants"].get(lab, {}) if lab else {}
+        if v.get("ok"):
+            ms, ref = (v.get("ms") or {}).get(t), ((r.get(base) or {}).get("ms") or {}).get(t)
+            out.append(ms / ref if ms and ref else None)
+    return out
+
+
 def ratios(timed, lab, base, timings=TIMINGS, pool=False):
     """{timing: ms of ``lab`` / ms of ``base``} from the latest of the results ``timed`` (latest
     first) in which ``lab`` ran correctly (``pool``: the geometric mean over all of them); None where
     none did."""
-    runs = [(r, r["variants"][lab]) for r, _ in timed if lab and r["variants"].get(lab, {}).get("ok")]
-    if not runs:
+    each = {t: _each(timed, lab, base, t) for t in timings}
+    if not any(each.values()):
         return None
-    out = {}
-    for t in timings:
-        each = []
-        for r, v in runs if pool else runs[:1]:
-            ms, ref = (v.get("ms") or {}).get(t), ((r.get(base) or {}).get("ms") or {}).get(t)
-            if ms and ref:
-                each.append(ms / ref)
-        out[t] = _geomean(each)
-    return out
+    return {t: _geomean([x for x in (xs if pool else xs[:1]) if x]) for t, xs in each.items()}
 
 
 def spread(timed, lab, base="cublas", timings=TIMINGS):
     """{timing: the largest over the least ratio of ``lab`` to ``base`` among the files that timed it}
     (repeats of one run: how far one run's figure may move); None where fewer than two files did."""
-    runs = [(r, r["variants"][lab]) for r, _ in timed if lab and r["variants"].get(lab, {}).get("ok")]
     out = {}
     for t in timings:
-        each = [v["ms"][t] / r[base]["ms"][t] for r, v in runs
-                if (v.get("ms") or {}).get(t) and ((r.get(base) or {}).get("ms") or {}).get(t)]
+        each = [x for x in _each(timed, lab, base, t) if x]
         out[t] = max(each) / min(each) if len(each) > 1 else None
     return out
 

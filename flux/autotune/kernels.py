@@ -482,9 +482,8 @@ def tune(op: str, m: int, n: int, k: int, dtype=torch.bfloat16, out_dtype=None, 
         return out
     recs = [timed(list(fns))]
     if look > 0 and len(fns) > 1:
-        _, scores = bench_scores(recs[0], cfgs)
-        looked = sorted(scores, key=lambda lab: (scores[lab], lab))[:look]
-        looked += [default] if default in scores and default not in looked else []
+        looked = least_labels(recs[0], cfgs, look)
+        looked += [default] if default in fns and default not in looked else []
         recs.append(timed(looked))
     entry = entry_from_records(recs, cfgs, default)
     if entry is None:
@@ -524,6 +523,13 @@ def bench_scores(r: dict, cfgs: Dict[int, KernelConfig]) -> Tuple[Dict[str, dict
     def score(v):
         return max(v["ms"][t] / (ref.get(t) or 1.0) for t in ("loop", "graph") if v["ms"].get(t) is not None)
     return ok, {lab: score(v) for lab, v in ok.items()}
+
+
+def least_labels(record: dict, cfgs: Dict[int, KernelConfig], n: int) -> List[str]:
+    """The ``n`` labels of least score (``bench_scores``) in one run's record of a shape, least first (ties by
+    label): what a second look re-times (the tuner's, bench_fused_gemm.py --top-from)."""
+    _, scores = bench_scores(record, cfgs)
+    return sorted(scores, key=lambda lab: (scores[lab], lab))[:n]
 
 
 def entries_from_bench(doc, configs: str = "default") -> Tuple[str, Dict[str, dict]]:
