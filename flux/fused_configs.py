@@ -76,7 +76,6 @@ class FusedConfig(NamedTuple):
 
 
 C = FusedConfig
-F = ("bf16", "fp16", "bf16_fp32")  # the dtypes of RS's general-purpose configuration (rs 3)
 # Ids keep their meaning across releases; new shapes get new ids.
 # The default set (25 fused instantiations, the split-K configurations of one tile sharing one;
 # setup.py compiled them four to a translation unit (five since), about 45 s of a core per unit and 6 s per
@@ -292,7 +291,7 @@ CONFIGS = {
         C(0, (128, 256, 64), (2, 1), "cooperative", H, source="ahead"),
         C(1, (256, 128, 64), (2, 1), "cooperative", ()),
         C(2, (256, 128, 64), (1, 2), "cooperative", ()),  # cuBLAS's shape on big GEMMs
-        C(3, (128, 128, 64), (1, 1), "cooperative", F),  # the general-purpose one
+        C(3, (128, 128, 64), (1, 1), "cooperative", ("bf16", "fp16", "bf16_fp32")),  # the general-purpose one
         C(4, (64, 256, 64), (1, 1), "pingpong", ()),  # 128..512 rows per rank; wide N from 1024 rows
         C(5, (64, 128, 64), (1, 1), "pingpong", H),  # few rows per rank
         C(6, (128, 128, 64), (2, 1), "pingpong", H),
