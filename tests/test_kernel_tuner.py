@@ -501,7 +501,10 @@ SHIPPED_FROM_H100 = ("fused_gemm-h100-ag-small.json", "fused_gemm-h100-ag-4096.j
                       "fused_gemm-h100-ag-4096-all-top3-94b6098.json",
                       "fused_gemm-h100-ag-4096-405b-all-top3-94b6098.json"),
                      # RS bf16 at 4096 and 16384 rows over every configuration, and its second look, pooled.
-                     ("fused_gemm-h100-rs-all-31fa2ed.json", "fused_gemm-h100-rs-all-top3-31fa2ed.json"))
+                     ("fused_gemm-h100-rs-all-31fa2ed.json", "fused_gemm-h100-rs-all-top3-31fa2ed.json"),
+                     # RS bf16 at 256 and 1024 rows over every configuration, and their second looks, pooled.
+                     ("fused_gemm-h100-rs-256-all-d29c9e3.json", "fused_gemm-h100-rs-256-all-d29c9e3-top3.json",
+                      "fused_gemm-h100-rs-1024-all-d29c9e3.json", "fused_gemm-h100-rs-1024-all-d29c9e3-top3.json"))
 
 
 @pytest.mark.parametrize("gpu,files,whole", [("H200", SHIPPED_FROM, True), ("H100", SHIPPED_FROM_H100, True)])
