@@ -200,6 +200,11 @@ def _generate_fused_sources(with_sm90):
         header, macro, args_t, launch, alias, _ = _OP_CXX[op]
         name = table["kernel_name"](op, cid, dtype)
         (tm, tn, tk), (cm, cn) = cfg.tile, cfg.cluster
+        swapped = cfg.operands == "swapped"  # CUTLASS's problem is (N, M): its tile and cluster transposed
+        if swapped:
+            tm, tn, cm, cn = tn, tm, cn, cm
+        # the template's trailing arguments: (StreamK mode,) Swapped (csrc/common/fused_gemm.cuh Sm90FusedGemm)
+        sw_split = ", /*Swapped=*/true" if swapped else ""
         group = kernels.setdefault((f"{op}_fused", macro, header, tn not in _DEFAULT_MMA_N), [])
         kernel_sched, epi_sched = _SCHEDULES[cfg.schedule]
         if cfg.loads == "multicast-first":  # csrc/common/fused_gemm.cuh
@@ -217,10 +222,11 @@ def _generate_fused_sources(with_sm90):
             extra = ", int splits, int dtype"
             if name not in split_units:
                 split_units.add(name)
-                gemm = (f"{same_as}<{_DTYPE_ENUM[src_in + '_fp32']}, {shapes}>" if same_as
-                        else f"{split_alias}<{_DTYPE_ENUM[src_in]}, {shapes}>")
-                group.append((gemm, f"{op} split-K GEMM: {cfg.describe().rsplit(',', 1)[0]}; {src_in} inputs, fp32 partials.",
-                              _kernel_fn(name, args_t, f"{split_launch}<{split_alias}<{_DTYPE_ENUM[src_in]}, {shapes}>>",
+                sw_same = ", /*StreamK=*/0, /*Swapped=*/true" if swapped else ""
+                gemm = (f"{same_as}<{_DTYPE_ENUM[src_in + '_fp32']}, {shapes}{sw_same}>" if same_as
+                        else f"{split_alias}<{_DTYPE_ENUM[src_in]}, {shapes}{sw_split}>")
+                group.append((gemm, f"{op} split-K GEMM: {cfg.describe().replace(f', split-K into {cfg.splits}', '')}; {src_in} inputs, fp32 partials.",
+                              _kernel_fn(name, args_t, f"{split_launch}<{split_alias}<{_DTYPE_ENUM[src_in]}, {shapes}{sw_split}>>",
                                          extra)))
                 decls[op].append(f"void {name}(const {args_t}& a{extra});")
             cases[op].append(f"    case {cid * 4 + dt_index}: {name}(a, {cfg.splits}, {dt_index}); return true;")
@@ -228,6 +234,8 @@ def _generate_fused_sources(with_sm90):
             continue
         # the alias's StreamK mode: 0 persistent (its default), 1 stream-K by CUTLASS's heuristic, 2 always
         stream_k = {"persistent": "", "streamk": ", /*StreamK=*/1", "streamk-all": ", /*StreamK=*/2"}[cfg.scheduler]
+        if swapped:
+            stream_k = ", /*StreamK=*/0, /*Swapped=*/true"
         gemm = f"{alias}<{_DTYPE_ENUM[dtype]}, {shapes}{stream_k}>"
         group.append((gemm, f"{op} configuration {cid}: {cfg.describe()}; {src_in} inputs, {src_out} output.",
                        _kernel_fn(name, args_t, f"{launch}<{gemm}>")))

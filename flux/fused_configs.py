@@ -50,6 +50,11 @@ class FusedConfig(NamedTuple):
     # tile's source (the peer's partial) loaded during its mainloop, in the buffers the mainloop's stages
     # leave (csrc/common/fused_gemm.cuh SourceAhead)
     source: str = "auto"
+    # "ab": CUTLASS's problem is the layer's (rows of A along the tile's M); "swapped": out^T = weight @ a^T
+    # (csrc/common/fused_gemm.cuh Sm90FusedGemm), the warpgroup MMA's 64-row side along the layer's
+    # columns and its 8..256-wide side along A's rows. `tile` and `cluster` still name (rows, columns) of
+    # out; the cooperative schedule then splits the columns between its two consumer warp groups.
+    operands: str = "ab"
 
     @property
     def tile_m(self):
@@ -65,7 +70,8 @@ class FusedConfig(NamedTuple):
               "splitk": f", split-K into {self.splits}"}[self.scheduler]
         lo = "" if self.loads == "cutlass" else ", multicast load first"
         src = "" if self.source == "auto" else ", source loaded ahead"
-        return f"{m}x{n}x{k} tile, cluster {self.cluster[0]}x{self.cluster[1]}, {self.schedule}{sk}{lo}{src}"
+        sw = "" if self.operands == "ab" else ", operands swapped"
+        return f"{m}x{n}x{k} tile, cluster {self.cluster[0]}x{self.cluster[1]}, {self.schedule}{sk}{lo}{src}{sw}"
 
     def applies(self, m, n, k):
         """Whether this configuration runs an m x n x k problem: split-K cuts K into equal slices
@@ -277,6 +283,17 @@ CONFIGS = {
         # AG 75's twin took 0.94-1.02x its time (geometric mean about 0.97, two runs), AG 60's 0.98-1.01x, the
         # others 0.98-1.04x (geometric means 0.99-1.00) on the layers where they are served: AG 60 and 75 took
         # that order, the twins were removed.
+        # Swapped operands (out^T = weight @ a^T), the order of cuBLAS's kernels on these layers: tiles of 32 and
+        # 64 rows without padding the MMA's 64-row side (256 x 4096 x 1536: 8 x 12 tiles of 32x128), their
+        # split-K for the fewest tiles, and cuBLAS's 128x256 tile of the big layers with its 2x1 cluster (the
+        # weight multicast to the two CTAs of one column of tiles). Built by name.
+        C(110, (32, 128, 64), (1, 1), "cooperative", (), operands="swapped"),
+        C(111, (64, 128, 64), (1, 1), "cooperative", (), operands="swapped"),
+        C(112, (64, 64, 64), (1, 1), "pingpong", (), operands="swapped"),
+        C(113, (128, 256, 64), (2, 1), "cooperative", (), operands="swapped"),
+        C(114, (32, 64, 64), (1, 1), "pingpong", (), operands="swapped"),
+        C(115, (32, 128, 64), (1, 1), "cooperative", (), "splitk", 2, operands="swapped"),
+        C(116, (32, 128, 64), (1, 1), "cooperative", (), "splitk", 4, operands="swapped"),
     ),
     "rs": (
         # cuBLAS's tile from 512 rows per rank. Under warmed-up timing, with bands of up to 8 M tiles
@@ -343,11 +360,21 @@ CONFIGS = {
         # mainloop, measured and removed (bench/results/fused_gemm-h100-rs-prefetch.json, -rs-ahead.json):
         # all 8 subtiles at the cost of a mainloop stage (38, 39: 0.99x and 1.02x their twins' time), or
         # those the stages leave room for (40, 41: 0.97x and 0.99x). RS 0 took the last (source="ahead").
+        # Swapped operands (as AG 110-116): 32-row tiles for 32-128 rows per rank, and cuBLAS's 128x256 tile
+        # with its 2x1 cluster on the big layers. Built by name.
+        C(42, (32, 128, 64), (1, 1), "cooperative", (), operands="swapped"),
+        C(43, (64, 128, 64), (1, 1), "cooperative", (), operands="swapped"),
+        C(44, (64, 64, 64), (1, 1), "pingpong", (), operands="swapped"),
+        C(45, (128, 256, 64), (2, 1), "cooperative", (), operands="swapped"),
+        C(46, (32, 64, 64), (1, 1), "pingpong", (), operands="swapped"),
+        C(47, (32, 128, 64), (1, 1), "cooperative", (), "splitk", 2, operands="swapped"),
+        C(48, (32, 128, 64), (1, 1), "cooperative", (), "splitk", 4, operands="swapped"),
     ),
 }
 OPS = tuple(CONFIGS)
 SCHEDULERS = ("persistent", "streamk", "streamk-all", "splitk")
 SOURCES = ("auto", "ahead")
+OPERANDS = ("ab", "swapped")
 MAX_SPLITS = 16
 SPLIT_K_MAX_PARTIALS = 1 << 30  # bytes
 
@@ -388,6 +415,13 @@ def _check_schedulers():
             if c.source not in SOURCES or (c.source != "auto" and (op != "rs" or c.scheduler == "splitk")):
                 raise ValueError(f"flux.fused_configs: {op} configuration {c.id}: source {c.source!r} (\"ahead\": "
                                  f"rs configurations that add the source in their epilogue)")
+            rows, cols = c.tile[0], c.tile[1]
+            if c.operands not in OPERANDS or (c.operands == "swapped" and (
+                    c.scheduler.startswith("streamk") or c.loads != "cutlass" or rows % 8 or not 8 <= rows <= 256
+                    or cols % (128 if c.schedule == "cooperative" else 64))):
+                raise ValueError(f"flux.fused_configs: {op} configuration {c.id}: operands {c.operands!r} (swapped: "
+                                 f"persistent or split-K, CUTLASS's loads, 8..256 rows in steps of 8, columns a "
+                                 f"multiple of 128 cooperative or 64 ping-pong)")
             if (c.scheduler == "splitk") != (c.splits > 1) or not 1 <= c.splits <= MAX_SPLITS:
                 raise ValueError(f"flux.fused_configs: {op} configuration {c.id}: splits {c.splits} "
                                  f"with scheduler {c.scheduler!r} (split-K: 2..{MAX_SPLITS} slices)")
@@ -396,7 +430,7 @@ def _check_schedulers():
         # epilogue stages the source: two configurations alike in those would share cached choices.
         seen = {}
         for c in cfgs:
-            key = (c.tile, c.cluster, c.schedule, c.scheduler, c.splits)
+            key = (c.tile, c.cluster, c.schedule, c.scheduler, c.splits, c.operands)
             if key in seen:
                 raise ValueError(f"flux.fused_configs: {op} configurations {seen[key]} and {c.id} differ only in "
                                  f"their loads ({c.loads!r}) or source ({c.source!r}); cached choices could not tell "
@@ -512,7 +546,8 @@ def kernel_name(op, cid, dtype):
     if c is not None and c.scheduler == "splitk":
         (tm, tn, tk), (cm, cn) = c.tile, c.cluster
         sched = "pp" if c.schedule == "pingpong" else "coop"
-        return f"{op}_split_{tm}x{tn}x{tk}_{cm}x{cn}_{sched}_{DTYPE_IO[dtype][0]}"
+        sw = "_sw" if c.operands == "swapped" else ""
+        return f"{op}_split_{tm}x{tn}x{tk}_{cm}x{cn}_{sched}{sw}_{DTYPE_IO[dtype][0]}"
     return f"{op}_fused_c{cid}_{dtype}"
 
 

@@ -26,10 +26,15 @@ def test_table_is_consistent():
         assert len(ids) == len(set(ids)), op
         for c in configs:
             m, n, k = c.tile
-            assert c.schedule in ("cooperative", "pingpong"), c
-            assert m in (64, 128, 256) and n % 16 == 0 and 16 <= n <= 256 and k in (64, 128), c
-            # Cooperative splits a tile's rows between two consumer warpgroups of 64 rows each.
-            assert c.schedule == "pingpong" or m >= 128, c
+            assert c.schedule in ("cooperative", "pingpong") and c.operands in fc.OPERANDS, c
+            if c.operands == "ab":
+                assert m in (64, 128, 256) and n % 16 == 0 and 16 <= n <= 256 and k in (64, 128), c
+                # Cooperative splits a tile's rows between two consumer warpgroups of 64 rows each.
+                assert c.schedule == "pingpong" or m >= 128, c
+            else:  # out^T = weight @ a^T: the MMA's 64-row side along the columns, its N side along the rows
+                assert m % 8 == 0 and 8 <= m <= 256 and n % (128 if c.schedule == "cooperative" else 64) == 0, c
+                assert n <= 256 and k == 64 and not c.scheduler.startswith("streamk") and c.loads == "cutlass", c
+                assert "operands swapped" in c.describe(), c
             assert c.cluster in ((1, 1), (2, 1), (1, 2), (2, 2)), c
             assert set(c.default) <= set(fc.DTYPES), c
             # CUTLASS's sm90 stream-K scheduler runs in the cooperative kernel only.
@@ -68,8 +73,24 @@ def test_select_and_parse():
                                    (c.tile, c.cluster, c.schedule, fc.DTYPE_IO[d][0]) in split), (op, i, d)
     assert not [(op, i, d) for op, i, d in default if fc.config(op, i).scheduler == "streamk"]
     assert fc.select("streamk") == [("ag", i, "bf16") for i in range(12, 19)] + [("rs", i, "bf16") for i in range(8, 13)]
-    assert fc.select("splitk") == ([("ag", i, "bf16") for i in [*range(32, 43), *range(53, 59), 104, 105]]
-                                  + [("rs", i, "bf16") for i in [*range(13, 19), *range(23, 27)]])
+    assert fc.select("splitk") == ([("ag", i, "bf16") for i in [*range(32, 43), *range(53, 59), 104, 105, 115, 116]]
+                                  + [("rs", i, "bf16") for i in [*range(13, 19), *range(23, 27), 47, 48]])
+    # Swapped operands: a launcher of their own (the same tile as the layer's order is another kernel).
+    assert fc.kernel_name("ag", 115, "bf16") == fc.kernel_name("ag", 116, "bf16_fp32") == "ag_split_32x128x64_1x1_coop_sw_bf16"
+    for bad in (fc.FusedConfig(999, (32, 96, 64), (1, 1), "cooperative", (), operands="swapped"),  # 96 columns
+                fc.FusedConfig(999, (36, 128, 64), (1, 1), "cooperative", (), operands="swapped"),  # rows % 8
+                fc.FusedConfig(999, (32, 128, 64), (1, 1), "cooperative", (), "streamk", operands="swapped"),
+                fc.FusedConfig(999, (32, 128, 64), (1, 1), "cooperative", (), operands="ba")):
+        with pytest.raises(ValueError, match="operands"):
+            fc.CONFIGS["ag"] += (bad,)
+            try:
+                fc._check_schedulers()
+            finally:
+                fc.CONFIGS["ag"] = fc.CONFIGS["ag"][:-1]
+    # A tile in both orders (AG 0 and 113): two configurations, told apart in cached choices.
+    assert fc.config("ag", 0)[1:4] == fc.config("ag", 113)[1:4] and fc.config("ag", 113).operands == "swapped"
+    assert KC.KernelConfig.of("ag", fc.config("ag", 113), (("bf16", "bf16"),)).desc == "128x256x64/2x1/coop/sw"
+    assert KC.KernelConfig.of("ag", fc.config("ag", 115), (("bf16", "bf16"),)).desc == "32x128x64/1x1/coop/k2/sw"
     # Split-K configurations of one tile share a launcher (one unit per tile and input dtype).
     assert fc.kernel_name("ag", 32, "bf16") == fc.kernel_name("ag", 34, "bf16_fp32") == "ag_split_128x64x64_1x1_pp_bf16"
     assert fc.kernel_name("ag", 33, "fp16") == "ag_split_128x64x64_1x1_pp_fp16"
@@ -114,10 +135,8 @@ def test_select_and_parse():
     assert fc.parse_built("") == frozenset()
 
 
-def test_setup_generates_units_of_instantiations(tmp_path, monkeypatch):
-    """setup.py's generator, run against a scratch root: every instantiation defined in exactly one
-    unit of at most FLUX_UNIT_KERNELS, units of one op's header (the grouped GEMMs apart) and of one
-    MMA-shape setting, a dispatch case per instantiation, and the built list naming exactly them."""
+def _setup_scope(tmp_path):
+    """setup.py's functions (its module body up to the build), with ROOT a scratch root holding the table."""
     src = open(os.path.join(ROOT, "setup.py")).read().split("ext_modules, cmdclass, _ = _cuda_extension()")[0]
     scope = {"__file__": os.path.join(ROOT, "setup.py"), "__name__": "flux_setup_under_test"}
     exec(compile(src, "setup.py", "exec"), scope)
@@ -125,6 +144,38 @@ def test_setup_generates_units_of_instantiations(tmp_path, monkeypatch):
     os.makedirs(tmp_path / "flux")
     with open(os.path.join(ROOT, "flux", "fused_configs.py")) as f:
         (tmp_path / "flux" / "fused_configs.py").write_text(f.read())
+    return scope
+
+
+def test_setup_generates_swapped_operands(tmp_path, monkeypatch):
+    """A configuration with swapped operands is generated as CUTLASS's transposed problem: its tile and
+    cluster as (columns, rows), the Swapped flag on the persistent and the split-K GEMM (AG's split GEMM
+    the fp32-output kernel of its tile, in one unit), and the extended MMA shapes by the rows (CUTLASS's N)."""
+    scope = _setup_scope(tmp_path)
+    monkeypatch.setenv("FLUX_KERNELS", "ag:113:bf16,ag:115:bf16,ag:110:bf16_fp32,rs:42:bf16,rs:47:fp16")
+    monkeypatch.setenv("FLUX_UNIT_KERNELS", "8")
+    names = sorted(os.path.basename(s) for s in scope["_generate_fused_sources"](True))
+    assert names == ["ag_fused_0.cu", "fused_dispatch.cpp", "rs_fused_0.cu"]
+    gen = tmp_path / "build" / "flux_generated"
+    ag, rs = (gen / "ag_fused_0.cu").read_text(), (gen / "rs_fused_0.cu").read_text()
+    assert ("launch_ag_fused<AgGemm<kBf16, cute::Shape<cute::_256, cute::_128, cute::_64>,\n"
+            "      cute::Shape<cute::_1, cute::_2, cute::_1>, cutlass::gemm::KernelTmaWarpSpecializedCooperative, "
+            "cutlass::epilogue::TmaWarpSpecializedCooperative, /*StreamK=*/0, /*Swapped=*/true>>(a);") in ag
+    assert "launch_ag_split<AgSplitGemm<kBf16, cute::Shape<cute::_128, cute::_32, cute::_64>" in ag
+    assert "/*Swapped=*/true>>(a, splits, dtype);" in ag and "operands swapped" in ag
+    assert "launch_rs_fused<RsFoldGemm<kBf16, cute::Shape<cute::_128, cute::_32, cute::_64>" in rs
+    assert "launch_rs_split<RsSplitGemm<kFp16, cute::Shape<cute::_128, cute::_32, cute::_64>" in rs
+    assert rs.count("/*Swapped=*/true>>") == 2 and "CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED" not in ag + rs
+    dispatch = (gen / "fused_dispatch.cpp").read_text()
+    assert f"case {115 * 4}: ag_split_32x128x64_1x1_coop_sw_bf16(a, 2, 0); return true;" in dispatch
+    assert f"case {110 * 4 + 2}: ag_fused_c110_bf16_fp32(a); return true;" in dispatch
+
+
+def test_setup_generates_units_of_instantiations(tmp_path, monkeypatch):
+    """setup.py's generator, run against a scratch root: every instantiation defined in exactly one
+    unit of at most FLUX_UNIT_KERNELS, units of one op's header (the grouped GEMMs apart) and of one
+    MMA-shape setting, a dispatch case per instantiation, and the built list naming exactly them."""
+    scope = _setup_scope(tmp_path)
     monkeypatch.setenv("FLUX_KERNELS", "minimal,ag:7:fp16_fp32,ag:28:bf16,rs:8:bf16,rs:12:bf16,gmm:0:kn,"
                        "ag:33:bf16,ag:34:bf16_fp32,rs:15:fp16,ag:9:bf16_fp32")
     monkeypatch.setenv("FLUX_UNIT_KERNELS", "2")
@@ -691,20 +742,23 @@ except RuntimeError as e:
 
 
 @gpu
-@pytest.mark.parametrize("scheduler", ["streamk", "splitk"])
+@pytest.mark.parametrize("kind", ["streamk", "splitk", "swapped"])
 @pytest.mark.parametrize("op", ["ag", "rs"])
-def test_gpu_split_k_waits_for_missing_rows(op, scheduler):
-    """A stream-K kernel whose problem splits K (few tiles, deep K), or a split-K configuration
-    (AG: its GEMM's tiles wait; RS: its reduction pass waits for the source), with one shard (AG) or
+def test_gpu_waits_for_missing_rows(op, kind):
+    """A stream-K kernel whose problem splits K (few tiles, deep K), a split-K configuration
+    (AG: its GEMM's tiles wait; RS: its reduction pass waits for the source), or a persistent one with
+    swapped operands (A's rows, and the source's, along CUTLASS's N tiles), with one shard (AG) or
     one segment of the source (RS) never announced does not complete: its wait expires and traps
     (nothing read rows that had not arrived); with every flag set the same call completes.
     In child processes, whose CUDA context the trap ends."""
     import subprocess
     import sys
 
-    built = sorted(t for t in _BUILT if t[0] == op and t[2] == "bf16" and fc.config(op, t[1]).scheduler == scheduler)
+    def of_kind(c):
+        return c.operands == "swapped" and c.scheduler == "persistent" if kind == "swapped" else c.scheduler == kind
+    built = sorted(t for t in _BUILT if t[0] == op and t[2] == "bf16" and of_kind(fc.config(op, t[1])))
     if not built:
-        pytest.skip(f"no {op} {scheduler} bf16 instantiation built (FLUX_KERNELS={scheduler} builds them)")
+        pytest.skip(f"no {op} {kind} bf16 instantiation built")
     for missing, expect in ((0, "COMPLETED"), (1, "TRAPPED")):
         res = subprocess.run([sys.executable, "-c", _MISSING_CHILD, op, str(built[0][1]), str(missing)],
                              capture_output=True, text=True, timeout=300, cwd=ROOT,

@@ -70,16 +70,18 @@ namespace flux {
 
 // StreamK (Sm90FusedGemm's StreamKMode): CUTLASS's stream-K scheduler with the same readiness wait
 // (cooperative schedule only).
+// Swapped: out^T = weight @ a_full^T (Sm90FusedGemm), the readiness wait and the order on CUTLASS's N tiles.
 template <int Dtype, class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule,
-          int StreamK = 0>
+          int StreamK = 0, bool Swapped = false>
 using AgGemm = Sm90FusedGemm<typename FusedTypes<Dtype>::In, typename FusedTypes<Dtype>::Out, TileShape, ClusterShape,
                              KernelSchedule, EpilogueSchedule, false, PlainEpilogue,
-                             std::conditional_t<StreamK != 0, AgStreamKSchedulerTag, AgSchedulerTag>, StreamK>;
+                             std::conditional_t<StreamK != 0, AgStreamKSchedulerTag, AgSchedulerTag>, StreamK, Swapped>;
 
 // The same GEMM with fp32 output, for split-K (common/split_k.cuh): InDtype kBf16 or kFp16.
-template <int InDtype, class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule>
+template <int InDtype, class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule,
+          bool Swapped = false>
 using AgSplitGemm = AgGemm<InDtype == kBf16 ? kBf16Fp32 : kFp16Fp32, TileShape, ClusterShape, KernelSchedule,
-                           EpilogueSchedule>;
+                           EpilogueSchedule, 0, Swapped>;
 
 template <class G>
 void set_ag_wait(typename G::Gemm::Arguments& args, const AgFusedArgs& a) {
@@ -89,7 +91,8 @@ void set_ag_wait(typename G::Gemm::Arguments& args, const AgFusedArgs& a) {
   args.scheduler.rank = a.rank;
   args.scheduler.world = a.world;
   args.scheduler.rows_per_rank = a.rows_per_rank;
-  args.scheduler.tile_m = G::kTileM;
+  args.scheduler.tile_m = G::kTileRows;
+  args.scheduler.rows_on_n = G::kSwapped;
   args.scheduler.timeout_ns = a.timeout_ns;
   args.scheduler.error = a.error_record;
   args.scheduler.trace = a.trace;

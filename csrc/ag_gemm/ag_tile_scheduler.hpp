@@ -3,7 +3,8 @@
 // AgTileScheduler (persistent, one CTA per tile and whole K):
 //  1. Order. Tile m is served as (m + offset) mod tiles_m, offset = the first tile of this rank's
 //     block rounded down to a whole band of cluster_m * swizzle tiles (clusters and swizzle bands
-//     stay aligned): the first waves read only local rows while the peers' shards arrive.
+//     stay aligned): the first waves read only local rows while the peers' shards arrive. With
+//     swapped operands (rows_on_n) the same on the N index, whose tiles cover A's rows.
 //  2. Readiness. Before a tile is returned, the warps that load A wait until flags[src] != 0
 //     (ld.acquire.sys) for every remote rank whose rows the tile covers. The flag is a stream write
 //     after the copy-engine push of that shard (csrc/ag_gemm/ag_gemm_plan.cpp), whose fence makes
@@ -40,7 +41,10 @@ struct AgWaitArguments {
   int rank = 0;
   int world = 1;
   int rows_per_rank = 1;  // M of one shard
-  int tile_m = 128;       // rows of one tile (the kernel's tile shape)
+  int tile_m = 128;       // rows of A in one tile (the kernel's tile shape)
+  // Swapped operands (out^T = weight @ a_full^T, csrc/common/fused_gemm.cuh): A's rows are CUTLASS's N, so
+  // the order and the wait are on the tiles' N index; the diagnostics below (order, deal) are then off.
+  bool rows_on_n = false;
   uint64_t timeout_ns = 0;
   uint32_t* error = nullptr;  // host-mapped [2]: (waiting rank + 1, missing rank) on timeout
   // A diagnostic (torch.ops.flux.set_fused_trace; nullptr, the default, records nothing): per CTA of
@@ -219,7 +223,7 @@ class AgTileScheduler
   struct Arguments : BaseArguments, AgWaitArguments {};
 
   struct Params : BaseParams, AgRowWait {
-    int tiles_m = 1;  // tile rows, padded to whole bands of the raster (cluster_m << log_swizzle)
+    int tiles_m = 1;  // tiles along A's rows (M, or N where rows_on_n), padded to whole bands of the raster
     int offset_tiles = 0;
     // The diagnostic permutation (AgWaitArguments::order) over cluster_rows x cluster_cols cluster
     // tiles of cluster_m x cluster_n tiles; order is nullptr where none applies to this launch.
@@ -238,14 +242,16 @@ class AgTileScheduler
     base_params = Base::to_underlying_arguments(problem_shape_mnkl, tile_shape, cluster_shape, hw_info, base_args,
                                                 workspace, epilogue_subtile, ktile_start_alignment_count);
     const int cluster_m = cute::size<0>(cluster_shape);
-    const int rows_total = static_cast<int>(cute::get<0>(problem_shape_mnkl));
+    const int rows_total = static_cast<int>(args.rows_on_n ? cute::get<1>(problem_shape_mnkl)
+                                                            : cute::get<0>(problem_shape_mnkl));
     const int tiles = (rows_total + args.tile_m - 1) / args.tile_m;
     // Along N, the base scheduler serves M tiles in bands of (cluster_m << log_swizzle) and pads
     // its M extent to whole bands: rotate over that same extent (a bijection on the indices it
     // hands out; padding tiles are recognised by their rows below) and by whole bands, so that
     // bands stay intact. (Rounding the offset to two bands, as before, left it at 0 on rank 1
-    // whenever a rank's rows were one band: that rank then started on its peer's rows.)
-    const int band = cluster_m << p.log_swizzle_size_;
+    // whenever a rank's rows were one band: that rank then started on its peer's rows.) Both extents
+    // are padded so: with A's rows on N, the same over N tiles and bands of cluster_n tiles.
+    const int band = (args.rows_on_n ? int(cute::size<1>(cluster_shape)) : cluster_m) << p.log_swizzle_size_;
     p.tiles_m = (tiles + band - 1) / band * band;
     int first = args.rank * args.rows_per_rank / args.tile_m;
     first = first / band * band;
@@ -257,7 +263,8 @@ class AgTileScheduler
     p.cluster_n = cute::size<1>(cluster_shape);
     p.cluster_rows = (tiles + cluster_m - 1) / cluster_m;
     p.cluster_cols = (tiles_n + p.cluster_n - 1) / p.cluster_n;
-    if (p.order_count != p.cluster_rows * p.cluster_cols) p.order = nullptr;
+    if (p.order_count != p.cluster_rows * p.cluster_cols || p.rows_on_n) p.order = nullptr;
+    if (p.rows_on_n) p.deal_state = nullptr;
     return p;
   }
 
@@ -430,12 +437,16 @@ class AgTileScheduler
     w.N_idx = c % ag_.cluster_cols * ag_.cluster_n + w.N_idx % ag_.cluster_n;
   }
 
+  // The index of w's tile along A's rows.
+  CUTLASS_DEVICE static int& rows_idx(WorkTileInfo& w, bool on_n) { return on_n ? w.N_idx : w.M_idx; }
+
   // The static scheduler never continues a tile (no split-K): a tile handed back only advances.
   CUTLASS_DEVICE WorkTileInfo taken_back(WorkTileInfo w) const {
     if (!w.is_valid()) return w;
     if (dealt_ >= 0) redeal(w, false);
     else if (ag_.order != nullptr) permute(w, ag_.order + ag_.order_count);
-    w.M_idx = (w.M_idx - ag_.offset_tiles + ag_.tiles_m) % ag_.tiles_m;
+    int& r = rows_idx(w, ag_.rows_on_n);
+    r = (r - ag_.offset_tiles + ag_.tiles_m) % ag_.tiles_m;
     return w;
   }
 
@@ -444,10 +455,11 @@ class AgTileScheduler
       ag_.trace_handed_out(false, 0, 0);
       return w;
     }
-    w.M_idx = (w.M_idx + ag_.offset_tiles) % ag_.tiles_m;
+    int& r = rows_idx(w, ag_.rows_on_n);
+    r = (r + ag_.offset_tiles) % ag_.tiles_m;
     if (dealt_ >= 0) redeal(w, true);
     else if (ag_.order != nullptr) permute(w, ag_.order);
-    ag_.wait_for_tile_rows(w.M_idx, seen_);
+    ag_.wait_for_tile_rows(ag_.rows_on_n ? w.N_idx : w.M_idx, seen_);
     ag_.trace_handed_out(true, w.M_idx, w.N_idx);
     return w;
   }
@@ -477,7 +489,8 @@ class AgStreamKTileScheduler
         Base::to_underlying_arguments(problem_shape, tile_shape, cluster_shape, hw_info,
                                       static_cast<BaseArguments const&>(args), workspace, epilogue_subtile,
                                       ktile_start_alignment_count);
-    static_cast<AgRowWait&>(p) = AgRowWait::of(args, static_cast<int>(cute::get<0>(problem_shape)));
+    static_cast<AgRowWait&>(p) = AgRowWait::of(
+        args, static_cast<int>(args.rows_on_n ? cute::get<1>(problem_shape) : cute::get<0>(problem_shape)));
     return p;
   }
 
@@ -495,7 +508,7 @@ class AgStreamKTileScheduler
   // A separate-reduction unit (no K tiles) reads no A; waiting for its rows anyway costs at most
   // one flag load per loading warp (none for a rank this thread has seen).
   CUTLASS_DEVICE WorkTileInfo handed_out(WorkTileInfo w) const {
-    if (w.is_valid()) ag_.wait_for_tile_rows(w.M_idx, seen_);
+    if (w.is_valid()) ag_.wait_for_tile_rows(ag_.rows_on_n ? w.N_idx : w.M_idx, seen_);
     ag_.trace_handed_out(w.is_valid(), w.M_idx, w.N_idx);
     return w;
   }

@@ -212,10 +212,15 @@ struct FusedTypes<kFp16Fp32> { using In = cutlass::half_t; using Out = float; };
 // A [M, K] row-major, weight [N, K] (nn.Linear, K contiguous), both ElementIn (bf16 or fp16),
 // D [M, N] row-major ElementOut (the input dtype or fp32), fp32 accumulation;
 // D = acc (+ C, ElementOut, where HasSource) + bias per column (ElementOut), rounded once.
+// Swapped: the same D computed as D^T = weight @ A^T, CUTLASS's problem (N, M, K) with weight as its A and
+// A as its B (both K-major, so their layouts stay) and D^T column-major (D's own memory), the bias per row
+// of D^T: the warpgroup MMA's 64-row side then runs along the layer's columns and its 8..256-wide side along
+// A's rows, so a tile may hold 8..56 rows of A (TileShape_ and ClusterShape_ are CUTLASS's, (N, M)).
 template <class ElementIn, class ElementOut, class TileShape_, class ClusterShape_, class KernelSchedule,
           class EpilogueScheduleTag, bool HasSource, template <class> class EpilogueWrap, class Scheduler,
-          int StreamKMode = 0>
+          int StreamKMode = 0, bool Swapped = false>
 struct Sm90FusedGemm {
+  static constexpr bool kSwapped = Swapped;
   // 0: a persistent scheduler; 1: CUTLASS's stream-K scheduler, its heuristic deciding between
   // whole tiles, split-K and stream-K; 2: stream-K always (the heuristic keeps whole tiles where
   // the last wave is at least half full, e.g. 80 tiles on 132 SMs, leaving SMs idle).
@@ -227,15 +232,18 @@ struct Sm90FusedGemm {
   using ElementAcc = float;
   using LayoutA = cutlass::layout::RowMajor;
   using LayoutB = cutlass::layout::ColumnMajor;
-  using LayoutD = cutlass::layout::RowMajor;
+  using LayoutD = std::conditional_t<Swapped, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
   static constexpr int kAlign = 16 / sizeof(ElementIn);    // TMA: 16-byte rows of A and B
   static constexpr int kAlignD = 16 / sizeof(ElementOut);  // and of C and D
   using TileShape = TileShape_;
   using ClusterShape = ClusterShape_;
   static constexpr int kTileM = cute::size<0>(TileShape{});
+  static constexpr int kTileRows = cute::size<Swapped ? 1 : 0>(TileShape{});  // rows of A (and D) per tile
   using EpilogueSchedule = typename EpilogueOf<EpilogueScheduleTag>::type;
 
-  using Fusion = cutlass::epilogue::fusion::LinCombPerColBias<ElementD, float, ElementD, ElementD, float>;
+  using Fusion = std::conditional_t<Swapped,
+                                    cutlass::epilogue::fusion::LinCombPerRowBias<ElementD, float, ElementD, ElementD, float>,
+                                    cutlass::epilogue::fusion::LinCombPerColBias<ElementD, float, ElementD, ElementD, float>>;
   // The mainloop's stages fill the shared memory that the epilogue `Epi` leaves.
   template <class Epi>
   using MainloopFor = typename cutlass::gemm::collective::CollectiveBuilder<
@@ -322,14 +330,18 @@ struct Sm90FusedGemm {
 template <class G>
 typename G::Gemm::Arguments gemm_arguments(const FusedGemmLaunch& l) {
   using Kernel = typename G::Gemm::GemmKernel;
-  auto sa = cutlass::make_cute_packed_stride(typename Kernel::StrideA{}, cute::make_shape(l.m, l.k, 1));
-  auto sb = cutlass::make_cute_packed_stride(typename Kernel::StrideB{}, cute::make_shape(l.n, l.k, 1));
-  auto sd = cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, cute::make_shape(l.m, l.n, 1));
+  // CUTLASS's (M, N): the layer's (rows, columns), or (columns, rows) with swapped operands.
+  const int pm = G::kSwapped ? l.n : l.m, pn = G::kSwapped ? l.m : l.n;
+  const void* pa = G::kSwapped ? l.weight : l.a;
+  const void* pb = G::kSwapped ? l.a : l.weight;
+  auto sa = cutlass::make_cute_packed_stride(typename Kernel::StrideA{}, cute::make_shape(pm, l.k, 1));
+  auto sb = cutlass::make_cute_packed_stride(typename Kernel::StrideB{}, cute::make_shape(pn, l.k, 1));
+  auto sd = cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, cute::make_shape(pm, pn, 1));
   typename G::Gemm::Arguments args{};
   args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
-  args.problem_shape = {l.m, l.n, l.k, 1};
-  args.mainloop = {reinterpret_cast<const typename G::ElementA*>(l.a), sa,
-                   reinterpret_cast<const typename G::ElementB*>(l.weight), sb};
+  args.problem_shape = {pm, pn, l.k, 1};
+  args.mainloop = {reinterpret_cast<const typename G::ElementA*>(pa), sa,
+                   reinterpret_cast<const typename G::ElementB*>(pb), sb};
   args.epilogue.dC = sd;
   args.epilogue.ptr_D = reinterpret_cast<typename G::ElementD*>(l.out);
   args.epilogue.dD = sd;
@@ -338,7 +350,10 @@ typename G::Gemm::Arguments gemm_arguments(const FusedGemmLaunch& l) {
   args.epilogue.thread.bias_ptr = reinterpret_cast<const typename G::ElementD*>(l.bias);
   args.hw_info = hardware_info(l.device);
   using Raster = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90::RasterOrderOptions;
-  args.scheduler.raster_order = l.raster == 0 ? Raster::Heuristic : l.raster == 2 ? Raster::AlongM : Raster::AlongN;
+  // l.raster names the layer's dimensions (1: along its columns, 2: along its rows); swapped, those are
+  // CUTLASS's M and N.
+  const int raster = G::kSwapped && l.raster != 0 ? 3 - l.raster : l.raster;
+  args.scheduler.raster_order = raster == 0 ? Raster::Heuristic : raster == 2 ? Raster::AlongM : Raster::AlongN;
   args.scheduler.max_swizzle_size = l.swizzle;
   if constexpr (G::kStreamKMode == 2) {
     args.scheduler.decomposition_mode = cutlass::gemm::kernel::detail::DecompositionMode::StreamK;

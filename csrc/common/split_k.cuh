@@ -123,13 +123,16 @@ void launch_split_k_reduce(const char* op, const SplitKReduce<Out>& p, int devic
 template <class G>
 void set_split_k(typename G::Gemm::Arguments& args, int m, int n, int k, int splits, float* partials) {
   using Kernel = typename G::Gemm::GemmKernel;
+  // Swapped operands (fused_gemm.cuh): CUTLASS's (M, N) is (n, m), and its column-major slice of D^T is
+  // the same m x n row-major block of partials.
+  const int pm = G::kSwapped ? n : m, pn = G::kSwapped ? m : n;
   const int ks = k / splits;
-  args.problem_shape = {m, n, ks, splits};
-  auto sa = cutlass::make_cute_packed_stride(typename Kernel::StrideA{}, cute::make_shape(m, k, 1));
-  auto sb = cutlass::make_cute_packed_stride(typename Kernel::StrideB{}, cute::make_shape(n, k, 1));
+  args.problem_shape = {pm, pn, ks, splits};
+  auto sa = cutlass::make_cute_packed_stride(typename Kernel::StrideA{}, cute::make_shape(pm, k, 1));
+  auto sb = cutlass::make_cute_packed_stride(typename Kernel::StrideB{}, cute::make_shape(pn, k, 1));
   cute::get<2>(sa) = ks;
   cute::get<2>(sb) = ks;
-  auto sd = cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, cute::make_shape(m, n, splits));
+  auto sd = cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, cute::make_shape(pm, pn, splits));
   args.mainloop.dA = sa;
   args.mainloop.dB = sb;
   args.epilogue.ptr_D = partials;

@@ -93,10 +93,13 @@ class SegmentWaitEpilogue : public Base {
                            ProblemShapeMNKL problem_shape_mnkl, TileShapeMNK tile_shape_MNK,
                            TileCoordMNKL tile_coord_mnkl, TiledMma tiled_mma, int thread_idx,
                            typename Base::TensorStorage& shared_tensors, int subtile_idx = -1) {
-    constexpr int kTileM = cute::size<0>(typename Base::CtaTileMNK{});
-    const int row0 = static_cast<int>(cute::get<0>(tile_coord_mnkl)) * kTileM;
+    // The source's rows: CUTLASS's M, or its N where D^T is stored column-major (swapped operands).
+    constexpr bool kSwapped =
+        cute::is_same_v<cute::remove_cvref_t<decltype(cute::get<0>(typename Base::StrideD{}))>, cute::Int<1>>;
+    constexpr int kTileRows = cute::size<kSwapped ? 1 : 0>(typename Base::CtaTileMNK{});
+    const int row0 = static_cast<int>(cute::get<kSwapped ? 1 : 0>(tile_coord_mnkl)) * kTileRows;
     if (row0 < wait_.rows) {  // a padding tile has no rows to wait for
-      const int row1 = min(row0 + kTileM, wait_.rows) - 1;
+      const int row1 = min(row0 + kTileRows, wait_.rows) - 1;
       for (int s = row0 / wait_.rows_per_segment; s <= row1 / wait_.rows_per_segment; ++s) {
         wait_flag_bounded(wait_.flags + s, wait_.timeout_ns, wait_.error, wait_.rank, wait_.peer);
       }
@@ -112,18 +115,22 @@ class SegmentWaitEpilogue : public Base {
 
 // StreamK (Sm90FusedGemm's StreamKMode): CUTLASS's stream-K scheduler (cooperative schedule only);
 // the wait stays in load(), see SegmentWaitEpilogue.
+// Swapped: out^T = weight @ a^T + source^T (Sm90FusedGemm), the source waited for by CUTLASS's N tiles.
 template <int Dtype, class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule,
-          int StreamK = 0>
+          int StreamK = 0, bool Swapped = false>
 using RsFoldGemm =
     Sm90FusedGemm<typename FusedTypes<Dtype>::In, typename FusedTypes<Dtype>::Out, TileShape, ClusterShape,
                   KernelSchedule, EpilogueSchedule, true, SegmentWaitEpilogue,
-                  std::conditional_t<StreamK != 0, StreamKSchedulerTag, cutlass::gemm::PersistentScheduler>, StreamK>;
+                  std::conditional_t<StreamK != 0, StreamKSchedulerTag, cutlass::gemm::PersistentScheduler>, StreamK,
+                  Swapped>;
 
 // Split-K (common/split_k.cuh): a plain GEMM with fp32 output (InDtype kBf16 or kFp16) writes the
 // slices' partials; the source is waited for and added by the reduction instead of the epilogue.
-template <int InDtype, class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule>
+template <int InDtype, class TileShape, class ClusterShape, class KernelSchedule, class EpilogueSchedule,
+          bool Swapped = false>
 using RsSplitGemm = Sm90FusedGemm<typename FusedTypes<InDtype>::In, float, TileShape, ClusterShape, KernelSchedule,
-                                  EpilogueSchedule, false, PlainEpilogue, cutlass::gemm::PersistentScheduler>;
+                                  EpilogueSchedule, false, PlainEpilogue, cutlass::gemm::PersistentScheduler, 0,
+                                  Swapped>;
 
 template <class G>
 void launch_rs_split(const RsFusedArgs& a, int splits, int dtype) {

@@ -41,7 +41,8 @@ class KernelConfig:
     schedule ('cooperative' or 'pingpong'), the (input, output) dtypes built and the tile
     scheduler ('persistent'; 'streamk': K split among CTAs where tiles are fewer than SMs, by
     CUTLASS's heuristic; 'streamk-all': split on every shape; 'splitk': the persistent kernel over
-    ``splits`` slices of K, then a reduction pass)."""
+    ``splits`` slices of K, then a reduction pass); ``operands`` 'swapped': the kernel computes
+    out^T = weight @ a^T (flux/fused_configs.py), the tile still named as (rows, columns) of out."""
     op: str
     id: int
     tile_m: int
@@ -53,11 +54,12 @@ class KernelConfig:
     dtypes: Tuple[Tuple[str, str], ...] = (("bf16", "bf16"),)
     scheduler: str = "persistent"
     splits: int = 1
+    operands: str = "ab"
 
     @classmethod
     def of(cls, op: str, c: "table.FusedConfig", dtypes: Tuple[Tuple[str, str], ...]) -> "KernelConfig":
         """The configuration ``c`` of the table (flux/fused_configs.py) built for ``dtypes``."""
-        return cls(op, c.id, *c.tile, *c.cluster, c.schedule, dtypes, c.scheduler, c.splits)
+        return cls(op, c.id, *c.tile, *c.cluster, c.schedule, dtypes, c.scheduler, c.splits, c.operands)
 
     def __post_init__(self):
         if self.op not in OPS or self.id < 0 or self.schedule not in ("cooperative", "pingpong"):
@@ -66,6 +68,8 @@ class KernelConfig:
             raise ValueError(f"KernelConfig: bad scheduler (stream-K is cooperative only): {self}")
         if (self.scheduler == "splitk") != (self.splits > 1) or not 1 <= self.splits <= table.MAX_SPLITS:
             raise ValueError(f"KernelConfig: split-K needs 2..{table.MAX_SPLITS} splits, and only it: {self}")
+        if self.operands not in table.OPERANDS:
+            raise ValueError(f"KernelConfig: bad operands (one of {table.OPERANDS}): {self}")
         if min(self.tile_m, self.tile_n, self.tile_k) < 16 or self.cluster_m * self.cluster_n not in (1, 2, 4):
             raise ValueError(f"KernelConfig: bad tile or cluster: {self}")
 
@@ -76,12 +80,15 @@ class KernelConfig:
     def applies(self, m: int, n: int, k: int) -> bool:
         """Whether it runs an m x n x k problem (flux/fused_configs.py FusedConfig.applies)."""
         return table.FusedConfig(self.id, (self.tile_m, self.tile_n, self.tile_k), (self.cluster_m, self.cluster_n),
-                                 self.schedule, (), self.scheduler, self.splits).applies(m, n, k)
+                                 self.schedule, (), self.scheduler, self.splits,
+                                 operands=self.operands).applies(m, n, k)
 
     @property
     def desc(self) -> str:
-        """As cached choices name it: a choice applies only to the same tile, cluster, schedule and scheduler."""
+        """As cached choices name it: a choice applies only to the same tile, cluster, schedule, scheduler and
+        operand order ("/sw": swapped)."""
         tag = f"/k{self.splits}" if self.scheduler == "splitk" else _SCHED_TAG[self.scheduler]
+        tag += "/sw" if self.operands == "swapped" else ""
         return (f"{self.tile_m}x{self.tile_n}x{self.tile_k}/{self.cluster_m}x{self.cluster_n}/"
                 f"{'pp' if self.schedule == 'pingpong' else 'coop'}{tag}")
 
