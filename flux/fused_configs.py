@@ -115,7 +115,8 @@ C = FusedConfig
 # above), which adds no GEMM to compile (41 fused GEMMs in all). Then AG 31 (128x208 cooperative), bf16 and fp16:
 # see its entry (43 fused GEMMs; the units hold 4 or fewer each, so the build's units stay 12). Then AG 0 and 2
 # from fp16 to fp32 (see AG 0; 45 fused GEMMs: 13 units of four, 823 s of a 2-core build, so setup.py puts five
-# to a unit since: 11 units, 728-759 s, up to 8.3 GB each).
+# to a unit since: 11 units, 728-759 s, up to 8.3 GB each). Then RS 46 (32x64 ping-pong, swapped operands), bf16
+# and fp16: see its entry (47 fused GEMMs, 12 units).
 # The others are built with FLUX_KERNELS=all or by name ("streamk" / "splitk": every one, bf16).
 CONFIGS = {
     "ag": (
@@ -286,7 +287,9 @@ CONFIGS = {
         # Swapped operands (out^T = weight @ a^T), the order of cuBLAS's kernels on these layers: tiles of 32 and
         # 64 rows without padding the MMA's 64-row side (256 x 4096 x 1536: 8 x 12 tiles of 32x128), their
         # split-K for the fewest tiles, and cuBLAS's 128x256 tile of the big layers with its 2x1 cluster (the
-        # weight multicast to the two CTAs of one column of tiles). Built by name.
+        # weight multicast to the two CTAs of one column of tiles). Built by name: on an H100 at 256 and 1024 rows
+        # none was faster than the served tile, 1.00-1.77x its time (the worse of loop and graph;
+        # bench/results/fused_gemm-h100-ag-swapped-small-7e57d9e.json): each row of tiles re-reads the weight.
         C(110, (32, 128, 64), (1, 1), "cooperative", (), operands="swapped"),
         C(111, (64, 128, 64), (1, 1), "cooperative", (), operands="swapped"),
         C(112, (64, 64, 64), (1, 1), "pingpong", (), operands="swapped"),
@@ -361,12 +364,16 @@ CONFIGS = {
         # all 8 subtiles at the cost of a mainloop stage (38, 39: 0.99x and 1.02x their twins' time), or
         # those the stages leave room for (40, 41: 0.97x and 0.99x). RS 0 took the last (source="ahead").
         # Swapped operands (as AG 110-116): 32-row tiles for 32-128 rows per rank, and cuBLAS's 128x256 tile
-        # with its 2x1 cluster on the big layers. Built by name.
+        # with its 2x1 cluster on the big layers. On an H100 (bench/results/fused_gemm-h100-rs-swapped-small-7e57d9e.json)
+        # RS 46 ran 32 and 64 rows per rank at 0.997-1.005x cuBLAS in graph timing where the served 64-row tiles took
+        # up to 1.17x (0.82-0.98x mm then add); RS 42-44 and 47-48 were best on no shape by more than 1%, RS 45 4-8%
+        # slower than RS 0 and 6 (bench/results/fused_gemm-h100-rs-swapped-big-7e57d9e.json). RS 46 is built by default
+        # (bf16, fp16; the analytic choice leaves swapped operands to the tuner), the others by name.
         C(42, (32, 128, 64), (1, 1), "cooperative", (), operands="swapped"),
         C(43, (64, 128, 64), (1, 1), "cooperative", (), operands="swapped"),
         C(44, (64, 64, 64), (1, 1), "pingpong", (), operands="swapped"),
         C(45, (128, 256, 64), (2, 1), "cooperative", (), operands="swapped"),
-        C(46, (32, 64, 64), (1, 1), "pingpong", (), operands="swapped"),
+        C(46, (32, 64, 64), (1, 1), "pingpong", H, operands="swapped"),
         C(47, (32, 128, 64), (1, 1), "cooperative", (), "splitk", 2, operands="swapped"),
         C(48, (32, 128, 64), (1, 1), "cooperative", (), "splitk", 4, operands="swapped"),
     ),

@@ -51,7 +51,7 @@ def test_table_is_consistent():
 
 def test_select_and_parse():
     default = fc.select("default")
-    assert ("ag", 0, "bf16") in default and ("rs", 3, "bf16_fp32") in default and ("ag", 2, "fp16_fp32") in default and len(default) == 77
+    assert ("ag", 0, "bf16") in default and ("rs", 3, "bf16_fp32") in default and ("ag", 2, "fp16_fp32") in default and len(default) == 79
     assert ("rs", 0, "bf16") in default and ("rs", 0, "bf16_fp32") not in default
     # Every default configuration in bf16 and fp16; fp32 output: RS 3 (bf16 inputs) and, in both input
     # dtypes, AG 0 and 2, AG's split-K configurations and the tiles of their GEMMs (AG 9, 25, 29); no

@@ -504,7 +504,9 @@ SHIPPED_FROM_H100 = ("fused_gemm-h100-ag-small.json", "fused_gemm-h100-ag-4096.j
                      ("fused_gemm-h100-rs-all-31fa2ed.json", "fused_gemm-h100-rs-all-top3-31fa2ed.json"),
                      # RS bf16 at 256 and 1024 rows over every configuration, and their second looks, pooled.
                      ("fused_gemm-h100-rs-256-all-d29c9e3.json", "fused_gemm-h100-rs-256-all-d29c9e3-top3.json",
-                      "fused_gemm-h100-rs-1024-all-d29c9e3.json", "fused_gemm-h100-rs-1024-all-d29c9e3-top3.json"))
+                      "fused_gemm-h100-rs-1024-all-d29c9e3.json", "fused_gemm-h100-rs-1024-all-d29c9e3-top3.json"),
+                     # RS at 32-128 rows per rank: the swapped-operand tiles beside the served choice (RS 46 built).
+                     "fused_gemm-h100-rs-swapped-small-7e57d9e.json")
 
 
 @pytest.mark.parametrize("gpu,files,whole", [("H200", SHIPPED_FROM, True), ("H100", SHIPPED_FROM_H100, True)])
