@@ -1,6 +1,7 @@
 """The fused kernels' configuration choice without a GPU: the model grid's shapes, the
 configuration table adapter, the analytic default's rules, the kernel cache (round trip,
 precedence, shipped files, entries from a benchmark JSON) and the benchmark's exit without a GPU."""
+import dataclasses
 import importlib.util
 import json
 import math
@@ -196,6 +197,21 @@ def test_rule_64x64_tiles_by_cluster():
     assert K.analytic_config("rs", 128, 4096, 7168, configs=[wide, c12, c21])[0] == 28   # 2 x 64 tiles
     assert K.analytic_config("rs", 64, 4096, 3584, configs=[wide, c12, c21])[0] == 27    # 1 x 64 tiles
     assert K._tile_eff(c21, 2) > K._tile_eff(c21, 1) == K._tile_eff(c12, 2)
+
+
+def test_rule_swapped_operands_where_rows_fit_one_tile():
+    """Swapped operands (the rows on the MMA's narrow side) are modelled where all of M fits one of their
+    tile rows: RS at 8-32 rows per rank takes the 32x64 swapped tile over the 64-row ones (measured the
+    fastest of every configuration there on an H100, docs/performance.md §9.9); from 33 rows (M's bucket
+    64) the model leaves them to the tuner, and where nothing else is built it still picks them."""
+    c12, wide = dataclasses.replace(_cfg(27, 64, 64, 1, 2, "pingpong"), op="rs"), _cfg(5, 64, 128, 1, 1, "pingpong")
+    sw = dataclasses.replace(_cfg(46, 32, 64, 1, 1, "pingpong"), op="rs", operands="swapped")
+    for m in (8, 16, 24, 32):
+        assert K.analytic_config("rs", m, 8192, 3584, configs=[wide, c12, sw])[0] == 46, m
+        assert K.served_default("rs", m, 8192, 3584, "bf16", None, 132, [wide, c12, sw])[0] == 46, m
+    assert K.analytic_config("rs", 64, 8192, 3584, configs=[wide, c12, sw])[0] == 27
+    assert K.served_default("rs", 40, 8192, 3584, "bf16", None, 132, [wide, c12, sw])[0] == 27  # bucket 64
+    assert K.analytic_config("rs", 256, 8192, 3584, configs=[sw])[0] == 46  # nothing else built
 
 
 def test_rule_pingpong_for_shallow_k():
@@ -506,7 +522,10 @@ SHIPPED_FROM_H100 = ("fused_gemm-h100-ag-small.json", "fused_gemm-h100-ag-4096.j
                      ("fused_gemm-h100-rs-256-all-d29c9e3.json", "fused_gemm-h100-rs-256-all-d29c9e3-top3.json",
                       "fused_gemm-h100-rs-1024-all-d29c9e3.json", "fused_gemm-h100-rs-1024-all-d29c9e3-top3.json"),
                      # RS at 32-128 rows per rank: the swapped-operand tiles beside the served choice (RS 46 built).
-                     "fused_gemm-h100-rs-swapped-small-7e57d9e.json")
+                     "fused_gemm-h100-rs-swapped-small-7e57d9e.json",
+                     # RS at 256 and 1024 rows, every configuration of the default build (RS 46 in it, bands 1
+                     # and 2), and its second look, pooled.
+                     ("fused_gemm-h100-rs-256-1024-all-998236c.json", "fused_gemm-h100-rs-256-1024-all-998236c-top3.json"))
 
 
 @pytest.mark.parametrize("gpu,files,whole", [("H200", SHIPPED_FROM, True), ("H100", SHIPPED_FROM_H100, True)])
@@ -881,12 +900,14 @@ def test_fused_scoreboard(tmp_path):
         # The analytic default over every recorded H200 shape (the grid file too), against the
         # tuned choice: the geometric mean within 1%, 8 or fewer shapes over 5% (docs/tuning.md); one RS
         # shape of 512 rows per rank gets RS 37, and two AG shapes of 1024 rows (N = 13312, 26624; K = 16384)
-        # AG 31 with bands of 4, which no file timed there (docs/performance.md, "Not yet measured"), the
-        # rest timed.
+        # AG 31 with bands of 4, and the six RS shapes of 32 rows per rank RS 46 (swapped operands), which no
+        # file timed there (docs/performance.md, "Not yet measured"), the rest timed.
         grid = os.path.join(REPO, "bench", "results", "fused_gemm-h200-grid-bf16.json")
         if os.path.exists(grid):
             analytic = S.scoreboard([grid] + files, "analytic")
-            assert analytic["shapes"] == 144 and len(analytic["untimed"]) <= 3, analytic["untimed"][:5]
+            untimed = analytic["untimed"]
+            swapped = [u for u in untimed if u.startswith("rs 32x")]
+            assert analytic["shapes"] == 144 and len(swapped) == 6 and len(untimed) - 6 <= 3, untimed
             for t in S.TIMINGS:
                 vt = analytic["timings"][t]["vs_tuned"]
                 assert vt["shapes"] == 144 - len(analytic["untimed"]) and vt["geomean"] < 1.01, (t, vt)

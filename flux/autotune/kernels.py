@@ -288,7 +288,8 @@ def analytic_config(op: str, m: int, n: int, k: int, dtype="bf16", out_dtype=Non
     (``_swizzles``): AG the band of least modelled time; RS the widest band (<= 8) that pads no tile
     row or column, where the operands exceed L2 (a band then reuses operand tiles in L2), else 1.
     Raster 1 (along N): the order the fused strategies depend on. Configurations with swapped operands are
-    left to the tuner (not modelled) where any other is built."""
+    modelled only where all of M fits one of their tile rows (m <= tile rows, e.g. 32); beyond, they are left
+    to the tuner where any other is built."""
     op = _op(op)
     out_dtype = out_dtype if out_dtype is not None else dtype
     cfgs = list(configs) if configs is not None else kernel_configs(op, dtype, out_dtype)
@@ -297,8 +298,11 @@ def analytic_config(op: str, m: int, n: int, k: int, dtype="bf16", out_dtype=Non
     ib, ob = (4 if _dt(dtype) == "fp32" else 2), (4 if _dt(out_dtype) == "fp32" else 2)
     big = (m * k + n * k) * ib > (60 << 20)
     cfgs = [c for c in cfgs if c.applies(m, n, k)]
-    # Swapped operands are not modelled: measured choices (the tuner's) only, unless nothing else is built.
-    cfgs = [c for c in cfgs if c.operands == "ab"] or cfgs
+    # Swapped operands: modelled where M fits one of their tile rows, where the MMA's narrow side holds the
+    # rows and a 64-row tile would pad half or more (RS at 8-32 rows per rank on an H100: RS 46 the fastest
+    # of every configuration, docs/performance.md §9.9); from 40 rows the layer-order tiles led on most shapes,
+    # so there only measured choices (the tuner's) serve them, unless nothing else is built.
+    cfgs = [c for c in cfgs if c.operands == "ab" or m <= c.tile_m] or cfgs
     persistent = [c for c in cfgs if not c.stream_k and c.splits == 1]
     stream_k = [c for c in cfgs if c.stream_k]
     split_k = [c for c in cfgs if c.splits > 1]
