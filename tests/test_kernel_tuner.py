@@ -199,18 +199,25 @@ def test_rule_64x64_tiles_by_cluster():
     assert K._tile_eff(c21, 2) > K._tile_eff(c21, 1) == K._tile_eff(c12, 2)
 
 
-def test_rule_swapped_operands_where_rows_fit_one_tile():
-    """Swapped operands (the rows on the MMA's narrow side) are modelled where all of M fits one of their
-    tile rows: RS at 8-32 rows per rank takes the 32x64 swapped tile over the 64-row ones (measured the
-    fastest of every configuration there on an H100, docs/performance.md §9.9); from 33 rows (M's bucket
-    64) the model leaves them to the tuner, and where nothing else is built it still picks them."""
-    c12, wide = dataclasses.replace(_cfg(27, 64, 64, 1, 2, "pingpong"), op="rs"), _cfg(5, 64, 128, 1, 1, "pingpong")
+def test_rule_swapped_operands_where_rows_fit_two_tiles():
+    """Swapped operands (the rows on the MMA's narrow side) are modelled where M fits two of their tile rows,
+    with a band of all of them (the tiles sharing a weight tile side by side): RS at 8-32 rows per rank takes
+    the 32x64 swapped tile over the 64-row ones; at 33-64 rows (M's bucket 64) it too where the 64-row tiles
+    fill under half the SMs (N = 4096), else a 64-row tile (as measured on an H100, docs/performance.md
+    §9.9); from 65 rows the model leaves them to the tuner, and where nothing else is built it still picks them."""
+    c12 = dataclasses.replace(_cfg(27, 64, 64, 1, 2, "pingpong"), op="rs")
+    c21 = dataclasses.replace(_cfg(28, 64, 64, 2, 1, "pingpong"), op="rs")
+    wide = dataclasses.replace(_cfg(5, 64, 128, 1, 1, "pingpong"), op="rs")
     sw = dataclasses.replace(_cfg(46, 32, 64, 1, 1, "pingpong"), op="rs", operands="swapped")
+    cfgs = [wide, c12, c21, sw]
     for m in (8, 16, 24, 32):
-        assert K.analytic_config("rs", m, 8192, 3584, configs=[wide, c12, sw])[0] == 46, m
-        assert K.served_default("rs", m, 8192, 3584, "bf16", None, 132, [wide, c12, sw])[0] == 46, m
-    assert K.analytic_config("rs", 64, 8192, 3584, configs=[wide, c12, sw])[0] == 27
-    assert K.served_default("rs", 40, 8192, 3584, "bf16", None, 132, [wide, c12, sw])[0] == 27  # bucket 64
+        assert K.analytic_config("rs", m, 8192, 3584, configs=cfgs) == (46, 1, 1), m
+        assert K.served_default("rs", m, 8192, 3584, "bf16", None, 132, cfgs) == (46, 1, 1), m
+    for m, k in ((64, 3584), (64, 1024), (40, 3584)):
+        assert K.served_default("rs", m, 4096, k, "bf16", None, 132, cfgs) == (46, 1, 2), (m, k)
+    for k in (2048, 7168):
+        assert K.analytic_config("rs", 64, 8192, k, configs=cfgs)[0] == 27, k
+    assert K.analytic_config("rs", 128, 4096, 2048, configs=cfgs)[0] == 28
     assert K.analytic_config("rs", 256, 8192, 3584, configs=[sw])[0] == 46  # nothing else built
 
 
@@ -900,14 +907,15 @@ def test_fused_scoreboard(tmp_path):
         # The analytic default over every recorded H200 shape (the grid file too), against the
         # tuned choice: the geometric mean within 1%, 8 or fewer shapes over 5% (docs/tuning.md); one RS
         # shape of 512 rows per rank gets RS 37, and two AG shapes of 1024 rows (N = 13312, 26624; K = 16384)
-        # AG 31 with bands of 4, and the six RS shapes of 32 rows per rank RS 46 (swapped operands), which no
-        # file timed there (docs/performance.md, "Not yet measured"), the rest timed.
+        # AG 31 with bands of 4, and RS 46 (swapped operands) on the six RS shapes of 32 rows per rank and the two
+        # of 64 rows on 4096 columns, which no file timed there (docs/performance.md, "Not yet measured"), the
+        # rest timed.
         grid = os.path.join(REPO, "bench", "results", "fused_gemm-h200-grid-bf16.json")
         if os.path.exists(grid):
             analytic = S.scoreboard([grid] + files, "analytic")
             untimed = analytic["untimed"]
-            swapped = [u for u in untimed if u.startswith("rs 32x")]
-            assert analytic["shapes"] == 144 and len(swapped) == 6 and len(untimed) - 6 <= 3, untimed
+            swapped = [u for u in untimed if u.startswith(("rs 32x", "rs 64x4096x"))]
+            assert analytic["shapes"] == 144 and len(swapped) == 8 and len(untimed) - 8 <= 3, untimed
             for t in S.TIMINGS:
                 vt = analytic["timings"][t]["vs_tuned"]
                 assert vt["shapes"] == 144 - len(analytic["untimed"]) and vt["geomean"] < 1.01, (t, vt)

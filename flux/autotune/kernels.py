@@ -259,9 +259,13 @@ def _swizzles(c: KernelConfig, m: int, n: int, big: bool, op: str = "rs") -> Tup
     """The bands the model weighs, none of which pads a tile row or column. AG: 1 and each such
     band, by modelled time (the weight's re-reads and the clock); RS: the widest such band (<= 8)
     where the operands exceed L2, else 1 (modelling RS's bands too put the analytic choice over 5%
-    from the tuned one on more shapes)."""
+    from the tuned one on more shapes). Swapped operands: the band of all the tile rows (analytic_config
+    models them over one or two), so that the tiles sharing a weight tile run next to each other: at 64 rows
+    per rank RS 46 with bands of 2 took 0.56-0.91x its time with none (docs/performance.md §9.9)."""
     tiles_m, tiles_n = math.ceil(m / c.tile_m), math.ceil(n / c.tile_n)
     whole = [s for s in SWIZZLES[1:] if tiles_m % (c.cluster_m * s) == 0 and tiles_n % (c.cluster_n * s) == 0]
+    if c.operands == "swapped":
+        return (tiles_m,) if tiles_m in whole else (1,)
     if op == "ag":
         return (1, *whole)
     return (whole[-1],) if big and whole else (1,)
@@ -288,8 +292,8 @@ def analytic_config(op: str, m: int, n: int, k: int, dtype="bf16", out_dtype=Non
     (``_swizzles``): AG the band of least modelled time; RS the widest band (<= 8) that pads no tile
     row or column, where the operands exceed L2 (a band then reuses operand tiles in L2), else 1.
     Raster 1 (along N): the order the fused strategies depend on. Configurations with swapped operands are
-    modelled only where all of M fits one of their tile rows (m <= tile rows, e.g. 32); beyond, they are left
-    to the tuner where any other is built."""
+    modelled only where M fits two of their tile rows (m <= 2 x tile rows, e.g. 64), with a band of all of
+    them; beyond, they are left to the tuner where any other is built."""
     op = _op(op)
     out_dtype = out_dtype if out_dtype is not None else dtype
     cfgs = list(configs) if configs is not None else kernel_configs(op, dtype, out_dtype)
@@ -298,11 +302,12 @@ def analytic_config(op: str, m: int, n: int, k: int, dtype="bf16", out_dtype=Non
     ib, ob = (4 if _dt(dtype) == "fp32" else 2), (4 if _dt(out_dtype) == "fp32" else 2)
     big = (m * k + n * k) * ib > (60 << 20)
     cfgs = [c for c in cfgs if c.applies(m, n, k)]
-    # Swapped operands: modelled where M fits one of their tile rows, where the MMA's narrow side holds the
-    # rows and a 64-row tile would pad half or more (RS at 8-32 rows per rank on an H100: RS 46 the fastest
-    # of every configuration, docs/performance.md §9.9); from 40 rows the layer-order tiles led on most shapes,
-    # so there only measured choices (the tuner's) serve them, unless nothing else is built.
-    cfgs = [c for c in cfgs if c.operands == "ab" or m <= c.tile_m] or cfgs
+    # Swapped operands: modelled where M fits two of their tile rows, the MMA's narrow side holding the rows
+    # (RS at 8-64 rows per rank on an H100, 21 shapes: so rated, RS 46 is the model's choice where it was the
+    # fastest of every configuration and nowhere else, docs/performance.md §9.9); beyond, only measured choices
+    # (the tuner's) serve them, unless nothing else is built (at 96 and 128 rows RS 46's best band took
+    # 1.18-2.48x the fastest configuration's time, which the model does not foresee).
+    cfgs = [c for c in cfgs if c.operands == "ab" or m <= 2 * c.tile_m] or cfgs
     persistent = [c for c in cfgs if not c.stream_k and c.splits == 1]
     stream_k = [c for c in cfgs if c.stream_k]
     split_k = [c for c in cfgs if c.splits > 1]
