@@ -305,7 +305,7 @@ def analytic_config(op: str, m: int, n: int, k: int, dtype="bf16", out_dtype=Non
     # Swapped operands: modelled where M fits two of their tile rows, the MMA's narrow side holding the rows
     # (RS at 8-64 rows per rank on an H100, 21 shapes: so rated, RS 46 is the model's choice where it was the
     # fastest of every configuration and nowhere else, docs/performance.md §9.9); beyond, only measured choices
-    # (the tuner's) serve them, unless nothing else is built (at 96 and 128 rows RS 46's best band took
+    # (the tuner's) serve them, unless nothing else is built (at 96 and 128 rows RS 46 with bands of 1 or 2 took
     # 1.18-2.48x the fastest configuration's time, which the model does not foresee).
     cfgs = [c for c in cfgs if c.operands == "ab" or m <= 2 * c.tile_m] or cfgs
     persistent = [c for c in cfgs if not c.stream_k and c.splits == 1]
