@@ -368,7 +368,8 @@ CONFIGS = {
         # RS 46 ran 32 and 64 rows per rank at 0.997-1.005x cuBLAS in graph timing where the served 64-row tiles took
         # up to 1.17x (0.82-0.98x mm then add); RS 42-44 and 47-48 were best on no shape by more than 1%, RS 45 4-8%
         # slower than RS 0 and 6 (bench/results/fused_gemm-h100-rs-swapped-big-7e57d9e.json). RS 46 is built by default
-        # (bf16, fp16; the analytic choice leaves swapped operands to the tuner), the others by name.
+        # (bf16, fp16; the analytic choice rates it where M fits two of its tile rows: flux/autotune/kernels.py),
+        # the others by name.
         C(42, (32, 128, 64), (1, 1), "cooperative", (), operands="swapped"),
         C(43, (64, 128, 64), (1, 1), "cooperative", (), operands="swapped"),
         C(44, (64, 64, 64), (1, 1), "pingpong", (), operands="swapped"),
