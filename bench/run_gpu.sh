@@ -4,7 +4,7 @@
 # benchmark, and leave logs and JSON in OUTDIR.
 #
 #   bench/run_gpu.sh OUTDIR [--quick] [--skip-tests] [--tests EXPR] [--skip-bench] [--tune] [--matrix] [--layers] [--moe]
-#                    [--moe-tp] [--host-profile] [--shared W[,W...]] [-- extra bench_ops.py args]
+#                    [--moe-tp] [--host-profile] [--fused] [--shared W[,W...]] [-- extra bench_ops.py args]
 #
 # --tests EXPR: only the GPU tests that pytest -k EXPR selects (default: "gpu and not shared"), bounded by
 # $TESTS_TIMEOUT s (default 900; set it below the machine's per-call limit less the build).
@@ -17,9 +17,12 @@
 # OUTDIR/layers.json. --moe: bench/bench_moe.py (MoE dispatch/combine and layer against an all-to-all
 # dispatcher; arguments in $MOE_ARGS) into OUTDIR/moe.json. --moe-tp: bench/bench_moe_tp.py (the
 # tensor-parallel MoE MLP against its unfused references; arguments in $MOE_TP_ARGS) into
-# OUTDIR/moe_tp.json. --host-profile: bench/profile_host.py (the CUDA
-# API calls and ATen ops of one call, per strategy) into OUTDIR/host.json. Their output goes to bench.log too.
-# The MoE benchmarks run before the layers one; STEP_TIMEOUT (s, default 600) bounds each of them.
+# OUTDIR/moe_tp.json. --fused: bench/bench_fused_gemm.py on one GPU (each fused kernel alone, every flag
+# set, against torch.mm: the library's own choice over the model grid, docs/performance.md §9; arguments in
+# $FUSED_ARGS, default "--grid models --configs 999 --swizzles 1") into OUTDIR/fused_gemm.json.
+# --host-profile: bench/profile_host.py (the CUDA API calls and ATen ops of one call, per strategy) into
+# OUTDIR/host.json. Their output goes to bench.log too. The fused and MoE benchmarks run before the layers
+# one; STEP_TIMEOUT (s, default 600) bounds each of them.
 # --shared 4,8: also run the GPU cases with 4, then 8 ranks sharing this machine's GPUs
 # (tests/test_ops.py::test_gpu_shared: gloo, FLUX_GLOO_CUDA=1; correctness only), into
 # OUTDIR/tests-shared-W.log, and the MoE GPU cases with W ranks (tests/test_moe_symm.py) into
@@ -33,13 +36,13 @@
 # where a machine's outputs are size-limited, the stripped copy below is the one to carry.
 #
 # Writes: build.log (the machine and versions first), tests.log, bench.log,
-# bench_ops.json, with --tune autotune.log and cache/tune-<topology>.json, with --matrix
-# matrix.json, with --layers layers.json, with --moe moe.json, with --moe-tp moe_tp.json, with --host-profile
+# bench_ops.json, with --tune autotune.log and cache/tune-<topology>.json, with --fused fused_gemm.json, with
+# --matrix matrix.json, with --layers layers.json, with --moe moe.json, with --moe-tp moe_tp.json, with --host-profile
 # host.json; after a fresh build, flux_C.so and flux_C.hash.
 set -uo pipefail
 OUTDIR=${1:?usage: bench/run_gpu.sh OUTDIR [--quick] [--skip-tests] [--skip-bench] [-- bench args]}
 shift
-QUICK=0; TESTS=1; TEST_EXPR="gpu and not shared"; BENCH=1; TUNE=0; MATRIX=0; LAYERS=0; MOE=0; MOETP=0; HOSTPROF=0; SHARED=""; BENCH_ARGS=()
+QUICK=0; TESTS=1; TEST_EXPR="gpu and not shared"; BENCH=1; TUNE=0; MATRIX=0; LAYERS=0; MOE=0; MOETP=0; HOSTPROF=0; FUSED=0; SHARED=""; BENCH_ARGS=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1 ;;
@@ -52,6 +55,7 @@ while [ $# -gt 0 ]; do
     --moe) MOE=1 ;;
     --moe-tp) MOETP=1 ;;
     --host-profile) HOSTPROF=1 ;;
+    --fused) FUSED=1 ;;
     --shared) shift; SHARED=${1:?--shared needs world sizes, e.g. 4,8} ;;
     --) shift; BENCH_ARGS=("$@"); break ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
@@ -128,6 +132,11 @@ if [ $BENCH -eq 1 ]; then
 fi
 if [ $HOSTPROF -eq 1 ]; then
   timeout 300 torchrun --nproc_per_node="$NPROC" bench/profile_host.py --out "$OUTDIR/host.json" 2>&1 | tee -a "$OUTDIR/bench.log"
+  rc=${PIPESTATUS[0]}; [ $rc -eq 0 ] || rc_bench=$rc
+fi
+if [ $FUSED -eq 1 ]; then
+  timeout ${STEP_TIMEOUT:-600} $PY bench/bench_fused_gemm.py ${FUSED_ARGS:---grid models --configs 999 --swizzles 1} \
+    --out "$OUTDIR/fused_gemm.json" 2>&1 | tee -a "$OUTDIR/bench.log"
   rc=${PIPESTATUS[0]}; [ $rc -eq 0 ] || rc_bench=$rc
 fi
 if [ $MOE -eq 1 ]; then
