@@ -246,16 +246,19 @@ def test_setup_generates_units_of_instantiations(tmp_path, monkeypatch):
         with pytest.raises(RuntimeError, match="FLUX_UNIT_KERNELS"):
             scope["_generate_fused_sources"](True)
     monkeypatch.delenv("FLUX_UNIT_KERNELS")
-    # The host sources as two units that include each of them once.
-    cpps = sorted(os.path.relpath(f, ROOT) for f in glob.glob(os.path.join(ROOT, "csrc", "**", "*.cpp"), recursive=True))
+    # The host sources, and the CUDA sources beside the GEMMs, each as two units that include each file once.
     os.makedirs(tmp_path / "csrc")
-    for f in cpps:
-        os.makedirs(os.path.dirname(tmp_path / f), exist_ok=True)
-        (tmp_path / f).write_text(open(os.path.join(ROOT, f)).read())
-    units = scope["_host_units"](cpps)
-    included = [line.split('"')[1] for u in units for line in (tmp_path / u).read_text().splitlines()
-                if line.startswith("#include")]
-    assert len(units) == 2 and sorted(included) == sorted(os.path.relpath(f, "csrc") for f in cpps)
+    for ext, make, suffix in (("cpp", "_host_units", ".cpp"), ("cu", "_device_units", ".cu")):
+        files = sorted(os.path.relpath(f, ROOT)
+                       for f in glob.glob(os.path.join(ROOT, "csrc", "**", f"*.{ext}"), recursive=True))
+        for f in files:
+            os.makedirs(os.path.dirname(tmp_path / f), exist_ok=True)
+            (tmp_path / f).write_text(open(os.path.join(ROOT, f)).read())
+        units = scope[make](files)
+        included = [line.split('"')[1] for u in units for line in (tmp_path / u).read_text().splitlines()
+                    if line.startswith("#include")]
+        assert len(units) == 2 and all(u.endswith(suffix) for u in units), units
+        assert sorted(included) == sorted(os.path.relpath(f, "csrc") for f in files)
     # Without an sm_90a target nothing is instantiated, and stale units are removed.
     assert [os.path.basename(s) for s in scope["_generate_fused_sources"](False)] == ["fused_dispatch.cpp"]
     assert os.listdir(tmp_path / "build" / "flux_generated") == ["fused_dispatch.cpp"]

@@ -62,7 +62,7 @@ constexpr int kLayoutWarps = kPairsPerBlock / 32;
 constexpr int kScanThreads = 512;
 constexpr int kScanItems = 2;
 constexpr int kScanBatch = 4;  // scan_kernel: count blocks a lane loads before scanning them (32 per step)
-constexpr int64_t kMaxExperts = kScanThreads * kScanItems;
+constexpr int64_t kMaxLocalExperts = kScanThreads * kScanItems;
 constexpr int kRowThreads = 128;  // scatter_rows_kernel
 // bounded_rows_kernel: at most this many block counts (blocks * E ints, 64 KB), read by every block.
 constexpr int64_t kFusedCounts = 16384;
@@ -162,7 +162,7 @@ __global__ void __launch_bounds__(kScanThreads)
                 int64_t* __restrict__ send_pairs, int64_t pad_value, int64_t pad_fill) {
   using Scan = cub::BlockScan<int64_t, kScanThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
-  __shared__ int64_t s_total[kMaxExperts];
+  __shared__ int64_t s_total[kMaxLocalExperts];
   __shared__ int s_code;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   if (threadIdx.x == 0) s_code = host_code;
@@ -689,7 +689,7 @@ std::vector<at::Tensor> moe_local_dispatch(const at::Tensor& x_in, const at::Ten
              "topk_idx must have x's tokens, on x's device");
   FLUX_CHECK(topk_idx.is_cuda() && (topk_idx.scalar_type() == at::kLong || topk_idx.scalar_type() == at::kInt), op,
              "topk_idx must be an int64 or int32 CUDA tensor");
-  FLUX_CHECK(num_experts >= 1 && num_experts <= kMaxExperts, op, "num_experts must be in [1, ", kMaxExperts,
+  FLUX_CHECK(num_experts >= 1 && num_experts <= kMaxLocalExperts, op, "num_experts must be in [1, ", kMaxLocalExperts,
              "], got ", num_experts);
   const int64_t k = topk_idx.size(1), n = topk_idx.numel();
   FLUX_CHECK(k >= 1 && k <= kMaxTopk, op, "K must be in [1, ", kMaxTopk, "], got ", k);
