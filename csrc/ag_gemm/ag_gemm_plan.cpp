@@ -71,9 +71,9 @@ std::tuple<at::Tensor, at::Tensor> Runtime::ag_sequential(const Plan& p, const a
   auto cur = at::cuda::getCurrentCUDAStream(device_.index()).stream();
   // The token check costs one small kernel; it keeps a divergent call from being paired with
   // another call's all-gather (a mismatched NCCL call hangs or mixes data).
+  at::Tensor out = output_or_empty(out_arg, world_ * p.rows, p.n, a, p.out_dtype);  // before the signal
   if (!ws_ptrs_.empty()) barrier(cur, p.token, false);
   pg_all_gather(*pg_, gathered, a)->wait();  // the current stream waits for NCCL's
-  at::Tensor out = output_or_empty(out_arg, world_ * p.rows, p.n, a, p.out_dtype);
   gemm_into(out, gathered, weight, bias, p.nk);
   return {out.view(p.out_shape), p.gathered ? gathered.view(p.gathered_shape) : at::Tensor()};
 }
@@ -87,7 +87,9 @@ std::tuple<at::Tensor, at::Tensor> Runtime::ag_decomposed(const Plan& p, const a
   const auto [a, slots, shard, cur] = ag_operands(p, input, op);  // slots: rows of rank s at s * rows, pushed by s
   const int64_t W = world_, r = rank_, rows = p.rows, k = p.k;
   const size_t es = a.element_size();
+  // Allocated before the first signal, so that an allocation failure cannot leave a signal half sent.
   at::Tensor out = output_or_empty(out_arg, W * rows, p.n, a, p.out_dtype);
+  at::Tensor gathered = p.gathered ? at::empty({W * rows, k}, a.options()) : at::Tensor();
   const int64_t lead = lead_rows(p, W);
 
   // comm: the entry barrier (after the current stream's work so far: every peer's earlier reads
@@ -148,9 +150,7 @@ std::tuple<at::Tensor, at::Tensor> Runtime::ag_decomposed(const Plan& p, const a
     const int64_t g0 = r == 0 ? lead : 0, g1 = r == 0 ? W * rows : W * rows - lead;
     gemm_into(rows_of(out, g0, g1 - g0), rows_of(slots, g0, g1 - g0), weight, bias, p.nk);
   }
-  at::Tensor gathered;
   if (p.gathered) {
-    gathered = at::empty({W * rows, k}, a.options());
     copy(gathered.data_ptr(), slots.data_ptr(), W * shard, cur);  // every slot but ours is filled
     copy(static_cast<char*>(gathered.data_ptr()) + r * shard, a.data_ptr(), shard, cur);
     gathered = gathered.view(p.gathered_shape);
@@ -167,11 +167,16 @@ std::tuple<at::Tensor, at::Tensor> Runtime::ag_oneshot(const Plan& p, const at::
                                                        const std::optional<at::Tensor>& out_arg) {
   const auto [a, slots, shard, cur] = ag_operands(p, input, "ag_gemm oneshot");
   const int64_t W = world_, r = rank_, rows = p.rows;
+  // Allocated before the first signal, so that an allocation failure cannot leave a signal half sent.
   at::Tensor out = output_or_empty(out_arg, W * rows, p.n, a, p.out_dtype);
+  at::Tensor gathered = p.gathered ? at::empty_like(slots) : at::Tensor();
   gather_into_workspace(p, a, shard, kDataChannel, cur);
   for (int64_t step = 1; step < W; ++step) wait_signal(cur, (r - step + W) % W, kDataChannel);
   gemm_into(out, slots, weight, bias, p.nk);
-  at::Tensor gathered = p.gathered ? slots.clone().view(p.gathered_shape) : at::Tensor();
+  if (p.gathered) {
+    copy(gathered.data_ptr(), slots.data_ptr(), W * shard, cur);
+    gathered = gathered.view(p.gathered_shape);
+  }
   join(cur, comm_);
   return {out.view(p.out_shape), gathered};
 }
@@ -192,6 +197,8 @@ std::tuple<at::Tensor, at::Tensor> Runtime::ag_fused(const Plan& p, const at::Te
   std::optional<at::Tensor> b = bias;
   if (b.has_value() && b->scalar_type() != p.out_dtype) b = b->to(p.out_dtype);
   if (b.has_value() && !is_aligned(b->data_ptr(), 16)) b = b->clone();
+  // Like every allocation of this call, before the first signal (a failure then leaves none half sent).
+  at::Tensor gathered = p.gathered ? at::empty_like(full) : at::Tensor();
   // Zeroed after this rank's previous fused GEMM (their only reader) in stream order, and before
   // the barrier, which every peer passes before it sets any of them for this call.
   FLUX_CUDA(cudaMemsetAsync(flags.data_ptr(), 0, W * sizeof(uint32_t), cur));
@@ -215,7 +222,10 @@ std::tuple<at::Tensor, at::Tensor> Runtime::ag_fused(const Plan& p, const at::Te
     out.copy_(res);
   }
   // Every peer's rows were waited for by the kernel, so the workspace holds them all now.
-  at::Tensor gathered = p.gathered ? full.clone().view(p.gathered_shape) : at::Tensor();
+  if (p.gathered) {
+    copy(gathered.data_ptr(), full.data_ptr(), W * shard, cur);
+    gathered = gathered.view(p.gathered_shape);
+  }
   join(cur, comm_);
   return {out.view(p.out_shape), gathered};
 }

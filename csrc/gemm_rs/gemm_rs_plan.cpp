@@ -23,6 +23,9 @@ at::Tensor Runtime::rs_sequential(const Plan& p, const at::Tensor& input, const 
                                   const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& out_arg) {
   at::Tensor a = input.view({-1, p.k});
   auto cur = at::cuda::getCurrentCUDAStream(device_.index()).stream();
+  // Allocated before the barrier's signal (an allocation failure then leaves no signal half sent).
+  at::Tensor partial = at::empty({world_ * p.rows, p.n}, a.options().dtype(p.out_dtype));
+  at::Tensor out = output_or_empty(out_arg, p.rows, p.n, a, p.out_dtype);
   // The token check (see ag_sequential): a divergent call fails instead of meeting another
   // call's reduce-scatter. On the signal stream, launched before the GEMM (so it holds an SM
   // first) and waited for only by the reduce-scatter: its latency hides behind the GEMM.
@@ -30,10 +33,8 @@ at::Tensor Runtime::rs_sequential(const Plan& p, const at::Tensor& input, const 
     join(signal_, cur);
     barrier(signal_, p.token, false);
   }
-  at::Tensor partial = at::empty({world_ * p.rows, p.n}, a.options().dtype(p.out_dtype));
   gemm_into(partial, a, weight, std::nullopt, p.nk);
   if (!ws_ptrs_.empty()) join(cur, signal_);
-  at::Tensor out = output_or_empty(out_arg, p.rows, p.n, a, p.out_dtype);
   pg_reduce_scatter(*pg_, out, partial)->wait();  // the current stream waits for NCCL's
   if (bias.has_value()) out.add_(*bias);  // once, after the reduction
   return out.view(p.out_shape);
@@ -130,12 +131,12 @@ at::Tensor Runtime::rs_oneshot(const Plan& p, const at::Tensor& input, const at:
   const int64_t W = world_, r = rank_, rows = p.rows, n = p.n;
   at::Tensor a = input.view({-1, p.k});
   cudaStream_t cur = at::cuda::getCurrentCUDAStream(device_.index()).stream();
+  at::Tensor out = output_or_empty(out_arg, rows, n, a, p.out_dtype);  // before the first signal
   // The entry barrier keeps this rank from overwriting its partial while a peer may still read
   // the previous call's; the second announces the partials.
   barrier(cur, p.token, false);
   gemm_into(view(buffer(r), {W * rows, n}, p.out_dtype), a, weight, std::nullopt, p.nk);  // partials in out's dtype
   barrier(cur, p.token, false);
-  at::Tensor out = output_or_empty(out_arg, rows, n, a, p.out_dtype);
   reduce_peers_(out, buffers_dev_, W, base_offset_ + r * rows * n * (int64_t)c10::elementSize(p.out_dtype), bias);
   return out.view(p.out_shape);
 }

@@ -115,11 +115,11 @@ class Runtime {
                                          const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& out);
 
   // The token-carrying barrier with every peer, enqueued on the current stream (the MoE ops of
-  // flux/ops/_moe_symm.py, which order their workspace writes with it).
+  // flux/ops/moe/symm.py, which order their workspace writes with it).
   void enqueue_barrier(int64_t token);
 
-  // The transfers of an overlapped op driven from Python (the 'symm' strategy of the
-  // tensor-parallel MoE ops, flux/ops/moe_tp.py), on the communication stream in the order
+  // The transfers of an overlapped op driven from Python (the 'decomposed' strategy of the
+  // tensor-parallel MoE ops, flux/ops/moe/tp_strategies.py), on the communication stream in the order
   // called:
   //   begin_exchange(token)   starts a call: the communication stream joins the current stream,
   //                           then the entry barrier carrying ``token`` (every peer has finished

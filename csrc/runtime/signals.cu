@@ -21,7 +21,7 @@ namespace flux {
 namespace {
 
 // The token's top two bits name the op (flux/ops/_plans.py): 1 ag_gemm, 2 gemm_rs, 3 the MoE ops
-// (moe_dispatch / moe_combine and the tensor-parallel MoE ops; flux/ops/_moe_symm.py: _token).
+// (moe_dispatch / moe_combine and the tensor-parallel MoE ops; flux/ops/moe/symm.py: _token).
 __device__ __forceinline__ const char* op_of(uint32_t token) {
   switch (token >> 30) {
     case 1: return "flux.ag_gemm";
