@@ -73,11 +73,11 @@ def test_every_kernel_is_bounded_and_checked(path):
 def test_layout_shared_memory_and_grid_for_accepted_shapes():
     env = _constants(_source("csrc/moe/moe_local.cu"))
     # the Python gate (fits) and the kernels agree on what is accepted
-    assert env["kMaxExperts"] == _moe_local._MAX_EXPERTS and env["kMaxTopk"] == _moe_local._MAX_TOPK
+    assert env["kMaxLocalExperts"] == _moe_local._MAX_EXPERTS and env["kMaxTopk"] == _moe_local._MAX_TOPK
     assert env["kCombineThreads"] >= env["kMaxTopk"]  # combine stages a token's K rows, one per thread
     pairs = env["kPairsPerBlock"]
     shapes = [(0, 1, 1), (1, 1, 1), (64, 8, 2), (300, 64, 8), (128, 64, 8), (4096, 64, 8), (4096, 1024, 64),
-              (1, env["kMaxExperts"], env["kMaxTopk"]), (1 << 20, 256, 8), (300, 16, 6), (65536, 1, 7)]
+              (1, env["kMaxLocalExperts"], env["kMaxTopk"]), (1 << 20, 256, 8), (300, 16, 6), (65536, 1, 7)]
     for t, e, k in shapes:
         blocks = max(1, math.ceil(t * k / pairs))
         assert 1 <= blocks <= 2**31 - 1
@@ -91,6 +91,6 @@ def test_layout_shared_memory_and_grid_for_accepted_shapes():
         fused_blocks = max(1, math.ceil(t * k / whole))
         if fused_blocks * e <= env["kFusedCounts"]:
             assert whole >= pairs // 2 and fused_blocks * (1 + 1024 * env["kFusedBlocksPerSm"]) <= 2**31 - 1
-    # scan_kernel: int64 [kMaxExperts] totals plus cub's scan storage (a few words per warp)
-    assert env["kMaxExperts"] * 8 + 64 * (env["kScanThreads"] // 32) * 8 <= SMEM_PER_BLOCK
-    assert env["kScanThreads"] * env["kScanItems"] == env["kMaxExperts"]
+    # scan_kernel: int64 [kMaxLocalExperts] totals plus cub's scan storage (a few words per warp)
+    assert env["kMaxLocalExperts"] * 8 + 64 * (env["kScanThreads"] // 32) * 8 <= SMEM_PER_BLOCK
+    assert env["kScanThreads"] * env["kScanItems"] == env["kMaxLocalExperts"]

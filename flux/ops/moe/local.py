@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 NAME = "local"
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_MAX_EXPERTS = 1024  # csrc/moe/moe_local.cu: kMaxExperts (the scan block holds one per expert)
+_MAX_EXPERTS = 1024  # csrc/moe/moe_local.cu: kMaxLocalExperts (the scan block holds one per expert)
 _MAX_TOPK = 64  # kMaxTopk (combine stages a token's K rows in shared memory)
 
 
