@@ -320,7 +320,7 @@ def _device_units(cu_files, units=2):
     """The CUDA sources (csrc/**/*.cu, the kernels beside the CUTLASS GEMMs) as ``units`` translation units
     (_combined_units): each file's front end (ATen's and CUDA's headers through cudafe++, cicc and the host
     compiler) is most of its compile time; on the 2-core build machine the seven files took 154 s of a core
-    apart and 61 s as one unit."""
+    apart and 85 s as two units."""
     return _combined_units(cu_files, units, DEVICE_UNITS, "device", ".cu")
 
 

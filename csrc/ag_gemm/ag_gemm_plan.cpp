@@ -69,9 +69,9 @@ std::tuple<at::Tensor, at::Tensor> Runtime::ag_sequential(const Plan& p, const a
   at::Tensor a = input.view({-1, p.k});
   at::Tensor gathered = at::empty({world_ * p.rows, p.k}, a.options());
   auto cur = at::cuda::getCurrentCUDAStream(device_.index()).stream();
+  at::Tensor out = output_or_empty(out_arg, world_ * p.rows, p.n, a, p.out_dtype);  // before the signal
   // The token check costs one small kernel; it keeps a divergent call from being paired with
   // another call's all-gather (a mismatched NCCL call hangs or mixes data).
-  at::Tensor out = output_or_empty(out_arg, world_ * p.rows, p.n, a, p.out_dtype);  // before the signal
   if (!ws_ptrs_.empty()) barrier(cur, p.token, false);
   pg_all_gather(*pg_, gathered, a)->wait();  // the current stream waits for NCCL's
   gemm_into(out, gathered, weight, bias, p.nk);
